@@ -1,0 +1,160 @@
+"""The synchronous engine loop: add requests, step, collect outputs. Single-threaded by design."""
+
+import logging
+import time
+
+from sobrio.config import EngineConfig
+from sobrio.engine.detokenize import IncrementalDetokenizer
+from sobrio.engine.input import InputProcessor
+from sobrio.engine.model_runner import ModelRunner
+from sobrio.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from sobrio.engine.request import Request, RequestStatus
+from sobrio.engine.scheduler import Scheduler
+from sobrio.errors import EngineOverloadedError, InvalidRequestError
+from sobrio.loader.load import load_model_files
+from sobrio.sample.params import SamplingParams
+from sobrio.sample.sampler import SampledToken, Sampler
+
+logger = logging.getLogger(__name__)
+
+
+class _Sequence:
+    """Engine-side state of one output sequence: its request, detokenizer and place in the parent."""
+
+    def __init__(self, req: Request, parent_id: str, index: int, prompt: str | None, detok: IncrementalDetokenizer):
+        self.req, self.parent_id, self.index, self.prompt, self.detok = req, parent_id, index, prompt, detok
+        self.num_tokens_sent = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        files = load_model_files(config.model)
+        self.model_name = files.source.name
+        self.tokenizer = files.tokenizer
+        self.hf_config = files.config
+        self.runner = ModelRunner(config, files)
+        self.max_model_len = self.runner.max_model_len
+        self.scheduler = Scheduler(config, self.runner.num_blocks)
+        self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, self.hf_config.vocab_size)
+        self.eos_token_ids = self._eos_token_ids()
+        self.sampler = Sampler()
+        self.sequences: dict[str, _Sequence] = {}  # child request id -> sequence
+        self.children: dict[str, list[str]] = {}  # parent request id -> child request ids
+
+    def _eos_token_ids(self) -> frozenset[int]:
+        ids = self.hf_config.eos_token_id
+        ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return frozenset(ids)
+
+    # ---- requests in ----
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    cache_salt: str | None = None, arrival_time: float | None = None,
+                    prompt_token_ids: list[int] | None = None) -> None:
+        """Validate and queue a request (n sequences share its id). Raises InvalidRequestError."""
+        if request_id in self.children:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if len(self.scheduler.waiting) >= self.config.max_num_waiting:
+            raise EngineOverloadedError("the waiting queue is full; retry later")
+        ids = prompt_token_ids if prompt_token_ids is not None else self.input_processor.tokenize(prompt)
+        if prompt_token_ids is not None:
+            ids = self.input_processor.tokenize(list(ids))
+        max_tokens = self.input_processor.resolve_max_tokens(len(ids), params)
+        arrival = arrival_time or time.monotonic()
+        text_prompt = prompt if isinstance(prompt, str) else None
+        self.children[request_id] = []
+        for index in range(params.n):
+            child_params = _child_params(params, index)
+            child_id = request_id if params.n == 1 else f"{index}_{request_id}"
+            req = Request(child_id, list(ids), child_params, max_tokens, self.eos_token_ids, cache_salt, arrival)
+            detok = IncrementalDetokenizer(self.tokenizer.backend_tokenizer, child_params)
+            self.sequences[child_id] = _Sequence(req, request_id, index, text_prompt, detok)
+            self.children[request_id].append(child_id)
+            self.scheduler.add_request(req)
+
+    def abort_request(self, request_id: str) -> None:
+        for child_id in self.children.pop(request_id, []):
+            self.scheduler.abort(child_id)
+            self.sequences.pop(child_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step ----
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample; return an output per sequence that advanced."""
+        out = self.scheduler.schedule()
+        if out.is_empty():
+            return []
+        sampling = [r for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens]
+        logits = self.runner.execute(out)
+        sampled = self.sampler(logits, sampling)
+        self.scheduler.update_after_step(out)
+        now = time.monotonic()
+        return [self._process_token(req, token, now) for req, token in zip(sampling, sampled)]
+
+    def _process_token(self, req: Request, token: SampledToken, now: float) -> RequestOutput:
+        seq = self.sequences[req.request_id]
+        if req.first_token_time is None:
+            req.first_token_time = now
+        self.scheduler.append_token(req, token.token_id)
+        if token.logprob is not None:
+            req.output_logprobs.append(self._logprob_dict(token))
+        stop = seq.detok.add(token.token_id)
+        if stop is not None and not req.status.finished:
+            req.stop_reason = stop
+            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+        output = self._make_output(seq)
+        if req.status.finished:
+            self._forget(seq)
+        return output
+
+    def _logprob_dict(self, token: SampledToken) -> dict[int, Logprob]:
+        decode = self.tokenizer.decode
+        entries = {tid: Logprob(lp, rank + 1, decode([tid])) for rank, (tid, lp) in enumerate(token.top_logprobs)}
+        entries[token.token_id] = Logprob(token.logprob, token.rank, decode([token.token_id]))
+        return entries
+
+    def _make_output(self, seq: _Sequence) -> RequestOutput:
+        req = seq.req
+        finished = req.status.finished
+        delta_ids = req.output_token_ids[seq.num_tokens_sent:]
+        seq.num_tokens_sent = len(req.output_token_ids)
+        logprobs = req.output_logprobs if req.sampling_params.logprobs is not None else None
+        completion = CompletionOutput(seq.index, seq.detok.text, list(req.output_token_ids), req.finish_reason,
+                                      req.stop_reason, logprobs,
+                                      sum(d[t].logprob for d, t in zip(logprobs, req.output_token_ids))
+                                      if logprobs else None)
+        metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time,
+                                 req.finished_time, req.num_preemptions)
+        return RequestOutput(seq.parent_id, seq.prompt, req.prompt_token_ids, [completion], finished, metrics,
+                             req.num_cached_tokens, seq.detok.delta(finished), delta_ids)
+
+    def _forget(self, seq: _Sequence) -> None:
+        self.sequences.pop(seq.req.request_id, None)
+        siblings = self.children.get(seq.parent_id, [])
+        if all(c not in self.sequences for c in siblings):
+            self.children.pop(seq.parent_id, None)
+
+    def stats(self) -> dict:
+        pool = self.scheduler.pool
+        return {
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage_perc": pool.usage(),
+            "prefix_cache_queries": pool.queries,
+            "prefix_cache_hits": pool.hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+        }
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Each of n sequences gets its own seed (seed + index), so seeded n > 1 still differs per sequence."""
+    if params.n == 1:
+        return params
+    from dataclasses import replace
+
+    seed = None if params.seed is None else params.seed + index
+    return replace(params, n=1, seed=seed)

@@ -1,0 +1,121 @@
+"""Owns the model and its KV cache; turns a SchedulerOutput into one flat forward pass and its logits."""
+
+import logging
+import os
+
+import torch
+
+from sobrio.config import EngineConfig
+from sobrio.engine.scheduler import SchedulerOutput
+from sobrio.errors import InvalidRequestError
+from sobrio.layers.attention import AttentionMetadata
+from sobrio.loader.load import LoadedModelFiles
+from sobrio.models.registry import build_model
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cpu_has_fast_bf16() -> bool:
+    """AMX or AVX512-BF16: oneDNN runs bf16 matmuls several times faster than fp32 there."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+    return _DTYPES[name]
+
+
+def available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, files: LoadedModelFiles):
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.hf_config = files.config
+        self.dtype = resolve_dtype(config.dtype)
+        self.block_size = config.block_size
+        model_max = getattr(files.config, "max_position_embeddings", 2048)
+        if config.max_model_len is not None and config.max_model_len > model_max:
+            raise InvalidRequestError(f"max_model_len {config.max_model_len} exceeds the model's {model_max}")
+        self.num_blocks = self._num_kv_blocks()
+        self.max_model_len = min(config.max_model_len or model_max, self.num_blocks * self.block_size)
+        self.model = build_model(files.config, self.max_model_len, files.iter_weights(), self.dtype)
+        self._allocate_kv_cache()
+        logger.info("model %s loaded: dtype=%s kv_blocks=%d max_model_len=%d",
+                    files.source.name, self.dtype, self.num_blocks, self.max_model_len)
+
+    def _kv_shape(self) -> tuple[int, int, int]:
+        c = self.hf_config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return c.num_hidden_layers, c.num_key_value_heads, head_dim
+
+    def _num_kv_blocks(self) -> int:
+        layers, kv_heads, head_dim = self._kv_shape()
+        block_bytes = 2 * layers * self.block_size * kv_heads * head_dim * self.dtype.itemsize
+        budget = self.config.kv_cache_memory
+        if budget is None:
+            budget = min(self.config.kv_cache_memory_cap, int(available_memory() * self.config.kv_cache_memory_fraction))
+        num_blocks = budget // block_bytes
+        if num_blocks < 1:
+            raise InvalidRequestError(f"kv_cache_memory {budget} bytes holds no block of {block_bytes} bytes")
+        return int(num_blocks)
+
+    def _allocate_kv_cache(self) -> None:
+        _, kv_heads, head_dim = self._kv_shape()
+        for attn in self.model.attention_layers():
+            attn.kv_cache = torch.zeros(2, self.num_blocks, self.block_size, kv_heads, head_dim, dtype=self.dtype)
+
+    def kv_cache_bytes(self) -> int:
+        return sum(a.kv_cache.numel() * a.kv_cache.element_size() for a in self.model.attention_layers())
+
+    def prepare_inputs(self, out: SchedulerOutput):
+        """Flatten the step: token ids, positions, attention metadata, rows whose logits are needed."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_start_loc, context_lens, context_slots, sample_rows = [0], [], [], []
+        offsets = torch.arange(self.block_size)
+        for req, num_new in out.scheduled:
+            start, end = req.num_computed_tokens, req.num_computed_tokens + num_new
+            input_ids += _token_slice(req, start, end)
+            positions += range(start, end)
+            table = torch.tensor(req.block_table, dtype=torch.long)
+            context_slots.append((table.unsqueeze(1) * self.block_size + offsets).view(-1)[:end])
+            context_lens.append(end)
+            query_start_loc.append(query_start_loc[-1] + num_new)
+            if end == req.num_tokens:
+                sample_rows.append(query_start_loc[-1] - 1)
+        slot_mapping = torch.cat([s[req.num_computed_tokens:] for s, (req, _) in zip(context_slots, out.scheduled)])
+        meta = AttentionMetadata(slot_mapping, query_start_loc, context_lens, context_slots)
+        return torch.tensor(input_ids), torch.tensor(positions), meta, torch.tensor(sample_rows, dtype=torch.long)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+        """Run one step; return float32 logits for the requests whose last token was computed."""
+        input_ids, positions, meta, sample_rows = self.prepare_inputs(out)
+        hidden = self.model(input_ids, positions, meta)
+        return self.model.compute_logits(hidden[sample_rows])
+
+
+def _token_slice(req, start: int, end: int) -> list[int]:
+    prompt_len = req.num_prompt_tokens
+    if start >= prompt_len:
+        return req.output_token_ids[start - prompt_len:end - prompt_len]
+    return req.prompt_token_ids[start:end] + req.output_token_ids[:max(0, end - prompt_len)]

@@ -1,0 +1,21 @@
+"""Typed errors. The HTTP edge maps them to OpenAI error bodies; messages never quote user text."""
+
+
+class SobrioError(Exception):
+    """Base of every error sobrio raises on purpose."""
+
+
+class InvalidRequestError(SobrioError, ValueError):
+    """The request is malformed or out of bounds (HTTP 400)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class UnknownModelError(SobrioError, LookupError):
+    """No model of that name is known or installed (HTTP 404)."""
+
+
+class EngineOverloadedError(SobrioError):
+    """The waiting queue is full (HTTP 429)."""

@@ -1,0 +1,65 @@
+"""Per-request KV bookkeeping on top of the block pool: block tables, prefix hits, hashing full blocks.
+
+It knows tokens and blocks, nothing of models: a request is anything with the fields used below.
+"""
+
+from sobrio.kv.block_pool import BlockPool, hash_block
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool):
+        self.pool = pool
+        self.block_size = pool.block_size
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def apply_prefix_hits(self, req) -> None:
+        """Point a request that has nothing computed at the cached blocks of its longest cached prefix.
+
+        The last token is always recomputed: the step needs its logits.
+        """
+        assert req.num_computed_tokens == 0 and not req.block_table
+        if not self.pool.enable_prefix_caching:
+            return
+        tokens = req.all_token_ids
+        hashes, parent = [], None
+        for j in range((len(tokens) - 1) // self.block_size):
+            parent = hash_block(parent, tokens[j * self.block_size:(j + 1) * self.block_size], req.cache_salt)
+            hashes.append(parent)
+        hits = self.pool.lookup(hashes)
+        for block_id in hits:
+            self.pool.touch(block_id)
+        req.block_table = list(hits)
+        req.block_hashes = hashes[:len(hits)]
+        req.num_computed_tokens = len(hits) * self.block_size
+        self.pool.queries += len(tokens)
+        self.pool.hits += req.num_computed_tokens
+
+    def allocate_slots(self, req, num_new_tokens: int) -> bool:
+        """Grow the block table to hold num_new_tokens more; False (and no change) if blocks run out."""
+        need = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - len(req.block_table)
+        if need > self.pool.num_free:
+            return False
+        req.block_table.extend(self.pool.allocate() for _ in range(need))
+        return True
+
+    def cache_full_blocks(self, req) -> None:
+        """Hash every block that became full of computed tokens, so later requests can reuse it."""
+        if not self.pool.enable_prefix_caching:
+            return
+        num_full = req.num_computed_tokens // self.block_size
+        if len(req.block_hashes) >= num_full:
+            return
+        tokens = req.all_token_ids
+        while len(req.block_hashes) < num_full:
+            j = len(req.block_hashes)
+            parent = req.block_hashes[-1] if req.block_hashes else None
+            block_hash = hash_block(parent, tokens[j * self.block_size:(j + 1) * self.block_size], req.cache_salt)
+            self.pool.register(req.block_table[j], block_hash)
+            req.block_hashes.append(block_hash)
+
+    def free(self, req) -> None:
+        self.pool.release(req.block_table)
+        req.block_table = []
+        req.block_hashes = []

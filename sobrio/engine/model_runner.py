@@ -72,7 +72,8 @@ class ModelRunner:
         block_bytes = 2 * layers * self.block_size * kv_heads * head_dim * self.dtype.itemsize
         budget = self.config.kv_cache_memory
         if budget is None:
-            budget = min(self.config.kv_cache_memory_cap, int(available_memory() * self.config.kv_cache_memory_fraction))
+            share = int(available_memory() * self.config.kv_cache_memory_fraction)
+            budget = min(self.config.kv_cache_memory_cap, share)
         num_blocks = budget // block_bytes
         if num_blocks < 1:
             raise InvalidRequestError(f"kv_cache_memory {budget} bytes holds no block of {block_bytes} bytes")

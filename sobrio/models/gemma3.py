@@ -24,7 +24,7 @@ class Gemma3DecoderLayer(torch.nn.Module):
         window = config.sliding_window if layer_type == "sliding_attention" else None
         self.self_attn = Gemma3Attention(config, rotary, window)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_activation)
-        norm = lambda: GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)  # noqa: E731
+        norm = lambda: GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.input_layernorm, self.post_attention_layernorm = norm(), norm()
         self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
 

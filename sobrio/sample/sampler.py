@@ -59,7 +59,8 @@ def filter_top_k_top_p_min_p(logits: torch.Tensor, top_k: list[int], top_p: list
         before = probs.cumsum(dim=-1) - probs  # mass of the strictly better tokens
         keep &= before < torch.tensor(top_p, dtype=probs.dtype).unsqueeze(1)
         keep[:, 0] = True
-        logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits.masked_fill(~keep, float("-inf")))
+        kept = sorted_logits.masked_fill(~keep, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(1, order, kept)
     if any(min_p):
         probs = logits.softmax(dim=-1)
         floor = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_p, dtype=probs.dtype).unsqueeze(1)

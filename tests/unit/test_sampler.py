@@ -1,0 +1,74 @@
+"""Sampler pieces on hand-made logits: filters, penalties, seeds, min_tokens."""
+
+import pytest
+import torch
+
+from sobrio.engine.request import Request
+from sobrio.errors import InvalidRequestError
+from sobrio.sample.params import SamplingParams
+from sobrio.sample.sampler import Sampler, filter_top_k_top_p_min_p
+
+
+def _req(**params) -> Request:
+    return Request("r", [1, 2, 3], SamplingParams(**params), 10, frozenset({0}))
+
+
+def test_top_p_keeps_smallest_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    kept = filter_top_k_top_p_min_p(logits, [0], [0.7], [0.0])
+    assert torch.isfinite(kept).tolist() == [[True, True, False, False]]
+    kept = filter_top_k_top_p_min_p(logits, [0], [0.8], [0.0])  # 0.5 + 0.3 reaches 0.8 exactly
+    assert torch.isfinite(kept).tolist() == [[True, True, False, False]]
+    kept = filter_top_k_top_p_min_p(logits, [0], [0.1], [0.0])
+    assert torch.isfinite(kept).tolist() == [[True, False, False, False]]
+
+
+def test_top_k_and_min_p():
+    logits = torch.log(torch.tensor([[0.1, 0.4, 0.3, 0.2]]))
+    assert torch.isfinite(filter_top_k_top_p_min_p(logits, [2], [1.0], [0.0])).tolist() == [[False, True, True, False]]
+    # min_p 0.6: floor is 0.24 -> keeps 0.4 and 0.3
+    assert torch.isfinite(filter_top_k_top_p_min_p(logits, [0], [1.0], [0.6])).tolist() == [[False, True, True, False]]
+
+
+def test_greedy_and_penalties():
+    logits = torch.tensor([[1.0, 3.0, 2.9, 0.0]])
+    sampler = Sampler()
+    assert sampler(logits, [_req(temperature=0)])[0].token_id == 1
+    req = _req(temperature=0, frequency_penalty=0.5)
+    req.output_token_ids = [1]
+    assert sampler(logits, [req])[0].token_id == 2
+    rep = Request("r", [3], SamplingParams(temperature=0, repetition_penalty=2.0), 10, frozenset())
+    rep.output_token_ids = [1]
+    assert sampler(logits, [rep])[0].token_id == 2  # 3.0 / 2 = 1.5 < 2.9
+    in_prompt = Request("r", [1], SamplingParams(temperature=0, repetition_penalty=2.0), 10, frozenset())
+    assert sampler(logits, [in_prompt])[0].token_id == 2  # the prompt counts for repetition too
+
+
+def test_min_tokens_forbids_eos():
+    logits = torch.tensor([[5.0, 1.0, 0.0]])
+    assert Sampler()(logits, [_req(temperature=0, min_tokens=2)])[0].token_id == 1
+    assert Sampler()(logits, [_req(temperature=0)])[0].token_id == 0
+
+
+def test_seeded_rows_do_not_depend_on_the_batch():
+    logits = torch.randn(1, 100)
+    alone = [Sampler()(logits, [_req(seed=7)])[0].token_id for _ in range(1)]
+    batch = Sampler()(logits.repeat(5, 1), [_req(), _req(seed=3), _req(seed=7), _req(), _req()])
+    assert batch[2].token_id == alone[0]
+
+
+def test_logprobs_report_rank_and_top_n():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
+    tok = Sampler()(logits, [_req(temperature=0, logprobs=2)])[0]
+    ref = logits.log_softmax(-1)[0]
+    assert tok.token_id == 0 and tok.rank == 1
+    assert tok.logprob == pytest.approx(ref[0].item())
+    assert [t for t, _ in tok.top_logprobs] == [0, 1]
+
+
+@pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(max_tokens=-3), dict(top_p=0.0), dict(top_p=1.5),
+                                 dict(temperature=-1), dict(n=0), dict(top_k=-2), dict(logprobs=50)])
+def test_bad_params_raise_typed_errors(bad):
+    with pytest.raises(InvalidRequestError) as err:
+        SamplingParams(**bad)
+    assert err.value.param == next(iter(bad))

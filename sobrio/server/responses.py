@@ -1,0 +1,119 @@
+"""Build OpenAI response bodies and stream chunks from engine outputs."""
+
+from dataclasses import dataclass, field
+
+from sobrio.engine.outputs import Logprob, RequestOutput
+from sobrio.server.protocol import UsageInfo, now
+
+
+@dataclass
+class Choice:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    role_sent: bool = False
+
+
+class ChoiceState:
+    """The choices of one HTTP request: prompt i's sequence j is choice i * n + j."""
+
+    def __init__(self, request_ids: list[str], n: int, top_n: int | None):
+        self.prompt_index = {rid: i for i, rid in enumerate(request_ids)}
+        self.n = n
+        self.top_n = top_n
+        self.choices: dict[int, Choice] = {}
+        self.prompt_tokens: dict[str, int] = {}
+        self.cached_tokens: dict[str, int] = {}
+
+    def add(self, output: RequestOutput) -> Choice:
+        completion = output.outputs[0]
+        index = self.prompt_index[output.request_id] * self.n + completion.index
+        choice = self.choices.setdefault(index, Choice(index))
+        choice.text, choice.token_ids = completion.text, completion.token_ids
+        choice.finish_reason, choice.stop_reason = completion.finish_reason, completion.stop_reason
+        choice.logprobs = completion.logprobs
+        self.prompt_tokens[output.request_id] = len(output.prompt_token_ids)
+        self.cached_tokens[output.request_id] = output.num_cached_tokens
+        return choice
+
+    def sorted(self) -> list[Choice]:
+        return [self.choices[i] for i in sorted(self.choices)]
+
+
+def usage_of(state: ChoiceState) -> UsageInfo:
+    prompt = sum(state.prompt_tokens.values())
+    completion = sum(len(c.token_ids) for c in state.choices.values())
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details={"cached_tokens": sum(state.cached_tokens.values())})
+
+
+def _top(entry: dict[int, Logprob], top_n: int) -> list[Logprob]:
+    return sorted(entry.values(), key=lambda lp: lp.logprob, reverse=True)[:top_n]
+
+
+def chat_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], top_n: int) -> dict:
+    def item(lp: Logprob) -> dict:
+        token = lp.decoded_token or ""
+        return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode())}
+
+    content = [{**item(entry[tid]), "top_logprobs": [item(lp) for lp in _top(entry, top_n)]}
+               for entry, tid in zip(entries, token_ids)]
+    return {"content": content}
+
+
+def completion_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], top_n: int,
+                        offset: int = 0) -> dict:
+    tokens = [entry[tid].decoded_token or "" for entry, tid in zip(entries, token_ids)]
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return {"tokens": tokens, "token_logprobs": [entry[tid].logprob for entry, tid in zip(entries, token_ids)],
+            "top_logprobs": [{lp.decoded_token or "": lp.logprob for lp in _top(entry, top_n)} for entry in entries],
+            "text_offset": offsets}
+
+
+def _delta_logprobs(choice: Choice, output: RequestOutput, top_n: int, chat: bool):
+    if choice.logprobs is None or not output.delta_token_ids:
+        return None
+    k = len(output.delta_token_ids)
+    entries, ids = choice.logprobs[-k:], choice.token_ids[-k:]
+    return chat_logprobs(entries, ids, top_n) if chat else completion_logprobs(entries, ids, top_n)
+
+
+def chat_chunk(state: ChoiceState, choice: Choice, output: RequestOutput, base_id: str, model: str,
+               created: int) -> dict:
+    delta: dict = {"content": output.delta_text}
+    if not choice.role_sent:
+        delta["role"] = "assistant"
+        choice.role_sent = True
+    body = {"index": choice.index, "delta": delta, "finish_reason": choice.finish_reason,
+            "logprobs": _delta_logprobs(choice, output, state.top_n or 0, chat=True)}
+    return {"id": base_id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [body]}
+
+
+def completion_chunk(state: ChoiceState, choice: Choice, output: RequestOutput, base_id: str, model: str,
+                     created: int) -> dict:
+    body = {"index": choice.index, "text": output.delta_text, "finish_reason": choice.finish_reason,
+            "logprobs": _delta_logprobs(choice, output, state.top_n or 0, chat=False)}
+    return {"id": base_id, "object": "text_completion", "created": created, "model": model, "choices": [body]}
+
+
+def final_response(state: ChoiceState, base_id: str, model: str, kind: str) -> dict:
+    top_n = state.top_n or 0
+    choices = []
+    for c in state.sorted():
+        if kind == "chat":
+            logprobs = chat_logprobs(c.logprobs, c.token_ids, top_n) if c.logprobs is not None else None
+            choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
+                            "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        else:
+            logprobs = completion_logprobs(c.logprobs, c.token_ids, top_n) if c.logprobs is not None else None
+            choices.append({"index": c.index, "text": c.text, "logprobs": logprobs,
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+    obj = "chat.completion" if kind == "chat" else "text_completion"
+    return {"id": base_id, "object": obj, "created": now(), "model": model, "choices": choices,
+            "usage": usage_of(state).model_dump()}

@@ -1,0 +1,68 @@
+"""Real `sobrio serve` processes on 127.0.0.1, a free port each, logs captured to a file."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, *args: str, timeout: float = 240.0):
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "sobrio.cli", "serve", "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"server exited early:\n{self.log_text()[-3000:]}"
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        raise TimeoutError(f"server did not start:\n{self.log_text()[-3000:]}")
+
+    def log_text(self) -> str:
+        with open(self.log.name) as f:
+            return f.read()
+
+    def metric(self, name: str, model: str) -> float:
+        text = httpx.get(f"{self.base_url}/metrics").text
+        for line in text.splitlines():
+            if line.startswith(f"sobrio:{name}{{") and f'model_name="{model}"' in line:
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(name)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="session")
+def server():
+    """Both default models, float32 (to compare with the offline engine), debug logs."""
+    srv = ServerProcess("--dtype", "float32", "--kv-cache-memory", str(256 << 20), "--max-model-len", "1024",
+                        "--log-level", "debug")
+    yield srv
+    srv.stop()
+    os.unlink(srv.log.name)

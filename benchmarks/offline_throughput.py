@@ -14,7 +14,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 
 from sobrio import LLM, SamplingParams
-from sobrio.loader.resolve import resolve_model
+from sobrio.loader.load import load_model_files
 
 
 def make_prompts(tokenizer, count: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:
@@ -37,9 +37,9 @@ def run_sobrio(args, prompts) -> tuple[float, int]:
 def run_transformers(args, prompts) -> tuple[float, int]:
     from transformers import AutoModelForCausalLM
 
-    path = resolve_model(args.model).path
-    dtype = torch.bfloat16 if LLM_dtype(args) == torch.bfloat16 else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()
+    # Dense weights, exactly sobrio's: transformers' own GGUF load keeps them quantized (slower matmuls).
+    folder = load_model_files(args.model).folder
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=LLM_dtype(args)).eval()
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     start, produced = time.perf_counter(), 0
     for i in range(0, len(prompts), args.hf_batch_size):
@@ -71,15 +71,16 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--hf-batch-size", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-transformers", action="store_true")
     args = parser.parse_args()
-    from sobrio.loader.load import load_model_files
-
     tokenizer = load_model_files(args.model).tokenizer
     prompts = make_prompts(tokenizer, args.num_prompts, args.min_input_len, args.max_input_len, args.seed)
     print(f"model={args.model} dtype={LLM_dtype(args)} requests={len(prompts)} "
           f"input={args.min_input_len}-{args.max_input_len} output={args.output_len} threads={torch.get_num_threads()}")
     s_time, s_tokens = run_sobrio(args, prompts)
     print(f"sobrio:       {s_tokens / s_time:8.1f} output tok/s  ({s_tokens} tokens in {s_time:.1f} s)")
+    if args.skip_transformers:
+        return
     h_time, h_tokens = run_transformers(args, prompts)
     print(f"transformers: {h_tokens / h_time:8.1f} output tok/s  ({h_tokens} tokens in {h_time:.1f} s, "
           f"batch {args.hf_batch_size})")

@@ -18,8 +18,10 @@ class EngineConfig:
     max_num_waiting: int = 4096  # admission bound; past it add_request raises EngineOverloadedError
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
+    attention_backend: str = "auto"  # auto | cpp | batched | reference (see layers/attention.py)
 
     def __post_init__(self) -> None:
         assert self.block_size > 0 and self.block_size % 8 == 0, "block_size must be a multiple of 8"
         assert self.max_num_seqs > 0 and self.max_num_batched_tokens > 0
+        assert self.attention_backend in ("auto", "cpp", "batched", "reference"), f"unknown backend {self.attention_backend}"
         assert self.dtype in ("auto", "float32", "bfloat16", "float16"), f"unknown dtype {self.dtype}"

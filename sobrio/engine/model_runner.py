@@ -57,7 +57,8 @@ class ModelRunner:
             raise InvalidRequestError(f"max_model_len {config.max_model_len} exceeds the model's {model_max}")
         self.num_blocks = self._num_kv_blocks()
         self.max_model_len = min(config.max_model_len or model_max, self.num_blocks * self.block_size)
-        self.model = build_model(files.config, self.max_model_len, files.iter_weights(), self.dtype)
+        self.model = build_model(files.config, self.max_model_len, files.iter_weights(), self.dtype,
+                                 config.attention_backend)
         self._allocate_kv_cache()
         logger.info("model %s loaded: dtype=%s kv_blocks=%d max_model_len=%d",
                     files.source.name, self.dtype, self.num_blocks, self.max_model_len)
@@ -91,21 +92,25 @@ class ModelRunner:
         """Flatten the step: token ids, positions, attention metadata, rows whose logits are needed."""
         input_ids: list[int] = []
         positions: list[int] = []
-        query_start_loc, context_lens, context_slots, sample_rows = [0], [], [], []
-        offsets = torch.arange(self.block_size)
+        query_start_loc, context_lens, sample_rows = [0], [], []
         for req, num_new in out.scheduled:
             start, end = req.num_computed_tokens, req.num_computed_tokens + num_new
             input_ids += _token_slice(req, start, end)
             positions += range(start, end)
-            table = torch.tensor(req.block_table, dtype=torch.long)
-            context_slots.append((table.unsqueeze(1) * self.block_size + offsets).view(-1)[:end])
             context_lens.append(end)
             query_start_loc.append(query_start_loc[-1] + num_new)
             if end == req.num_tokens:
                 sample_rows.append(query_start_loc[-1] - 1)
-        slot_mapping = torch.cat([s[req.num_computed_tokens:] for s, (req, _) in zip(context_slots, out.scheduled)])
-        meta = AttentionMetadata(slot_mapping, query_start_loc, context_lens, context_slots)
-        return torch.tensor(input_ids), torch.tensor(positions), meta, torch.tensor(sample_rows, dtype=torch.long)
+        width = max(len(req.block_table) for req, _ in out.scheduled)
+        block_tables = torch.tensor([req.block_table + [0] * (width - len(req.block_table))
+                                     for req, _ in out.scheduled], dtype=torch.long)
+        positions_t = torch.tensor(positions, dtype=torch.long)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(context_lens)),
+                                               torch.tensor(query_start_loc[1:]) - torch.tensor(query_start_loc[:-1]))
+        block_ids = block_tables[seq_of_token, positions_t // self.block_size]
+        slot_mapping = block_ids * self.block_size + positions_t % self.block_size
+        meta = AttentionMetadata(slot_mapping, query_start_loc, context_lens, block_tables, self.block_size)
+        return torch.tensor(input_ids), positions_t, meta, torch.tensor(sample_rows, dtype=torch.long)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:

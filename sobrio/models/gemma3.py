@@ -3,14 +3,15 @@ scaled embeddings, GELU-tanh."""
 
 import torch
 
+from sobrio.layers.attention import BatchedDecodeAttention, ReferenceAttention
 from sobrio.layers.norm import GemmaRMSNorm
 from sobrio.layers.rotary import RotaryEmbedding
 from sobrio.models.llama import CausalLM, DecoderModel, GatedMLP, LlamaAttention, head_dim_of
 
 
 class Gemma3Attention(LlamaAttention):
-    def __init__(self, config, rotary, sliding_window):
-        super().__init__(config, rotary, sliding_window, scale=config.query_pre_attn_scalar ** -0.5)
+    def __init__(self, config, rotary, sliding_window, attn_cls):
+        super().__init__(config, rotary, sliding_window, config.query_pre_attn_scalar ** -0.5, attn_cls)
         self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
 
@@ -19,10 +20,10 @@ class Gemma3Attention(LlamaAttention):
 
 
 class Gemma3DecoderLayer(torch.nn.Module):
-    def __init__(self, config, layer_type: str, rotary: RotaryEmbedding):
+    def __init__(self, config, layer_type: str, rotary: RotaryEmbedding, attn_cls: type[ReferenceAttention]):
         super().__init__()
         window = config.sliding_window if layer_type == "sliding_attention" else None
-        self.self_attn = Gemma3Attention(config, rotary, window)
+        self.self_attn = Gemma3Attention(config, rotary, window, attn_cls)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_activation)
         norm = lambda: GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.input_layernorm, self.post_attention_layernorm = norm(), norm()
@@ -35,10 +36,10 @@ class Gemma3DecoderLayer(torch.nn.Module):
 
 
 class Gemma3ForCausalLM(CausalLM):
-    def __init__(self, config, max_positions: int):
+    def __init__(self, config, max_positions: int, attn_cls: type[ReferenceAttention] = BatchedDecodeAttention):
         head_dim = head_dim_of(config)
         rotary = {t: RotaryEmbedding(config, head_dim, max_positions, t) for t in set(config.layer_types)}
-        layers = [Gemma3DecoderLayer(config, t, rotary[t]) for t in config.layer_types]
+        layers = [Gemma3DecoderLayer(config, t, rotary[t], attn_cls) for t in config.layer_types]
         model = DecoderModel(config, layers, GemmaRMSNorm(config.hidden_size, config.rms_norm_eps))
         model.embed_scale = config.hidden_size ** 0.5
         super().__init__(config, model)

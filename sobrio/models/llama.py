@@ -3,7 +3,7 @@
 import torch
 import torch.nn.functional as F
 
-from sobrio.layers.attention import AttentionMetadata, ReferenceAttention
+from sobrio.layers.attention import AttentionMetadata, BatchedDecodeAttention, ReferenceAttention
 from sobrio.layers.norm import RMSNorm
 from sobrio.layers.rotary import RotaryEmbedding
 from sobrio.models.weights import PackedLinear
@@ -14,7 +14,8 @@ def head_dim_of(config) -> int:
 
 
 class LlamaAttention(torch.nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding, sliding_window: int | None = None, scale=None):
+    def __init__(self, config, rotary: RotaryEmbedding, sliding_window: int | None = None, scale=None,
+                 attn_cls: type[ReferenceAttention] = BatchedDecodeAttention):
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = head_dim_of(config)
@@ -24,7 +25,7 @@ class LlamaAttention(torch.nn.Module):
         self.o_proj = torch.nn.Linear(q_size, config.hidden_size, bias=getattr(config, "attention_bias", False))
         self.split = [q_size, kv_size, kv_size]
         self.rotary = rotary
-        self.attn = ReferenceAttention(self.num_heads, self.num_kv_heads, self.head_dim,
+        self.attn = attn_cls(self.num_heads, self.num_kv_heads, self.head_dim,
                                        scale or self.head_dim ** -0.5, sliding_window)
 
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,10 +54,10 @@ class GatedMLP(torch.nn.Module):
 
 
 class LlamaDecoderLayer(torch.nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding):
+    def __init__(self, config, rotary: RotaryEmbedding, attn_cls: type[ReferenceAttention]):
         super().__init__()
         window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", False) else None
-        self.self_attn = LlamaAttention(config, rotary, window)
+        self.self_attn = LlamaAttention(config, rotary, window, attn_cls=attn_cls)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -114,7 +115,7 @@ class CausalLM(torch.nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
-    def __init__(self, config, max_positions: int):
+    def __init__(self, config, max_positions: int, attn_cls: type[ReferenceAttention] = BatchedDecodeAttention):
         rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
-        layers = [LlamaDecoderLayer(config, rotary) for _ in range(config.num_hidden_layers)]
+        layers = [LlamaDecoderLayer(config, rotary, attn_cls) for _ in range(config.num_hidden_layers)]
         super().__init__(config, DecoderModel(config, layers, RMSNorm(config.hidden_size, config.rms_norm_eps)))

@@ -23,10 +23,11 @@ def model_class(config) -> type[CausalLM]:
     return cls
 
 
-def build_model(config, max_positions: int, weights, dtype: torch.dtype) -> CausalLM:
+def build_model(config, max_positions: int, weights, dtype: torch.dtype, attention_backend: str) -> CausalLM:
+    from sobrio.layers.attention import resolve_backend
     from sobrio.models.weights import load_weights
 
     with torch.device("cpu"):
-        model = model_class(config)(config, max_positions)
+        model = model_class(config)(config, max_positions, resolve_backend(attention_backend))
     load_weights(model, weights)
     return model.to(dtype).eval().requires_grad_(False)

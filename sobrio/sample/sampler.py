@@ -1,7 +1,7 @@
 """Turn a step's logits into tokens: penalties, min_tokens, greedy or temperature / top-k / top-p / min-p.
 
-Random rows sample by the exponential race (argmax of p / q with q ~ Exp(1)), drawing q from the
-request's own generator when it has a seed, so its tokens do not depend on what else is in the batch.
+Random rows sample by inverse CDF, drawing their uniform from the request's own generator when it has a
+seed, so its tokens do not depend on what else is in the batch.
 """
 
 from dataclasses import dataclass
@@ -69,15 +69,22 @@ def filter_top_k_top_p_min_p(logits: torch.Tensor, top_k: list[int], top_p: list
 
 
 def sample_random(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    """Inverse-CDF sampling: one uniform per row, from the request's own generator when it is seeded.
+
+    On this CPU, one exponential or multinomial draw over a 49k vocabulary costs ~1 ms per row;
+    cumsum + searchsorted costs ~25 us per row.
+    """
     params = [r.sampling_params for r in reqs]
     temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
     logits = filter_top_k_top_p_min_p(logits / temps, [p.top_k for p in params], [p.top_p for p in params],
                                       [p.min_p for p in params])
-    probs = logits.softmax(dim=-1)
-    q = torch.empty_like(probs)
+    cdf = logits.softmax(dim=-1).cumsum(dim=-1)
+    uniform = torch.rand(len(reqs), 1)
     for row, req in enumerate(reqs):
-        q[row].exponential_(generator=req.generator)
-    return (probs / q).argmax(dim=-1)
+        if req.generator is not None:
+            uniform[row] = torch.rand(1, generator=req.generator)
+    tokens = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1)
+    return tokens.clamp_(max=logits.shape[-1] - 1)
 
 
 class Sampler:

@@ -1,0 +1,28 @@
+"""Optional C++ operators, built with torch's cpp_extension on the machine that runs them.
+
+`load()` compiles once (about a minute on 2 cores; `make install` does it) and caches the build under
+torch's extension folder; if no compiler is there it returns None and callers keep the PyTorch path.
+"""
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def load():
+    if os.environ.get("SOBRIO_DISABLE_CPP"):
+        return None
+    try:
+        from torch.utils.cpp_extension import load as load_extension
+
+        source = Path(__file__).with_name("paged_attention.cpp")
+        return load_extension(name="sobrio_cpu_ops", sources=[str(source)],
+                              extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
+                              extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as exc:  # no compiler, or headers missing: keep the PyTorch path
+        logger.warning("C++ operators unavailable (%s); using the PyTorch attention path", type(exc).__name__)
+        return None

@@ -41,14 +41,14 @@ def test_first_token_distribution_matches_filtered_softmax(smollm2):
 
 
 def test_same_seed_same_text_alone_or_in_busy_batch(smollm2):
-    seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=24)
+    seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=24, ignore_eos=True)
     alone = smollm2.generate("Tell me a story about a fox.", seeded, use_tqdm=False)[0].outputs[0].text
     noise = [SamplingParams(temperature=1.0, max_tokens=30 + i) for i in range(6)]
     prompts = [f"Noise prompt number {i} about cats" for i in range(6)]
     batch = smollm2.generate(prompts[:3] + ["Tell me a story about a fox."] + prompts[3:],
                              noise[:3] + [seeded] + noise[3:], use_tqdm=False)
     assert batch[3].outputs[0].text == alone
-    other_seed = SamplingParams(temperature=1.0, top_p=0.95, seed=99, max_tokens=24)
+    other_seed = SamplingParams(temperature=1.0, top_p=0.95, seed=99, max_tokens=24, ignore_eos=True)
     assert smollm2.generate("Tell me a story about a fox.", other_seed, use_tqdm=False)[0].outputs[0].text != alone
 
 

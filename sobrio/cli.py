@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
     _add_serve(sub)
+    from sobrio.bench.serve import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

@@ -23,5 +23,6 @@ class EngineConfig:
     def __post_init__(self) -> None:
         assert self.block_size > 0 and self.block_size % 8 == 0, "block_size must be a multiple of 8"
         assert self.max_num_seqs > 0 and self.max_num_batched_tokens > 0
-        assert self.attention_backend in ("auto", "cpp", "batched", "reference"), f"unknown backend {self.attention_backend}"
+        backends = ("auto", "cpp", "batched", "reference")
+        assert self.attention_backend in backends, f"unknown attention backend {self.attention_backend}"
         assert self.dtype in ("auto", "float32", "bfloat16", "float16"), f"unknown dtype {self.dtype}"

@@ -22,14 +22,17 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in order. A prompt is text, token ids, or {"prompt_token_ids": ...}."""
+        """One RequestOutput per prompt, in order.
+
+        A prompt is text, token ids, or a dict with "prompt" or "prompt_token_ids" and optionally "cache_salt".
+        """
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
         request_ids: dict[str, int] = {}  # request id -> number of sequences it returns
         for prompt, p in zip(prompts, params):
             request_id = str(next(self._ids))
             if isinstance(prompt, dict):
-                self.engine.add_request(request_id, prompt.get("prompt"), p,
+                self.engine.add_request(request_id, prompt.get("prompt"), p, cache_salt=prompt.get("cache_salt"),
                                         prompt_token_ids=prompt.get("prompt_token_ids"))
             else:
                 self.engine.add_request(request_id, prompt, p)

@@ -31,6 +31,7 @@ class AsyncLLM:
         self._lock = threading.Lock()  # guards the engine: the loop's step vs add/abort from other threads
         self._wake = threading.Event()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._pending_aborts: list[str] = []  # aborts asked from the event loop, applied before the next step
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name=f"engine-{engine.model_name}", daemon=True)
         self._thread.start()
@@ -66,7 +67,7 @@ class AsyncLLM:
                 yield item
         finally:
             if remaining:
-                await asyncio.to_thread(self.abort, request_id)
+                self.abort_soon(request_id)
             self.release(request_id)
 
     def _add(self, request_id, prompt, params, prompt_token_ids, cache_salt, loop, queue) -> None:
@@ -82,6 +83,13 @@ class AsyncLLM:
         """The consumer has every output it wants: stop routing this request's outputs."""
         self._queues.pop(request_id, None)
 
+    def abort_soon(self, request_id: str) -> None:
+        """Abort without waiting for the engine lock: safe in a cancelled task or a `finally` (a client that
+        went away); the engine thread applies it before its next step."""
+        self._pending_aborts.append(request_id)
+        self._queues.pop(request_id, None)
+        self._wake.set()
+
     def abort(self, request_id: str) -> None:
         with self._lock:
             self.engine.abort_request(request_id)
@@ -90,8 +98,15 @@ class AsyncLLM:
     def stats(self) -> dict:
         return self.engine.stats()
 
+    def _apply_pending_aborts(self) -> None:
+        while self._pending_aborts:
+            request_id = self._pending_aborts.pop()
+            with self._lock:
+                self.engine.abort_request(request_id)
+
     def _loop(self) -> None:
         while not self._stopping:
+            self._apply_pending_aborts()
             if not self.engine.has_unfinished_requests():
                 self._wake.wait(0.5)
                 self._wake.clear()

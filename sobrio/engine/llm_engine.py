@@ -41,6 +41,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self.sequences: dict[str, _Sequence] = {}  # child request id -> sequence
         self.children: dict[str, list[str]] = {}  # parent request id -> child request ids
+        self.deferred: dict[str, list[Request]] = {}  # first child id -> siblings waiting for its prompt
 
     def _eos_token_ids(self) -> frozenset[int]:
         ids = self.hf_config.eos_token_id
@@ -65,6 +66,7 @@ class LLMEngine:
         arrival = arrival_time or time.monotonic()
         text_prompt = prompt if isinstance(prompt, str) else None
         self.children[request_id] = []
+        reqs = []
         for index in range(params.n):
             child_params = _child_params(params, index)
             child_id = request_id if params.n == 1 else f"{index}_{request_id}"
@@ -72,28 +74,48 @@ class LLMEngine:
             detok = IncrementalDetokenizer(self.tokenizer.backend_tokenizer, child_params)
             self.sequences[child_id] = _Sequence(req, request_id, index, text_prompt, detok)
             self.children[request_id].append(child_id)
-            self.scheduler.add_request(req)
+            reqs.append(req)
+        self.scheduler.add_request(reqs[0])
+        if self.config.enable_prefix_caching and len(reqs) > 1:
+            # The siblings wait until the first has computed the prompt, then take its blocks from the
+            # prefix cache: n sequences share one copy of the prompt by reference count.
+            self.deferred[reqs[0].request_id] = reqs[1:]
+        else:
+            for req in reqs[1:]:
+                self.scheduler.add_request(req)
+
+    def _release_siblings(self) -> None:
+        for first_id, siblings in list(self.deferred.items()):
+            first = self.sequences.get(first_id)
+            if first is None or first.req.num_computed_tokens >= first.req.num_prompt_tokens - 1:
+                for req in siblings:
+                    self.scheduler.add_request(req)
+                del self.deferred[first_id]
 
     def abort_request(self, request_id: str) -> None:
         for child_id in self.children.pop(request_id, []):
+            self.deferred.pop(child_id, None)
             self.scheduler.abort(child_id)
             self.sequences.pop(child_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.deferred)
 
     # ---- one step ----
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample; return an output per sequence that advanced."""
         out = self.scheduler.schedule()
         if out.is_empty():
+            self._release_siblings()
             return []
         sampling = [r for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens]
         logits = self.runner.execute(out)
         sampled = self.sampler(logits, sampling)
         self.scheduler.update_after_step(out)
         now = time.monotonic()
-        return [self._process_token(req, token, now) for req, token in zip(sampling, sampled)]
+        outputs = [self._process_token(req, token, now) for req, token in zip(sampling, sampled)]
+        self._release_siblings()
+        return outputs
 
     def _process_token(self, req: Request, token: SampledToken, now: float) -> RequestOutput:
         seq = self.sequences[req.request_id]

@@ -124,7 +124,7 @@ class OpenAIServer:
         finally:
             for request_id in request_ids:
                 if remaining:
-                    await asyncio.to_thread(engine.abort, request_id)
+                    engine.abort_soon(request_id)  # no await: this may run inside a cancelled task
                 engine.release(request_id)
 
 

@@ -1,9 +1,9 @@
 """The batched decode backend equals the reference on ragged batches (mixed prefill chunks and decodes)."""
 
+import os
+
 import pytest
 import torch
-
-import os
 
 from sobrio.csrc import load
 from sobrio.layers.attention import AttentionMetadata, BatchedDecodeAttention, CppPagedAttention, ReferenceAttention

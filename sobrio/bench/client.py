@@ -1,0 +1,72 @@
+"""One streamed request to any OpenAI-compatible server, timed chunk by chunk."""
+
+import json
+import time
+
+import httpx
+
+from sobrio.bench.datasets import SampleRequest
+from sobrio.bench.metrics import RequestResult
+
+
+def request_body(sample: SampleRequest, model: str, endpoint: str, ignore_eos: bool) -> dict:
+    body: dict = {"model": model, "max_tokens": sample.output_len, "stream": True, "temperature": 0,
+                  "stream_options": {"include_usage": True}}
+    if ignore_eos:
+        body["ignore_eos"] = True
+    if endpoint == "chat":
+        body["messages"] = sample.messages or [{"role": "user", "content": _as_text(sample.prompt)}]
+    else:
+        body["prompt"] = sample.prompt if sample.prompt is not None else _messages_text(sample.messages)
+    return body
+
+
+def _as_text(prompt) -> str:
+    return prompt if isinstance(prompt, str) else " ".join(map(str, prompt or []))
+
+
+def _messages_text(messages) -> str:
+    return "\n".join(m["content"] for m in messages or [])
+
+
+async def send(client: httpx.AsyncClient, url: str, body: dict, headers: dict, t0: float,
+               sample: SampleRequest) -> RequestResult:
+    result = RequestResult(prompt_tokens=sample.prompt_len, start=time.perf_counter() - t0)
+    sent = time.perf_counter()
+    chunks = 0
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                result.error = f"HTTP {resp.status_code}"
+                return result
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                    continue
+                data = json.loads(line[5:])
+                if data.get("usage"):
+                    result.prompt_tokens = data["usage"].get("prompt_tokens", result.prompt_tokens)
+                    result.output_tokens = data["usage"].get("completion_tokens", 0)
+                if _has_content(data):
+                    now = time.perf_counter()
+                    result.chunk_times.append(now - t0)
+                    chunks += 1
+        result.e2e = time.perf_counter() - sent
+        if not result.chunk_times:
+            result.error = "no tokens received"
+            return result
+        result.ttft = result.chunk_times[0] - (sent - t0)
+        result.itl = [b - a for a, b in zip(result.chunk_times, result.chunk_times[1:])]
+        result.output_tokens = result.output_tokens or chunks
+        result.success = True
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        result.error = type(exc).__name__
+    return result
+
+
+def _has_content(data: dict) -> bool:
+    for choice in data.get("choices") or []:
+        delta = choice.get("delta") or {}
+        if choice.get("text") or delta.get("content") or delta.get("reasoning_content"):
+            return True
+    return False

@@ -57,7 +57,14 @@ class AsyncLLM:
         """Yield outputs as the engine makes them; leaving early aborts the request."""
         queue: asyncio.Queue = asyncio.Queue()
         await self.add_request(request_id, prompt, params, queue, prompt_token_ids, cache_salt)
-        remaining = params.n
+        async for output in self.stream_outputs([request_id], params.n, queue):
+            yield output
+
+    async def stream_outputs(self, request_ids: list[str], n: int,
+                             queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        """Yield every output of these requests (n sequences each) from their shared queue; leaving early
+        (a client that disconnects) aborts whatever is unfinished."""
+        remaining = len(request_ids) * n
         try:
             while remaining:
                 item = await queue.get()
@@ -66,9 +73,10 @@ class AsyncLLM:
                 remaining -= item.finished
                 yield item
         finally:
-            if remaining:
-                self.abort_soon(request_id)
-            self.release(request_id)
+            for request_id in request_ids:
+                if remaining:
+                    self.abort_soon(request_id)  # no await: this may run inside a cancelled task
+                self.release(request_id)
 
     def _add(self, request_id, prompt, params, prompt_token_ids, cache_salt, loop, queue) -> None:
         if self._stopping:

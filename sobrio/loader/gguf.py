@@ -7,6 +7,7 @@ read that folder in about a second.
 """
 
 import hashlib
+import os
 import re
 import shutil
 from collections.abc import Iterator
@@ -50,7 +51,7 @@ def prepared_folder(gguf_path: Path) -> Path:
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoTokenizer
 
-    tmp = folder.with_suffix(".tmp")
+    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")  # two processes may prepare at once
     tmp.mkdir(parents=True, exist_ok=True)
     config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     config.save_pretrained(tmp)

@@ -110,23 +110,6 @@ class OpenAIServer:
             raise
         return ids
 
-    async def outputs(self, engine: AsyncLLM, request_ids: list[str], n: int,
-                      queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
-        """Yield every output of these requests; leaving early (a disconnect) aborts what is unfinished."""
-        remaining = len(request_ids) * n
-        try:
-            while remaining:
-                item = await queue.get()
-                if isinstance(item, Exception):
-                    raise item
-                remaining -= item.finished
-                yield item
-        finally:
-            for request_id in request_ids:
-                if remaining:
-                    engine.abort_soon(request_id)  # no await: this may run inside a cancelled task
-                engine.release(request_id)
-
 
 def create_app(engines: dict[str, AsyncLLM], api_key: str | None = None) -> FastAPI:
     server = OpenAIServer(engines, api_key)
@@ -184,7 +167,7 @@ async def _respond(server: OpenAIServer, request: Request, body, model_name: str
     base_id = new_id("chatcmpl" if kind == "chat" else "cmpl")
     queue: asyncio.Queue = asyncio.Queue()
     request_ids = await server.submit(engine, base_id, prompts, params, body.cache_salt, queue)
-    stream = server.outputs(engine, request_ids, params.n, queue)
+    stream = engine.stream_outputs(request_ids, params.n, queue)
     choices = ChoiceState(request_ids, params.n, params.logprobs)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -1,0 +1,75 @@
+"""Decode attention for many sequences: the reference (per-sequence SDPA), the batched PyTorch path and
+the C++ operator, on the same paged cache; prints ms per layer and the speed-up over the reference.
+
+    .venv/bin/python benchmarks/attention_backends.py [--seqs 64] [--dtype bfloat16]
+"""
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+
+from sobrio.csrc import load  # noqa: E402
+from sobrio.layers.attention import (  # noqa: E402
+    AttentionMetadata,
+    BatchedDecodeAttention,
+    CppPagedAttention,
+    ReferenceAttention,
+)
+
+
+def decode_step(seqs: int, min_ctx: int, max_ctx: int, heads: int, kv_heads: int, dim: int, block: int, dtype):
+    gen = torch.Generator().manual_seed(0)
+    ctx = torch.randint(min_ctx, max_ctx, (seqs,), generator=gen).tolist()
+    num_blocks = sum(-(-c // block) for c in ctx) + 1
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, slots = [], []
+    for c in ctx:
+        n = -(-c // block)
+        tables.append(order[:n])
+        order = order[n:]
+        slots.append(tables[-1][(c - 1) // block] * block + (c - 1) % block)
+    width = max(map(len, tables))
+    meta = AttentionMetadata(torch.tensor(slots), list(range(seqs + 1)), ctx,
+                             torch.tensor([t + [0] * (width - len(t)) for t in tables]), block)
+    cache = torch.randn(2, num_blocks, block, kv_heads, dim, generator=gen).to(dtype)
+    q = torch.randn(seqs, heads, dim, generator=gen).to(dtype)
+    kv = torch.randn(seqs, kv_heads, dim, generator=gen).to(dtype)
+    return cache, meta, q, kv, sum(ctx)
+
+
+def time_backend(cls, cache, meta, q, kv, heads, kv_heads, dim, repeats: int) -> float:
+    attn = cls(heads, kv_heads, dim, dim ** -0.5)
+    attn.kv_cache = cache
+    attn(q, kv, kv, meta)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        attn(q, kv, kv, meta)
+    return (time.perf_counter() - start) / repeats * 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--seqs", type=int, default=64)
+    parser.add_argument("--min-ctx", type=int, default=50)
+    parser.add_argument("--max-ctx", type=int, default=600)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args()
+    heads, kv_heads, dim, block = 9, 3, 64, 16  # SmolLM2-135M's attention shapes
+    cache, meta, q, kv, tokens = decode_step(args.seqs, args.min_ctx, args.max_ctx, heads, kv_heads, dim, block,
+                                             getattr(torch, args.dtype))
+    print(f"{args.seqs} decoding sequences, {tokens} context tokens, {args.dtype}, {torch.get_num_threads()} threads")
+    backends = [ReferenceAttention, BatchedDecodeAttention] + ([CppPagedAttention] if load() else [])
+    base = None
+    for cls in backends:
+        ms = time_backend(cls, cache, meta, q, kv, heads, kv_heads, dim, args.repeats)
+        base = base or ms
+        print(f"{cls.__name__:24} {ms:8.2f} ms per layer   {base / ms:6.2f}x the reference")
+
+
+if __name__ == "__main__":
+    main()

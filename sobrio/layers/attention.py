@@ -129,9 +129,16 @@ class ReferenceAttention(torch.nn.Module):
                 slots = meta.context_slots(i)[start:]
                 keys, values = key_cache.index_select(0, slots), value_cache.index_select(0, slots)
             out[s:e] = F.scaled_dot_product_attention(
-                q[s:e].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-                attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True,
-            ).transpose(0, 1)
+                q[s:e].transpose(0, 1).unsqueeze(0), self._heads(keys), self._heads(values),
+                attn_mask=mask, is_causal=causal, scale=self.scale,
+            )[0].transpose(0, 1)
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[L, Hkv, D] -> [1, H, L, D]. SDPA's fast CPU kernel wants 4-D inputs with all heads: on this CPU,
+        3-D or enable_gqa inputs fall back to a path 5x slower for a 1,000-token prompt."""
+        group = self.num_heads // self.num_kv_heads
+        x = x.transpose(0, 1)
+        return (x.repeat_interleave(group, dim=0) if group > 1 else x).unsqueeze(0)
 
 
 class BatchedDecodeAttention(ReferenceAttention):

@@ -169,8 +169,21 @@ def cmd_bench_serve(args) -> int:
 
 
 def add_bench_parser(sub) -> None:
-    bench = sub.add_parser("bench", help="benchmarks: serve (load an OpenAI-compatible server)")
+    bench = sub.add_parser("bench", help="benchmarks: serve, sweep, autotune, roofline")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     serve = bench_sub.add_parser("serve", help="timed streamed load against any OpenAI-compatible server")
     add_serve_args(serve)
     serve.set_defaults(func=cmd_bench_serve)
+    from sobrio.bench.autotune import add_autotune_args, cmd_bench_autotune
+    from sobrio.bench.roofline import add_roofline_args, cmd_bench_roofline
+    from sobrio.bench.sweep import add_sweep_args, cmd_bench_sweep
+
+    sweep = bench_sub.add_parser("sweep", help="bench serve over request rates or concurrencies, one plot")
+    add_sweep_args(sweep)
+    sweep.set_defaults(func=cmd_bench_sweep)
+    tune = bench_sub.add_parser("autotune", help="find the serve config with the highest rate meeting SLOs")
+    add_autotune_args(tune)
+    tune.set_defaults(func=cmd_bench_autotune)
+    roof = bench_sub.add_parser("roofline", help="machine peaks and the share an engine step reaches")
+    add_roofline_args(roof)
+    roof.set_defaults(func=cmd_bench_roofline)

@@ -27,3 +27,18 @@ def test_bench_serve_twenty_requests(server, tmp_path):
         image.verify()
         assert image.format == "PNG"
     assert "Output token throughput" in proc.stdout
+
+
+def test_bench_sweep_two_rates(server, tmp_path):
+    result, plot = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    cmd = [sys.executable, "-m", "sobrio.cli", "bench", "sweep", "--base-url", server.base_url,
+           "--model", "smollm2-135m", "--num-prompts", "6", "--input-len", "16", "--output-len", "4",
+           "--request-rates", "4,inf", "--ignore-eos", "--result-json", str(result), "--plot", str(plot),
+           "--no-progress"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(result.read_text())
+    assert [r["request_rate"] for r in rows] == [4.0, float("inf")]
+    assert all(r["completed"] == 6 and r["p99_ttft_ms"] > 0 for r in rows)
+    with Image.open(plot) as image:
+        image.verify()

@@ -66,3 +66,22 @@ def test_datasets_exact_lengths_and_shared_prefixes():
     groups = {tuple(s.prompt[:200]) for s in shared}
     assert len(groups) == 3
     assert np.mean([s.prompt[:200] == shared[0].prompt[:200] for s in shared]) == pytest.approx(1 / 3)
+
+
+def test_autotune_search_finds_the_highest_rate_meeting_slos(monkeypatch):
+    """With a fake server whose p99 TPOT grows with the rate, the search brackets the capacity."""
+    import argparse
+    import time
+
+    from sobrio.bench import autotune
+
+    def fake_run(args, samples):
+        tpot = 0.010 * args.request_rate  # 10 ms per req/s: the 100 ms SLO breaks above rate 10
+        return [RequestResult(success=True, output_tokens=11, ttft=0.05, e2e=0.05 + 10 * tpot)], 1.0
+
+    monkeypatch.setattr(autotune, "run_requests", fake_run)
+    monkeypatch.setattr(autotune.asyncio, "run", lambda result: result)
+    args = argparse.Namespace(start_rate=1.0, max_rate=64.0, bisect_steps=3, request_rate=None)
+    rate, summary = autotune.best_rate(args, [], {"tpot": 100.0}, time.monotonic() + 60)
+    assert 8.0 <= rate <= 10.0 and summary["p99_tpot_ms"] <= 100.0
+    assert not autotune.p99_meets({"failed": 1, "p99_tpot_ms": 1.0}, {"tpot": 100.0})

@@ -1,0 +1,53 @@
+"""Time per engine step and the share spent outside the model's forward pass (scheduling, input
+preparation, sampling, detokenizing), for pure decode steps at a given batch size.
+
+    .venv/bin/python benchmarks/step_overhead.py [--batch 64] [--model smollm2-135m]
+"""
+
+import argparse
+import os
+import random
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from sobrio import LLM, SamplingParams  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    args = parser.parse_args()
+    llm = LLM(args.model)
+    engine, rng = llm.engine, random.Random(0)
+    for i in range(args.batch):
+        prompt = [rng.randrange(200, 20000) for _ in range(rng.randint(16, 256))]
+        engine.add_request(str(i), None, SamplingParams(temperature=args.temperature, max_tokens=args.steps + 8,
+                                                        ignore_eos=True), prompt_token_ids=prompt)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
+        engine.step()
+    forward = []
+    execute = engine.runner.execute
+
+    def timed(out):
+        start = time.perf_counter()
+        result = execute(out)
+        forward.append(time.perf_counter() - start)
+        return result
+
+    engine.runner.execute = timed
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    step = (time.perf_counter() - start) / args.steps
+    inside = sum(forward) / len(forward)
+    print(f"{args.model} batch {args.batch}: step {step * 1000:.1f} ms, forward {inside * 1000:.1f} ms, "
+          f"outside the forward {(step - inside) * 1000:.1f} ms = {(step - inside) / step:.1%} of the step, "
+          f"{args.batch / step:.1f} tok/s")
+
+
+if __name__ == "__main__":
+    main()

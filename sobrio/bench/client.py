@@ -30,10 +30,12 @@ def _messages_text(messages) -> str:
 
 
 async def send(client: httpx.AsyncClient, url: str, body: dict, headers: dict, t0: float,
-               sample: SampleRequest) -> RequestResult:
+               sample: SampleRequest, count_tokens=None) -> RequestResult:
+    """Stream one request. Token counts come from the server's `usage`; a server that sends none is
+    counted with `count_tokens(text)` (the dataset's tokenizer), else one token per chunk."""
     result = RequestResult(prompt_tokens=sample.prompt_len, start=time.perf_counter() - t0)
     sent = time.perf_counter()
-    chunks = 0
+    chunks, pieces = 0, []
     try:
         async with client.stream("POST", url, json=body, headers=headers) as resp:
             if resp.status_code != 200:
@@ -51,17 +53,23 @@ async def send(client: httpx.AsyncClient, url: str, body: dict, headers: dict, t
                     now = time.perf_counter()
                     result.chunk_times.append(now - t0)
                     chunks += 1
+                    pieces.append(_content(data))
         result.e2e = time.perf_counter() - sent
         if not result.chunk_times:
             result.error = "no tokens received"
             return result
         result.ttft = result.chunk_times[0] - (sent - t0)
         result.itl = [b - a for a, b in zip(result.chunk_times, result.chunk_times[1:])]
-        result.output_tokens = result.output_tokens or chunks
+        if not result.output_tokens:
+            result.output_tokens = count_tokens("".join(pieces)) if count_tokens else chunks
         result.success = True
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         result.error = type(exc).__name__
     return result
+
+
+def _content(data: dict) -> str:
+    return "".join(c.get("text") or (c.get("delta") or {}).get("content") or "" for c in data.get("choices") or [])
 
 
 def _has_content(data: dict) -> bool:

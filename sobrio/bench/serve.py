@@ -1,6 +1,7 @@
 """`sobrio bench serve`: load an OpenAI-compatible server with timed, streamed requests; report SLO metrics."""
 
 import asyncio
+import functools
 import json
 import time
 
@@ -59,6 +60,7 @@ def load_dataset(args) -> list[datasets.SampleRequest]:
     return datasets.jsonl_dataset(args.dataset, n, o)
 
 
+@functools.cache
 def _tokenizer(name: str):
     from sobrio.loader.load import load_model_files
 
@@ -68,7 +70,7 @@ def _tokenizer(name: str):
         return load_model_files("smollm2-135m").tokenizer
 
 
-async def run_requests(args, samples) -> tuple[list[RequestResult], float]:
+async def run_requests(args, samples, count_tokens=None) -> tuple[list[RequestResult], float]:
     url = args.base_url.rstrip("/") + ("/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     gaps = arrival_gaps(len(samples), args.request_rate, args.burstiness, args.seed)
@@ -81,7 +83,7 @@ async def run_requests(args, samples) -> tuple[list[RequestResult], float]:
         async def one(sample):
             async with limit:
                 body = request_body(sample, args.model, args.endpoint, args.ignore_eos)
-                result = await send(client, url, body, headers, t0, sample)
+                result = await send(client, url, body, headers, t0, sample, count_tokens)
             bar.update(1) if bar else None
             return result
 
@@ -154,7 +156,9 @@ def cmd_bench_serve(args) -> int:
     percentiles = [float(p) for p in args.percentiles.split(",") if p]
     slos = parse_slos(args.goodput)
     samples = load_dataset(args)
-    results, duration = asyncio.run(run_requests(args, samples))
+    tokenizer = _tokenizer(args.tokenizer or args.model)
+    count_tokens = lambda text: len(tokenizer(text, add_special_tokens=False).input_ids)  # noqa: E731
+    results, duration = asyncio.run(run_requests(args, samples, count_tokens))
     summary = summarize(results, duration, percentiles, slos)
     summary.update({"model": args.model, "base_url": args.base_url, "dataset": args.dataset,
                     "num_prompts": len(samples), "request_rate": args.request_rate,

@@ -28,6 +28,7 @@ class AsyncLLM:
     def __init__(self, engine: LLMEngine, on_output: Callable[[RequestOutput, float], None] | None = None):
         self.engine = engine
         self.on_output = on_output
+        self.on_abort: Callable[[str], None] | None = None  # e.g. metrics forgetting a request's timings
         self._lock = threading.Lock()  # guards the engine: the loop's step vs add/abort from other threads
         self._wake = threading.Event()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -102,15 +103,15 @@ class AsyncLLM:
         with self._lock:
             self.engine.abort_request(request_id)
         self._queues.pop(request_id, None)
+        if self.on_abort is not None:
+            self.on_abort(request_id)
 
     def stats(self) -> dict:
         return self.engine.stats()
 
     def _apply_pending_aborts(self) -> None:
         while self._pending_aborts:
-            request_id = self._pending_aborts.pop()
-            with self._lock:
-                self.engine.abort_request(request_id)
+            self.abort(self._pending_aborts.pop())
 
     def _loop(self) -> None:
         while not self._stopping:

@@ -71,6 +71,7 @@ class OpenAIServer:
         self.metrics = ServerMetrics(engines)
         for name, engine in engines.items():
             engine.on_output = lambda output, t, name=name: self._on_output(name, output, t)
+            engine.on_abort = self.metrics.forget
 
     def _on_output(self, model_name: str, output: RequestOutput, t: float) -> None:
         self.metrics.observe(model_name, output, t)

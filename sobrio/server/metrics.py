@@ -1,5 +1,7 @@
 """Prometheus metrics, `sobrio:` + vLLM's names, labelled by model_name. Never any request text."""
 
+import threading
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -48,24 +50,33 @@ class ServerMetrics:
         self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish")
         self.queue_time = hist("request_queue_time_seconds", "Arrival to first schedule")
         self._last_token_time: dict[tuple[str, int], float] = {}
+        self._lock = threading.Lock()  # observe runs on engine threads, forget on those or the event loop
+
+    def forget(self, request_id: str) -> None:
+        """An aborted request sends no final output: drop its inter-token bookkeeping."""
+        with self._lock:
+            for key in [k for k in self._last_token_time if k[0] == request_id]:
+                del self._last_token_time[key]
 
     def observe(self, model_name: str, output: RequestOutput, now: float) -> None:
         """Called by the engine thread for each output of each sequence."""
         key = (output.request_id, output.outputs[0].index)
-        last = self._last_token_time.get(key)
+        with self._lock:
+            last = self._last_token_time.get(key)
+            self._last_token_time[key] = now
+            if output.finished:
+                self._last_token_time.pop(key, None)
         new_tokens = len(output.delta_token_ids)
         if last is None:
             self.ttft.labels(model_name).observe(now - output.metrics.arrival_time)
         elif new_tokens:
             self.itl.labels(model_name).observe((now - last) / new_tokens)
-        self._last_token_time[key] = now
         self.generation_tokens.labels(model_name).inc(new_tokens)
         if not output.finished:
             return
-        self._last_token_time.pop(key, None)
         m = output.metrics
         if output.outputs[0].index == 0:
-            self.prompt_tokens.labels(model_name).inc(len(output.prompt_token_ids) - output.num_cached_tokens)
+            self.prompt_tokens.labels(model_name).inc(len(output.prompt_token_ids))
         self.request_success.labels(model_name, output.outputs[0].finish_reason).inc()
         self.e2e.labels(model_name).observe(now - m.arrival_time)
         if m.first_scheduled_time is not None:

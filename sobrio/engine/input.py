@@ -10,7 +10,10 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
+    def tokenize(self, prompt: str | list[int] | None) -> list[int]:
+        """Text to ids (with the tokenizer's special tokens), or ids checked against the vocabulary."""
+        if prompt is None:
+            raise InvalidRequestError("prompt is missing", param="prompt")
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty", param="prompt")

@@ -2,6 +2,7 @@
 
 import logging
 import time
+from dataclasses import replace
 
 from sobrio.config import EngineConfig
 from sobrio.engine.detokenize import IncrementalDetokenizer
@@ -59,9 +60,7 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if len(self.scheduler.waiting) >= self.config.max_num_waiting:
             raise EngineOverloadedError("the waiting queue is full; retry later")
-        ids = prompt_token_ids if prompt_token_ids is not None else self.input_processor.tokenize(prompt)
-        if prompt_token_ids is not None:
-            ids = self.input_processor.tokenize(list(ids))
+        ids = self.input_processor.tokenize(prompt_token_ids if prompt_token_ids is not None else prompt)
         max_tokens = self.input_processor.resolve_max_tokens(len(ids), params)
         arrival = arrival_time or time.monotonic()
         text_prompt = prompt if isinstance(prompt, str) else None
@@ -176,7 +175,5 @@ def _child_params(params: SamplingParams, index: int) -> SamplingParams:
     """Each of n sequences gets its own seed (seed + index), so seeded n > 1 still differs per sequence."""
     if params.n == 1:
         return params
-    from dataclasses import replace
-
     seed = None if params.seed is None else params.seed + index
     return replace(params, n=1, seed=seed)

@@ -85,9 +85,6 @@ class ModelRunner:
         for attn in self.model.attention_layers():
             attn.kv_cache = torch.zeros(2, self.num_blocks, self.block_size, kv_heads, head_dim, dtype=self.dtype)
 
-    def kv_cache_bytes(self) -> int:
-        return sum(a.kv_cache.numel() * a.kv_cache.element_size() for a in self.model.attention_layers())
-
     def prepare_inputs(self, out: SchedulerOutput):
         """Flatten the step: token ids, positions, attention metadata, rows whose logits are needed."""
         input_ids: list[int] = []

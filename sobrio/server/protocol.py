@@ -15,7 +15,6 @@ class StrictModel(BaseModel):
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
-    continuous_usage_stats: bool = False
 
 
 class ResponseFormat(StrictModel):

@@ -2,7 +2,8 @@
 
 Each request gets an asyncio.Queue fed from the engine thread; its consumer iterates `generate()`.
 Cancelling that iteration (a client that disconnects) aborts the request, which frees its blocks at the
-next step. An exception inside a step fails only the requests of that step; the loop keeps serving.
+next step. An exception inside a step fails the requests in flight then (each gets the error); the loop
+keeps serving new ones.
 """
 
 import asyncio
@@ -123,7 +124,7 @@ class AsyncLLM:
             with self._lock:
                 try:
                     outputs = self.engine.step()
-                except Exception as exc:  # fail this step's requests, keep the loop alive
+                except Exception as exc:  # fail the requests in flight, keep the loop alive
                     logger.exception("engine step failed: %s", type(exc).__name__)
                     self._fail_all(EngineStepError(f"engine step failed: {type(exc).__name__}"))
                     continue
@@ -141,7 +142,9 @@ class AsyncLLM:
 
     def _fail_all(self, error: Exception) -> None:
         for request_id, (loop, queue) in list(self._queues.items()):
-            self.engine.abort_request(request_id)
+            self.engine.abort_request(request_id)  # the caller holds the lock
+            if self.on_abort is not None:
+                self.on_abort(request_id)
             loop.call_soon_threadsafe(queue.put_nowait, error)
 
     def shutdown(self, timeout: float = 5.0) -> None:

@@ -19,8 +19,8 @@ def load():
     try:
         from torch.utils.cpp_extension import load as load_extension
 
-        source = Path(__file__).with_name("paged_attention.cpp")
-        return load_extension(name="sobrio_cpu_ops", sources=[str(source)],
+        sources = [str(Path(__file__).with_name(name)) for name in ("paged_attention.cpp", "cpu_ops.cpp")]
+        return load_extension(name="sobrio_cpu_ops", sources=sources,
                               extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
                               extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, or headers missing: keep the PyTorch path

@@ -148,8 +148,10 @@ class BatchedDecodeAttention(ReferenceAttention):
         key_cache, value_cache = self.caches()
         key_cache.index_copy_(0, meta.slot_mapping, k)
         value_cache.index_copy_(0, meta.slot_mapping, v)
-        out = torch.empty_like(q)
         decode = meta.decode_seqs()
+        if decode is not None and len(decode[0]) == meta.num_seqs:  # a pure decode step: no scatter
+            return self.decode(q, meta).view(q.shape[0], -1)
+        out = torch.empty_like(q)
         done = set()
         if decode is not None:
             seqs, rows, _, _ = decode
@@ -176,12 +178,17 @@ class BatchedDecodeAttention(ReferenceAttention):
 class CppPagedAttention(BatchedDecodeAttention):
     """Decode with the C++ operator (sobrio/csrc): keys and values read in place, no gather or padding."""
 
-    def decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         from sobrio.csrc import load
 
+        self.ops = load()
+        assert self.ops is not None, "the C++ operators did not build; use the batched backend"
+
+    def decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         key_cache, value_cache = self.caches()
         _, _, tables, ctx = meta.decode_seqs()
-        return load().paged_decode_attention(q.contiguous(), key_cache, value_cache, tables, ctx,
+        return self.ops.paged_decode_attention(q.contiguous(), key_cache, value_cache, tables, ctx,
                                              meta.block_size, self.scale, self.sliding_window or 0)
 
 

@@ -3,6 +3,8 @@
 import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from sobrio.layers.cpu_ops import cpu_ops
+
 
 def _rope_parameters(config, layer_type: str | None) -> dict:
     params = getattr(config, "rope_parameters", None) or {"rope_theta": getattr(config, "rope_theta", 10000.0)}
@@ -34,7 +36,16 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, Hq, D], k: [T, Hk, D]; returns both rotated, in their dtype."""
+        """q: [T, Hq, D], k: [T, Hk, D] (rows may be strided views of the packed qkv output); returns both
+        rotated, in their dtype. The C++ path rotates them in place."""
+        ops = cpu_ops()
+        if ops is not None and q.stride(-1) == 1 and k.stride(-1) == 1 and q.stride(1) == q.shape[2] \
+                and k.stride(1) == k.shape[2]:
+            ops.rotary_embedding(positions, q, k, self.cos, self.sin)
+            return q, k
+        return self.reference(positions, q, k)
+
+    def reference(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         cos = self.cos[positions].to(q.dtype).unsqueeze(1)
         sin = self.sin[positions].to(q.dtype).unsqueeze(1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

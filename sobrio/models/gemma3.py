@@ -29,10 +29,12 @@ class Gemma3DecoderLayer(torch.nn.Module):
         self.input_layernorm, self.post_attention_layernorm = norm(), norm()
         self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
 
-    def forward(self, positions, x, meta):
-        h = self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x), meta))
-        x = x + h
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+    def forward(self, positions, x, residual, meta):
+        """Returns (this layer's output, the residual stream before it): the next norm adds them."""
+        x, residual = self.input_layernorm.add_and_norm(x, residual)
+        x = self.post_attention_layernorm(self.self_attn(positions, x, meta))
+        x, residual = self.pre_feedforward_layernorm.add_and_norm(x, residual)
+        return self.post_feedforward_layernorm(self.mlp(x)), residual
 
 
 class Gemma3ForCausalLM(CausalLM):

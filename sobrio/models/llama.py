@@ -4,6 +4,8 @@ import torch
 import torch.nn.functional as F
 
 from sobrio.layers.attention import AttentionMetadata, BatchedDecodeAttention, ReferenceAttention
+from sobrio.layers.cpu_ops import cpu_ops
+from sobrio.layers.linear import Linear, linear
 from sobrio.layers.norm import RMSNorm
 from sobrio.layers.rotary import RotaryEmbedding
 from sobrio.models.weights import PackedLinear
@@ -22,7 +24,7 @@ class LlamaAttention(torch.nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
         self.qkv_proj = PackedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=bias)
-        self.o_proj = torch.nn.Linear(q_size, config.hidden_size, bias=getattr(config, "attention_bias", False))
+        self.o_proj = Linear(q_size, config.hidden_size, bias=getattr(config, "attention_bias", False))
         self.split = [q_size, kv_size, kv_size]
         self.rotary = rotary
         self.attn = attn_cls(self.num_heads, self.num_kv_heads, self.head_dim,
@@ -40,16 +42,24 @@ class LlamaAttention(torch.nn.Module):
         return self.o_proj(self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), meta))
 
 
+ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}  # codes of the C++ act_and_mul
+
+
 class GatedMLP(torch.nn.Module):
     def __init__(self, hidden: int, intermediate: int, act: str):
         super().__init__()
         self.gate_up_proj = PackedLinear(hidden, [intermediate, intermediate], bias=False)
-        self.down_proj = torch.nn.Linear(intermediate, hidden, bias=False)
-        assert act in ("silu", "gelu_pytorch_tanh"), f"unsupported activation {act}"
+        self.down_proj = Linear(intermediate, hidden, bias=False)
+        assert act in ACTIVATIONS, f"unsupported activation {act}"
+        self.act_code = ACTIVATIONS[act]
         self.act = F.silu if act == "silu" else lambda x: F.gelu(x, approximate="tanh")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        ops = cpu_ops()
+        if ops is not None:
+            return self.down_proj(ops.act_and_mul(gate_up, self.act_code))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -62,9 +72,12 @@ class LlamaDecoderLayer(torch.nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, x, meta):
-        x = x + self.self_attn(positions, self.input_layernorm(x), meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, positions, x, residual, meta):
+        """Returns (this layer's output, the residual stream before it): the next norm adds them."""
+        x, residual = self.input_layernorm.add_and_norm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
+        return self.mlp(x), residual
 
 
 class DecoderModel(torch.nn.Module):
@@ -81,9 +94,10 @@ class DecoderModel(torch.nn.Module):
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(positions, x, meta)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual, meta)
+        return self.norm.add_and_norm(x, residual)[0]
 
 
 class CausalLM(torch.nn.Module):
@@ -104,7 +118,7 @@ class CausalLM(torch.nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight).float()
+        logits = linear(hidden, weight).float()
         if self.final_logit_softcapping:
             cap = self.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap

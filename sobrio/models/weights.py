@@ -4,6 +4,8 @@ from collections.abc import Iterable
 
 import torch
 
+from sobrio.layers.linear import Linear
+
 # HF sub-module name -> (packed module name, shard index)
 PACKED_MODULES = {
     "q_proj": ("qkv_proj", 0),
@@ -47,7 +49,7 @@ def _packed_target(name: str) -> tuple[str, int | None]:
     return name, None
 
 
-class PackedLinear(torch.nn.Linear):
+class PackedLinear(Linear):
     """One matrix for several projections of the same input (q/k/v or gate/up): one matmul instead of 3."""
 
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool):

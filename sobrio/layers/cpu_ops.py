@@ -1,0 +1,20 @@
+"""The fused C++ operators (sobrio/csrc/cpu_ops.cpp), or None where they did not build.
+
+Every caller keeps its PyTorch expression as the reference and fallback; `SOBRIO_DISABLE_CPP=1` forces
+the fallback everywhere.
+"""
+
+import functools
+
+
+@functools.cache
+def cpu_ops():
+    from sobrio.csrc import load
+
+    return load()
+
+
+@functools.cache
+def gemv_available() -> bool:
+    ops = cpu_ops()
+    return ops is not None and ops.gemv_supported()

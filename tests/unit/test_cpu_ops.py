@@ -1,0 +1,77 @@
+"""The fused C++ operators equal the PyTorch expressions they replace (sobrio/csrc/cpu_ops.cpp)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sobrio.layers.cpu_ops import cpu_ops, gemv_available
+from sobrio.layers.norm import GemmaRMSNorm, RMSNorm
+from sobrio.models.llama import GatedMLP
+
+pytestmark = pytest.mark.skipif(cpu_ops() is None, reason="C++ operators did not build")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    """fp32: equal to rounding; bf16: at most one bf16 step apart (float32 sums in another order)."""
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(actual.float(), expected.float(), **tol)
+
+
+@pytest.mark.skipif(not gemv_available(), reason="needs AVX512-BF16")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("k", [64, 100, 576])  # 100: a tail shorter than one 32-lane vector
+def test_gemv_equals_linear(rows: int, k: int):
+    gen = torch.Generator().manual_seed(rows * k)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    w = (torch.randn(203, k, generator=gen) * 0.1).bfloat16()
+    bias = torch.randn(203, generator=gen).bfloat16()
+    expected = F.linear(x.float(), w.float(), bias.float())
+    torch.testing.assert_close(cpu_ops().gemv_bf16(x, w, bias).float(), expected, atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(cpu_ops().gemv_bf16(x, w).float(), expected - bias.float(), atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm_cls", [RMSNorm, GemmaRMSNorm])
+def test_rms_norm_and_fused_residual(dtype: torch.dtype, norm_cls):
+    gen = torch.Generator().manual_seed(1)
+    norm = norm_cls(96, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96, generator=gen))
+    norm = norm.to(dtype)
+    x = torch.randn(7, 96, generator=gen).to(dtype)
+    residual = torch.randn(7, 96, generator=gen).to(dtype)
+    close(norm(x), norm.reference(x), dtype)
+    expected_sum = x + residual
+    out, new_residual = norm.add_and_norm(x, residual.clone())
+    assert torch.equal(new_residual, expected_sum)  # one rounding of the sum, as PyTorch
+    close(out, norm.reference(expected_sum), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_in_place_on_packed_views(dtype: torch.dtype):
+    from transformers import LlamaConfig
+
+    from sobrio.layers.rotary import RotaryEmbedding
+
+    config = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0)
+    rotary = RotaryEmbedding(config, 64, 512).to(dtype)
+    gen = torch.Generator().manual_seed(2)
+    qkv = torch.randn(9, 4 * 64 + 2 * 2 * 64, generator=gen).to(dtype)
+    positions = torch.randint(0, 512, (9,), generator=gen)
+    q, k, _ = qkv.split([256, 128, 128], dim=-1)
+    q, k = q.view(9, 4, 64), k.view(9, 2, 64)
+    expected_q, expected_k = rotary.reference(positions, q.clone(), k.clone())
+    rotated_q, rotated_k = rotary(positions, q, k)
+    close(rotated_q, expected_q, dtype)
+    close(rotated_k, expected_k, dtype)
+    assert rotated_q.data_ptr() == qkv.data_ptr()  # rotated where they lie, no copy
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+def test_act_and_mul(dtype: torch.dtype, act: str):
+    mlp = GatedMLP(16, 40, act)
+    gate_up = torch.randn(5, 80, generator=torch.Generator().manual_seed(3)).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    close(cpu_ops().act_and_mul(gate_up, mlp.act_code), mlp.act(gate) * up, dtype)

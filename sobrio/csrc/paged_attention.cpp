@@ -70,16 +70,149 @@ inline void axpy(float a, const float* x, float* y, int64_t n) {
 }
 #endif
 
-// exp over a row, written so the compiler can use its vector math library.
+#if defined(__AVX512F__)
+// exp(x) for x <= 0 (softmax after the max is subtracted): 2^n * p(r), r in [-ln2/2, ln2/2], a degree-6
+// polynomial (relative error ~2e-7). libm's expf is not vectorized without -ffast-math, and was the
+// largest cost of this operator.
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  const __m512 r2 = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r2, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r2, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r2, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r2, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r2, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r2, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline float exp_and_sum(float* s, int64_t n, float mx) {
+  const __m512 vmx = _mm512_set1_ps(mx);
+  __m512 sum = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + i), vmx));
+    _mm512_storeu_ps(s + i, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  if (i < n) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + i), vmx));
+    _mm512_mask_storeu_ps(s + i, mask, e);
+    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mask, e));
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+#else
 inline float exp_and_sum(float* s, int64_t n, float mx) {
   float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
   for (int64_t i = 0; i < n; ++i) {
     s[i] = std::exp(s[i] - mx);
     sum += s[i];
   }
   return sum;
 }
+#endif
+
+// Scores of `group` queries (float32, pre-scaled) against one key row.
+template <typename T>
+inline void score_row(const float* qf, const T* key, float* row, float* out, int64_t group, int64_t n, int64_t dim) {
+  load_row(key, row, dim);
+  for (int64_t g = 0; g < group; ++g) out[g * n] = dot(qf + g * dim, row, dim);
+}
+
+#if defined(__AVX512BF16__)
+// The common case, bf16 with head_dim 64 and at most 8 query heads per kv head: scores by AVX512-BF16
+// dot products straight from the cache rows, output accumulated in registers. 3x the generic loop.
+template <int G>
+void decode_task_bf16_d64(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BFloat16* vc,
+                          const int64_t* table, int64_t block_size, int64_t kv_stride, int64_t start, int64_t ctx,
+                          float scale, float* scores, c10::BFloat16* out) {
+  const int64_t n = ctx - start;
+  __m512bh qv[G][2];
+  for (int g = 0; g < G; ++g) {
+    qv[g][0] = (__m512bh)_mm512_loadu_si512(q + g * 64);
+    qv[g][1] = (__m512bh)_mm512_loadu_si512(q + g * 64 + 32);
+  }
+  auto row = [&](const c10::BFloat16* cache, int64_t t) {
+    return cache + (table[t / block_size] * block_size + t % block_size) * kv_stride;
+  };
+  for (int64_t t = start; t < ctx; ++t) {
+    const c10::BFloat16* k = row(kc, t);
+    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(k), k1 = (__m512bh)_mm512_loadu_si512(k + 32);
+    for (int g = 0; g < G; ++g) {
+      const __m512 d = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], k0), qv[g][1], k1);
+      scores[g * n + (t - start)] = _mm512_reduce_add_ps(d) * scale;
+    }
+  }
+  float inv[G];
+  for (int g = 0; g < G; ++g) {
+    float* sg = scores + g * n;
+    inv[g] = 1.f / exp_and_sum(sg, n, *std::max_element(sg, sg + n));
+  }
+  __m512 acc[G][4];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < 4; ++j) acc[g][j] = _mm512_setzero_ps();
+  for (int64_t t = start; t < ctx; ++t) {
+    const c10::BFloat16* v = row(vc, t);
+    __m512 vf[4];
+    for (int j = 0; j < 4; ++j) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * j));
+      vf[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * n + (t - start)]);
+      for (int j = 0; j < 4; ++j) acc[g][j] = _mm512_fmadd_ps(p, vf[j], acc[g][j]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    float buf[64];
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(buf + 16 * j, _mm512_mul_ps(acc[g][j], _mm512_set1_ps(inv[g])));
+    for (int i = 0; i < 64; ++i) out[g * 64 + i] = static_cast<c10::BFloat16>(buf[i]);
+  }
+}
+
+using FastTask = void (*)(const c10::BFloat16*, const c10::BFloat16*, const c10::BFloat16*, const int64_t*, int64_t,
+                          int64_t, int64_t, int64_t, float, float*, c10::BFloat16*);
+constexpr FastTask kFastTasks[] = {nullptr, decode_task_bf16_d64<1>, decode_task_bf16_d64<2>, decode_task_bf16_d64<3>,
+                                   decode_task_bf16_d64<4>, decode_task_bf16_d64<5>, decode_task_bf16_d64<6>,
+                                   decode_task_bf16_d64<7>, decode_task_bf16_d64<8>};
+
+bool decode_fast_bf16(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                      const torch::Tensor& block_tables, const torch::Tensor& context_lens, torch::Tensor& out,
+                      int64_t block_size, double scale, int64_t window) {
+  const int64_t batch = query.size(0), heads = query.size(1), dim = query.size(2);
+  const int64_t kv_heads = key_cache.size(1), group = heads / kv_heads;
+  if (query.scalar_type() != at::kBFloat16 || dim != 64 || group > 8) return false;
+  const auto* q = query.data_ptr<c10::BFloat16>();
+  const auto* kc = key_cache.data_ptr<c10::BFloat16>();
+  const auto* vc = value_cache.data_ptr<c10::BFloat16>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  const int64_t max_blocks = block_tables.size(1);
+  auto* o = out.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / kv_heads, kh = task % kv_heads, ctx = lens[b];
+      const int64_t start = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
+      scores.resize(group * (ctx - start));
+      const int64_t first = (b * heads + kh * group) * dim;
+      kFastTasks[group](q + first, kc + kh * dim, vc + kh * dim, tables + b * max_blocks, block_size, kv_heads * dim,
+                        start, ctx, static_cast<float>(scale), scores.data(), o + first);
+    }
+  });
+  return true;
+}
+#else
+bool decode_fast_bf16(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                      const torch::Tensor&, torch::Tensor&, int64_t, double, int64_t) {
+  return false;
+}
+#endif
 
 template <typename T>
 void decode_kernel(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
@@ -95,31 +228,30 @@ void decode_kernel(const torch::Tensor& query, const torch::Tensor& key_cache, c
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   T* o = out.data_ptr<T>();
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * dim), acc(group * dim), row(dim), scores;
+    std::vector<float> qf(group * dim), acc(group * dim), row(dim), scores, denom(group);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kv_heads, kh = task % kv_heads;
       const int64_t ctx = lens[b];
       const int64_t start = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
       const int64_t n = ctx - start;
-      scores.assign(group * n, 0.f);
+      const int64_t* table = tables + b * max_blocks;
+      auto row_of = [&](const T* cache, int64_t t) {
+        return cache + ((table[t / block_size] * block_size + t % block_size) * kv_heads + kh) * dim;
+      };
+      scores.resize(group * n);
       for (int64_t g = 0; g < group; ++g) {
         load_row(q + (b * heads + kh * group + g) * dim, qf.data() + g * dim, dim);
         for (int64_t i = 0; i < dim; ++i) qf[g * dim + i] *= static_cast<float>(scale);
       }
-      for (int64_t t = start; t < ctx; ++t) {
-        const int64_t slot = tables[b * max_blocks + t / block_size] * block_size + t % block_size;
-        load_row(kc + (slot * kv_heads + kh) * dim, row.data(), dim);
-        for (int64_t g = 0; g < group; ++g) scores[g * n + (t - start)] = dot(qf.data() + g * dim, row.data(), dim);
-      }
-      std::vector<float> denom(group);
+      for (int64_t t = start; t < ctx; ++t)
+        score_row(qf.data(), row_of(kc, t), row.data(), scores.data() + (t - start), group, n, dim);
       for (int64_t g = 0; g < group; ++g) {
         float* s = scores.data() + g * n;
         denom[g] = exp_and_sum(s, n, *std::max_element(s, s + n));
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = start; t < ctx; ++t) {
-        const int64_t slot = tables[b * max_blocks + t / block_size] * block_size + t % block_size;
-        load_row(vc + (slot * kv_heads + kh) * dim, row.data(), dim);
+        load_row(row_of(vc, t), row.data(), dim);
         for (int64_t g = 0; g < group; ++g) axpy(scores[g * n + (t - start)], row.data(), acc.data() + g * dim, dim);
       }
       for (int64_t g = 0; g < group; ++g) {
@@ -142,6 +274,7 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   auto tables = block_tables.contiguous();
   auto lens = context_lens.contiguous();
   auto out = torch::empty_like(query);
+  if (decode_fast_bf16(query, key_cache, value_cache, tables, lens, out, block_size, scale, window)) return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
     decode_kernel<scalar_t>(query, key_cache, value_cache, tables, lens, out, block_size, scale, window);
   });

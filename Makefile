@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install test chat serve lint bench clean
 
-$(STAMP): pyproject.toml Makefile sobrio/csrc/paged_attention.cpp sobrio/csrc/cpu_ops.cpp
+$(STAMP): pyproject.toml Makefile sobrio/csrc/paged_attention.cpp sobrio/csrc/cpu_ops.cpp sobrio/csrc/vec.h
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# The CPU build of torch 2.13.0 lies on this machine's disk; any other version downloads gigabytes.

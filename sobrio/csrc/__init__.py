@@ -5,6 +5,7 @@ torch's extension folder; if no compiler is there it returns None and callers ke
 """
 
 import functools
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -19,9 +20,14 @@ def load():
     try:
         from torch.utils.cpp_extension import load as load_extension
 
-        sources = [str(Path(__file__).with_name(name)) for name in ("paged_attention.cpp", "cpu_ops.cpp")]
+        folder = Path(__file__).parent
+        sources = [str(folder / name) for name in ("paged_attention.cpp", "cpu_ops.cpp")]
+        # torch rebuilds when a source or a flag changes, not a header: the header's hash is a flag.
+        header = hashlib.sha256((folder / "vec.h").read_bytes()).hexdigest()[:12]
         return load_extension(name="sobrio_cpu_ops", sources=sources,
-                              extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
+                              extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno",
+                                            f"-DSOBRIO_VEC_H={header}"],
+                              extra_include_paths=[str(folder)],
                               extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, or headers missing: keep the PyTorch path
         logger.warning("C++ operators unavailable (%s); using the PyTorch attention path", type(exc).__name__)

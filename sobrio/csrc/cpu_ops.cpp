@@ -13,6 +13,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
+
+#include "vec.h"
 
 namespace {
 
@@ -118,7 +121,21 @@ void rms_norm_rows(const T* x, T* residual, const T* w, T* out, int64_t rows, in
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * dim;
       float sq = 0.f;
-      for (int64_t i = 0; i < dim; ++i) {
+      int64_t i = 0;
+#if defined(__AVX512BF16__)
+      __m512 sqv = _mm512_setzero_ps();
+      if constexpr (sobrio_vec::kVectorized<T>) for (; i + 16 <= dim; i += 16) {
+        __m512 v = sobrio_vec::load16(xr + i);
+        if (residual) {
+          v = sobrio_vec::round16<T>(_mm512_add_ps(v, sobrio_vec::load16(residual + r * dim + i)));
+          sobrio_vec::store16(residual + r * dim + i, v);
+        }
+        _mm512_storeu_ps(buf.data() + i, v);
+        sqv = _mm512_fmadd_ps(v, v, sqv);
+      }
+      sq = _mm512_reduce_add_ps(sqv);
+#endif
+      for (; i < dim; ++i) {
         float v = as_float(xr[i]);
         if (residual) {
           v = round_to<T>(v + as_float(residual[r * dim + i]));
@@ -129,7 +146,17 @@ void rms_norm_rows(const T* x, T* residual, const T* w, T* out, int64_t rows, in
       }
       const float inv = 1.f / std::sqrt(sq / static_cast<float>(dim) + static_cast<float>(eps));
       T* o = out + r * dim;
-      for (int64_t i = 0; i < dim; ++i) {
+      i = 0;
+#if defined(__AVX512BF16__)
+      const __m512 vinv = _mm512_set1_ps(inv), one = _mm512_set1_ps(1.f);
+      if constexpr (sobrio_vec::kVectorized<T>) for (; i + 16 <= dim; i += 16) {
+        const __m512 normed = _mm512_mul_ps(_mm512_loadu_ps(buf.data() + i), vinv);
+        const __m512 wv = sobrio_vec::load16(w + i);
+        sobrio_vec::store16(o + i, gemma ? _mm512_mul_ps(normed, _mm512_add_ps(one, wv))
+                                         : _mm512_mul_ps(wv, sobrio_vec::round16<T>(normed)));
+      }
+#endif
+      for (; i < dim; ++i) {
         const float normed = buf[i] * inv;
         o[i] = gemma ? static_cast<T>(normed * (1.f + as_float(w[i]))) : static_cast<T>(as_float(w[i]) * round_to<T>(normed));
       }
@@ -169,7 +196,20 @@ void rope_heads(T* x, int64_t tokens, int64_t heads, int64_t dim, int64_t stride
       const C* s = sin + pos[t] * dim;
       for (int64_t h = 0; h < heads; ++h) {
         T* v = x + t * stride + h * dim;
-        for (int64_t i = 0; i < half; ++i) {
+        int64_t i = 0;
+#if defined(__AVX512BF16__)
+        using sobrio_vec::load16;
+        using sobrio_vec::round16;
+        if constexpr (sobrio_vec::kVectorized<T> && sobrio_vec::kVectorized<C>) for (; i + 16 <= half; i += 16) {
+          const __m512 a = load16(v + i), b = load16(v + i + half);
+          const __m512 c1 = round16<T>(load16(c + i)), s1 = round16<T>(load16(s + i));
+          const __m512 c2 = round16<T>(load16(c + i + half)), s2 = round16<T>(load16(s + i + half));
+          const __m512 nb = _mm512_sub_ps(_mm512_setzero_ps(), b);
+          sobrio_vec::store16(v + i, _mm512_add_ps(round16<T>(_mm512_mul_ps(a, c1)), round16<T>(_mm512_mul_ps(nb, s1))));
+          sobrio_vec::store16(v + i + half, _mm512_add_ps(round16<T>(_mm512_mul_ps(b, c2)), round16<T>(_mm512_mul_ps(a, s2))));
+        }
+#endif
+        for (; i < half; ++i) {
           const float a = as_float(v[i]), b = as_float(v[i + half]);
           const float c1 = round_to<T>(as_float(c[i])), s1 = round_to<T>(as_float(s[i]));
           const float c2 = round_to<T>(as_float(c[i + half])), s2 = round_to<T>(as_float(s[i + half]));
@@ -214,8 +254,25 @@ void act_and_mul_rows(const T* x, T* out, int64_t rows, int64_t inter, int64_t a
       const T* g = x + r * 2 * inter;
       const T* u = g + inter;
       T* o = out + r * inter;
-#pragma omp simd
-      for (int64_t i = 0; i < inter; ++i) {
+      int64_t i = 0;
+#if defined(__AVX512BF16__)
+      const __m512 one = _mm512_set1_ps(1.f), zero = _mm512_setzero_ps();
+      if constexpr (sobrio_vec::kVectorized<T>) for (; i + 16 <= inter; i += 16) {
+        const __m512 a = sobrio_vec::load16(g + i);
+        __m512 y;
+        if (act == 0) {
+          y = _mm512_div_ps(a, _mm512_add_ps(one, sobrio_vec::exp512(_mm512_sub_ps(zero, a))));
+        } else {  // tanh(z) = 1 - 2 / (exp(2z) + 1)
+          const __m512 z = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
+                                         _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), a), _mm512_mul_ps(a, a), a));
+          const __m512 e = sobrio_vec::exp512(_mm512_add_ps(z, z));
+          const __m512 th = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(e, one)));
+          y = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), a), _mm512_add_ps(one, th));
+        }
+        sobrio_vec::store16(o + i, _mm512_mul_ps(sobrio_vec::round16<T>(y), sobrio_vec::load16(u + i)));
+      }
+#endif
+      for (; i < inter; ++i) {
         const float a = as_float(g[i]);
         float y;
         if (act == 0) {

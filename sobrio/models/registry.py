@@ -30,4 +30,6 @@ def build_model(config, max_positions: int, weights, dtype: torch.dtype, attenti
     with torch.device("cpu"):
         model = model_class(config)(config, max_positions, resolve_backend(attention_backend))
     load_weights(model, weights)
-    return model.to(dtype).eval().requires_grad_(False)
+    model = model.to(dtype).eval().requires_grad_(False)
+    model.prepack()
+    return model

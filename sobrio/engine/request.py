@@ -38,6 +38,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first schedule
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # of the full, computed blocks
+    prompt_block_hashes: list[bytes] = field(default_factory=list)  # of every full block, set on admission
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     generator: torch.Generator | None = None

@@ -71,10 +71,18 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        in_prefill = {h for r in self.running for h in self.kv.uncomputed_hashes(r)}
+        deferred: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             if not req.block_table:
                 self.kv.apply_prefix_hits(req)
+            if self._next_block_in(req, in_prefill):
+                self._reset(req)  # hold it back: its next block will be a cache hit once computed
+                deferred.append(self.waiting.popleft())
+                if len(deferred) >= self.config.max_num_seqs:
+                    break  # bound the scan of a long queue
+                continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self.kv.allocate_slots(req, num_new):
                 self._reset(req)  # give its prefix hits back until it can really start
@@ -87,6 +95,14 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append((req, num_new))
             budget -= num_new
+            in_prefill.update(self.kv.uncomputed_hashes(req))
+        self.waiting.extendleft(reversed(deferred))
+
+    def _next_block_in(self, req: Request, hashes: set[bytes]) -> bool:
+        """Whether the first block this request would compute is one a running request is computing now:
+        then waiting a step or two turns it into a prefix hit instead of computing it twice."""
+        pending = self.kv.uncomputed_hashes(req)
+        return bool(pending) and pending[0] in hashes
 
     def _reset(self, req: Request) -> None:
         self.pool.queries -= req.num_tokens

@@ -23,18 +23,31 @@ class KVCacheManager:
         if not self.pool.enable_prefix_caching:
             return
         tokens = req.all_token_ids
-        hashes, parent = [], None
-        for j in range((len(tokens) - 1) // self.block_size):
-            parent = hash_block(parent, tokens[j * self.block_size:(j + 1) * self.block_size], req.cache_salt)
-            hashes.append(parent)
+        hashes = self._prompt_hashes(req, (len(tokens) - 1) // self.block_size)
         hits = self.pool.lookup(hashes)
         for block_id in hits:
             self.pool.touch(block_id)
         req.block_table = list(hits)
         req.block_hashes = hashes[:len(hits)]
+        req.prompt_block_hashes = hashes
         req.num_computed_tokens = len(hits) * self.block_size
         self.pool.queries += len(tokens)
         self.pool.hits += req.num_computed_tokens
+
+    def _prompt_hashes(self, req, num_blocks: int) -> list[bytes]:
+        """The chained hashes of the first num_blocks blocks; kept from an earlier admission attempt when
+        the tokens have not changed since (a held-back request is looked up again every step)."""
+        if len(req.prompt_block_hashes) == num_blocks:
+            return req.prompt_block_hashes
+        tokens, hashes, parent = req.all_token_ids, [], None
+        for j in range(num_blocks):
+            parent = hash_block(parent, tokens[j * self.block_size:(j + 1) * self.block_size], req.cache_salt)
+            hashes.append(parent)
+        return hashes
+
+    def uncomputed_hashes(self, req) -> list[bytes]:
+        """Hashes of the full blocks this request still has to compute (empty once its prefill is done)."""
+        return req.prompt_block_hashes[req.num_computed_tokens // self.block_size:]
 
     def allocate_slots(self, req, num_new_tokens: int) -> bool:
         """Grow the block table to hold num_new_tokens more; False (and no change) if blocks run out."""

@@ -40,6 +40,23 @@ def test_same_output_with_cache_on_and_off(alias):
     assert _ids(again) == _ids(reference)
 
 
+def test_requests_arriving_together_compute_a_shared_prefix_once(smollm2):
+    """The second of two prompts sharing 8 blocks waits for the first's prefill and then hits the cache,
+    instead of computing the same blocks in the same step; its output does not change."""
+    tokenizer = smollm2.get_tokenizer()
+    shared = (tokenizer("Shared instructions for every request in this batch. ").input_ids * 20)[:128]
+    prompts = [shared + tokenizer(q).input_ids for q in ["Say one.", "Say two.", "Say three."]]
+    alone = [smollm2.generate({"prompt_token_ids": p, "cache_salt": f"alone-{i}"}, GREEDY, use_tqdm=False)[0]
+             for i, p in enumerate(prompts)]
+    together = smollm2.generate([{"prompt_token_ids": p, "cache_salt": "together"} for p in prompts], GREEDY,
+                                use_tqdm=False)
+    assert together[0].num_cached_tokens == 0
+    assert all(o.num_cached_tokens == 128 for o in together[1:])
+    assert _ids(together) == _ids(alone)
+    pool = smollm2.engine.scheduler.pool
+    assert pool.num_free == pool.num_blocks and all(b.ref_count == 0 for b in pool.blocks)  # nothing held
+
+
 def test_cache_salts_never_share(smollm2):
     prompt = smollm2.get_tokenizer()("A salted prompt that is long enough to fill a few blocks. " * 3).input_ids
     params = SamplingParams(temperature=0, max_tokens=4)
@@ -52,7 +69,9 @@ def test_cache_salts_never_share(smollm2):
 
 def test_forced_preemption_same_output_no_leak():
     roomy = LLM("smollm2-135m", **engine_kwargs(enable_prefix_caching=False))
-    prompts = [{"prompt_token_ids": p} for p in mixed_prompts(roomy.get_tokenizer())[1:6]]
+    # A salt each: nothing shared through the cache, so the whole running set needs its own blocks.
+    texts = mixed_prompts(roomy.get_tokenizer())[1:6]
+    prompts = [{"prompt_token_ids": p, "cache_salt": str(i)} for i, p in enumerate(texts)]
     params = SamplingParams(temperature=0, max_tokens=40)
     expected = _ids(roomy.generate(prompts, params, use_tqdm=False))
     del roomy

@@ -5,10 +5,11 @@ the C++ operator, on the same paged cache; prints ms per layer and the speed-up 
 """
 
 import argparse
-import os
 import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# isort: off
+import sobrio  # noqa: F401  (first: it sets the OpenMP thread policy before torch loads)
+# isort: on
 
 import torch  # noqa: E402
 

@@ -5,12 +5,13 @@ Prints TTFT p50 and total time with the cache on and off, and their ratios.
 """
 
 import argparse
-import os
 import random
 import statistics
 import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# isort: off
+import sobrio  # noqa: F401  (first: it sets the OpenMP thread policy before torch loads)
+# isort: on
 
 from sobrio import LLM, SamplingParams  # noqa: E402
 

@@ -5,11 +5,12 @@ preparation, sampling, detokenizing), for pure decode steps at a given batch siz
 """
 
 import argparse
-import os
 import random
 import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# isort: off
+import sobrio  # noqa: F401  (first: it sets the OpenMP thread policy before torch loads)
+# isort: on
 
 from sobrio import LLM, SamplingParams  # noqa: E402
 

@@ -103,8 +103,9 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::T
   const auto* xp = xc.data_ptr<c10::BFloat16>();
   const auto* wp = wc.data_ptr<c10::BFloat16>();
   auto* yp = y.data_ptr<c10::BFloat16>();
-  // Waking the second thread costs tens of microseconds: split only past ~2 MB of weights a thread.
-  const int64_t grain = std::max<int64_t>(1, (2 << 20) / (K * 2));
+  // Waking the second thread costs tens of microseconds on a quiet machine and milliseconds when the server
+  // and its clients hold the other core: split only past ~8 MB of weights a thread (the LM head).
+  const int64_t grain = std::max<int64_t>(1, (8 << 20) / (K * 2));
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) { gemv_dispatch(xp, wp, b, yp, M, N, K, begin, end); });
 #endif
   return y;

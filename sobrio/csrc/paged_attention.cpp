@@ -178,7 +178,11 @@ bool decode_fast_bf16(const torch::Tensor& query, const torch::Tensor& key_cache
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   const int64_t max_blocks = block_tables.size(1);
   auto* o = out.data_ptr<c10::BFloat16>();
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // Waking the other thread costs more than ~4k key rows of work (a batch-1 decode): keep those inline.
+  int64_t rows = 0;
+  for (int64_t b = 0; b < batch; ++b) rows += lens[b] * kv_heads;
+  const int64_t grain = std::max<int64_t>(1, batch * kv_heads * 4096 / std::max<int64_t>(rows, 1));
+  at::parallel_for(0, batch * kv_heads, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kv_heads, kh = task % kv_heads, ctx = lens[b];

@@ -191,7 +191,7 @@ template <typename T, typename C>
 void rope_heads(T* x, int64_t tokens, int64_t heads, int64_t dim, int64_t stride, const int64_t* pos,
                 const C* cos, const C* sin) {
   const int64_t half = dim / 2;
-  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const C* c = cos + pos[t] * dim;
       const C* s = sin + pos[t] * dim;
@@ -250,7 +250,7 @@ void rotary_embedding(torch::Tensor positions, torch::Tensor q, torch::Tensor k,
 // as PyTorch rounds act(gate) and then the product.
 template <typename T>
 void act_and_mul_rows(const T* x, T* out, int64_t rows, int64_t inter, int64_t act) {
-  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* g = x + r * 2 * inter;
       const T* u = g + inter;

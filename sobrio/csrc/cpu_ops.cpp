@@ -19,16 +19,9 @@
 
 namespace {
 
-inline float bf16_to_float(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
-inline float as_float(float x) { return x; }
-inline float as_float(c10::BFloat16 x) { return bf16_to_float(x); }
+using sobrio_vec::to_float;
 template <typename T>
-inline float round_to(float x) { return as_float(static_cast<T>(x)); }
+inline float round_to(float x) { return to_float(static_cast<T>(x)); }
 
 // ---------------------------------------------------------------------------------------------------
 // y[M, N] = x[M, K] @ w[N, K]^T (+ bias), bf16 in and out, float32 accumulation. For M of a few rows the
@@ -61,7 +54,7 @@ void gemv_rows(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat
       const __m512bh w0 = load_bf16(wr + k, K - k);
       for (int m = 0; m < kM; ++m) a0[m] = _mm512_dpbf16_ps(a0[m], load_bf16(x + m * K + k, K - k), w0);
     }
-    const float b = bias ? bf16_to_float(bias[n]) : 0.f;
+    const float b = bias ? to_float(bias[n]) : 0.f;
     for (int m = 0; m < kM; ++m) y[m * N + n] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m])) + b);
   }
 }
@@ -137,9 +130,9 @@ void rms_norm_rows(const T* x, T* residual, const T* w, T* out, int64_t rows, in
       sq = _mm512_reduce_add_ps(sqv);
 #endif
       for (; i < dim; ++i) {
-        float v = as_float(xr[i]);
+        float v = to_float(xr[i]);
         if (residual) {
-          v = round_to<T>(v + as_float(residual[r * dim + i]));
+          v = round_to<T>(v + to_float(residual[r * dim + i]));
           residual[r * dim + i] = static_cast<T>(v);
         }
         buf[i] = v;
@@ -159,7 +152,7 @@ void rms_norm_rows(const T* x, T* residual, const T* w, T* out, int64_t rows, in
 #endif
       for (; i < dim; ++i) {
         const float normed = buf[i] * inv;
-        o[i] = gemma ? static_cast<T>(normed * (1.f + as_float(w[i]))) : static_cast<T>(as_float(w[i]) * round_to<T>(normed));
+        o[i] = gemma ? static_cast<T>(normed * (1.f + to_float(w[i]))) : static_cast<T>(to_float(w[i]) * round_to<T>(normed));
       }
     }
   });
@@ -211,9 +204,9 @@ void rope_heads(T* x, int64_t tokens, int64_t heads, int64_t dim, int64_t stride
         }
 #endif
         for (; i < half; ++i) {
-          const float a = as_float(v[i]), b = as_float(v[i + half]);
-          const float c1 = round_to<T>(as_float(c[i])), s1 = round_to<T>(as_float(s[i]));
-          const float c2 = round_to<T>(as_float(c[i + half])), s2 = round_to<T>(as_float(s[i + half]));
+          const float a = to_float(v[i]), b = to_float(v[i + half]);
+          const float c1 = round_to<T>(to_float(c[i])), s1 = round_to<T>(to_float(s[i]));
+          const float c2 = round_to<T>(to_float(c[i + half])), s2 = round_to<T>(to_float(s[i + half]));
           v[i] = static_cast<T>(round_to<T>(a * c1) + round_to<T>(-b * s1));
           v[i + half] = static_cast<T>(round_to<T>(b * c2) + round_to<T>(a * s2));
         }
@@ -274,7 +267,7 @@ void act_and_mul_rows(const T* x, T* out, int64_t rows, int64_t inter, int64_t a
       }
 #endif
       for (; i < inter; ++i) {
-        const float a = as_float(g[i]);
+        const float a = to_float(g[i]);
         float y;
         if (act == 0) {
           y = a / (1.f + std::exp(-a));
@@ -282,7 +275,7 @@ void act_and_mul_rows(const T* x, T* out, int64_t rows, int64_t inter, int64_t a
           const float inner = 0.7978845608028654f * (a + 0.044715f * a * a * a);
           y = 0.5f * a * (1.f + std::tanh(inner));
         }
-        o[i] = static_cast<T>(round_to<T>(y) * as_float(u[i]));
+        o[i] = static_cast<T>(round_to<T>(y) * to_float(u[i]));
       }
     }
   });

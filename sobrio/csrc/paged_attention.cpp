@@ -17,14 +17,7 @@
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
+using sobrio_vec::to_float;
 
 template <typename T>
 inline void load_row(const T* src, float* dst, int64_t n) {
@@ -33,13 +26,10 @@ inline void load_row(const T* src, float* dst, int64_t n) {
 }
 
 #if defined(__AVX512F__)
-// bf16 -> fp32 is a 16-bit left shift; 16 lanes at a time.
+// bf16 -> fp32, 16 lanes at a time.
 inline void load_row(const c10::BFloat16* src, float* dst, int64_t n) {
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
-    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
-  }
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, sobrio_vec::load16(src + i));
   for (; i < n; ++i) dst[i] = to_float(src[i]);
 }
 
@@ -143,10 +133,7 @@ void decode_task_bf16_d64(const c10::BFloat16* q, const c10::BFloat16* kc, const
   for (int64_t t = start; t < ctx; ++t) {
     const c10::BFloat16* v = row(vc, t);
     __m512 vf[4];
-    for (int j = 0; j < 4; ++j) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * j));
-      vf[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-    }
+    for (int j = 0; j < 4; ++j) vf[j] = sobrio_vec::load16(v + 16 * j);
     for (int g = 0; g < G; ++g) {
       const __m512 p = _mm512_set1_ps(scores[g * n + (t - start)]);
       for (int j = 0; j < 4; ++j) acc[g][j] = _mm512_fmadd_ps(p, vf[j], acc[g][j]);

@@ -1,13 +1,30 @@
-// AVX-512 helpers shared by the C++ operators: float32 <-> bf16 vectors with PyTorch's rounding
-// (round to nearest even), and exp. Each operator keeps a scalar loop for tails and other CPUs.
+// Helpers shared by the C++ operators: storage types to float32, and AVX-512 float32 <-> bf16 vectors
+// with PyTorch's rounding (round to nearest even) and exp. Each operator keeps a scalar loop for tails
+// and other CPUs.
 #pragma once
 
-#if defined(__AVX512F__)
 #include <c10/util/BFloat16.h>
-#include <immintrin.h>
+#include <c10/util/Half.h>
 
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
+
+namespace sobrio_vec {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) {  // bf16 is the top half of a float32
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+}  // namespace sobrio_vec
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
 
 namespace sobrio_vec {
 

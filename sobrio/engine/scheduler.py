@@ -71,6 +71,8 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        if not self.waiting:
+            return  # the common decode step: skip gathering the running requests' pending hashes
         in_prefill = {h for r in self.running for h in self.kv.uncomputed_hashes(r)}
         deferred: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:

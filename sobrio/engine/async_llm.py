@@ -73,6 +73,8 @@ class AsyncLLM:
                 if isinstance(item, Exception):
                     raise item
                 remaining -= item.finished
+                if item.outputs[0].finish_reason == "error":
+                    raise EngineStepError("the engine failed while computing this request")
                 yield item
         finally:
             for request_id in request_ids:
@@ -83,9 +85,11 @@ class AsyncLLM:
     def _add(self, request_id, prompt, params, prompt_token_ids, cache_salt, loop, queue) -> None:
         if self._stopping:
             raise SobrioError("the server is shutting down")
+        # Tokenizing takes no lock: a long prompt never holds up the step of the requests in flight.
+        processed = self.engine.process_input(request_id, prompt, params, cache_salt=cache_salt,
+                                              prompt_token_ids=prompt_token_ids)
         with self._lock:
-            self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt,
-                                    prompt_token_ids=prompt_token_ids)
+            self.engine.add_processed(processed)
             self._queues[request_id] = (loop, queue)
         self._wake.set()
 
@@ -108,7 +112,10 @@ class AsyncLLM:
             self.on_abort(request_id)
 
     def stats(self) -> dict:
-        return self.engine.stats()
+        stats = self.engine.stats()
+        stats["tables"] = {**stats["tables"], "async_queues": len(self._queues),
+                           "async_pending_aborts": len(self._pending_aborts)}
+        return stats
 
     def _apply_pending_aborts(self) -> None:
         while self._pending_aborts:

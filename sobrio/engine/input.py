@@ -4,11 +4,24 @@ from sobrio.errors import InvalidRequestError
 from sobrio.sample.params import SamplingParams
 
 
+def check_text(text: str, param: str) -> None:
+    """Refuse text that is not valid Unicode (a lone surrogate such as "\\ud800" cannot be encoded)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(f"{param} is not valid Unicode text (lone surrogate at character {exc.start})",
+                                  param=param) from None
+
+
 class InputProcessor:
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        # No token covers more characters than its vocabulary string has (x2 for normalizers): text past
+        # this length cannot fit the context, so it is refused without spending seconds tokenizing it.
+        longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars = 2 * longest * max_model_len
 
     def tokenize(self, prompt: str | list[int] | None) -> list[int]:
         """Text to ids (with the tokenizer's special tokens), or ids checked against the vocabulary."""
@@ -17,13 +30,26 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty", param="prompt")
-            return self.tokenizer(prompt).input_ids
+            return self._encode(prompt, "prompt", add_special_tokens=True)
         ids = list(prompt)
         if not ids:
             raise InvalidRequestError("prompt is empty", param="prompt")
-        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
-            raise InvalidRequestError(f"prompt token ids must be integers in [0, {self.vocab_size})", param="prompt")
+        self.check_token_ids(ids, "prompt")
         return ids
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in ids):
+            raise InvalidRequestError(f"{param} token ids must be integers in [0, {self.vocab_size})", param=param)
+
+    def _encode(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
+        check_text(text, param)
+        if len(text) > self.max_prompt_chars:
+            raise InvalidRequestError(f"{param} has {len(text)} characters, more than a context of "
+                                      f"{self.max_model_len} tokens can hold", param=param)
+        try:
+            return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+        except Exception as exc:  # the tokenizer refused the text: the client's input, not a server fault
+            raise InvalidRequestError(f"{param} could not be tokenized ({type(exc).__name__})", param=param) from None
 
     def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True,
                         chat_template: str | None = None) -> list[int]:
@@ -39,7 +65,17 @@ class InputProcessor:
             )
         except Exception as exc:  # jinja errors: the template rejected the conversation's shape
             raise InvalidRequestError(f"chat template failed: {type(exc).__name__}", param="messages") from None
-        return self.tokenizer(text, add_special_tokens=False).input_ids
+        return self._encode(text, "messages", add_special_tokens=False)
+
+    def validate_params(self, params: SamplingParams, cache_salt: str | None) -> None:
+        """Checks that need the vocabulary: stop token ids must name real tokens; a salt must not be empty."""
+        self.check_token_ids(params.stop_token_ids, "stop_token_ids")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidRequestError("cache_salt must be a non-empty string", param="cache_salt")
+        if cache_salt is not None:
+            check_text(cache_salt, "cache_salt")
+        for stop in params.stop:
+            check_text(stop, "stop")
 
     def resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         """Check the context fits; return the output length limit."""

@@ -2,7 +2,7 @@
 
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from sobrio.config import EngineConfig
 from sobrio.engine.detokenize import IncrementalDetokenizer
@@ -10,13 +10,26 @@ from sobrio.engine.input import InputProcessor
 from sobrio.engine.model_runner import ModelRunner
 from sobrio.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from sobrio.engine.request import Request, RequestStatus
-from sobrio.engine.scheduler import Scheduler
+from sobrio.engine.scheduler import Scheduler, SchedulerOutput
 from sobrio.errors import EngineOverloadedError, InvalidRequestError
 from sobrio.loader.load import load_model_files
 from sobrio.sample.params import SamplingParams
 from sobrio.sample.sampler import SampledToken, Sampler
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ProcessedRequest:
+    """A tokenized, validated request, ready to queue."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    cache_salt: str | None
+    arrival_time: float
 
 
 class _Sequence:
@@ -52,28 +65,38 @@ class LLMEngine:
         return frozenset(ids)
 
     # ---- requests in ----
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+    def process_input(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams,
+                      cache_salt: str | None = None, arrival_time: float | None = None,
+                      prompt_token_ids: list[int] | None = None) -> ProcessedRequest:
+        """Tokenize and validate, touching no engine state: safe on any thread, outside the step's lock."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("sampling params must be a SamplingParams")
+        self.input_processor.validate_params(params, cache_salt)
+        ids = self.input_processor.tokenize(prompt_token_ids if prompt_token_ids is not None else prompt)
+        max_tokens = self.input_processor.resolve_max_tokens(len(ids), params)
+        text_prompt = prompt if isinstance(prompt, str) else None
+        return ProcessedRequest(request_id, text_prompt, ids, params, max_tokens, cache_salt,
+                                arrival_time or time.monotonic())
+
+    def add_request(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams,
                     cache_salt: str | None = None, arrival_time: float | None = None,
                     prompt_token_ids: list[int] | None = None) -> None:
         """Validate and queue a request (n sequences share its id). Raises InvalidRequestError."""
-        if request_id in self.children:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        if len(self.scheduler.waiting) >= self.config.max_num_waiting:
+        self.add_processed(self.process_input(request_id, prompt, params, cache_salt, arrival_time,
+                                              prompt_token_ids))
+
+    def add_processed(self, p: ProcessedRequest) -> None:
+        """Queue a processed request. Every object is built before any table is touched, so a request that
+        fails here leaves nothing behind."""
+        if p.request_id in self.children:
+            raise InvalidRequestError(f"request id {p.request_id!r} is already in use")
+        if len(self.scheduler.waiting) + p.params.n > self.config.max_num_waiting:
             raise EngineOverloadedError("the waiting queue is full; retry later")
-        ids = self.input_processor.tokenize(prompt_token_ids if prompt_token_ids is not None else prompt)
-        max_tokens = self.input_processor.resolve_max_tokens(len(ids), params)
-        arrival = arrival_time or time.monotonic()
-        text_prompt = prompt if isinstance(prompt, str) else None
-        self.children[request_id] = []
-        reqs = []
-        for index in range(params.n):
-            child_params = _child_params(params, index)
-            child_id = request_id if params.n == 1 else f"{index}_{request_id}"
-            req = Request(child_id, list(ids), child_params, max_tokens, self.eos_token_ids, cache_salt, arrival)
-            detok = IncrementalDetokenizer(self.tokenizer.backend_tokenizer, child_params)
-            self.sequences[child_id] = _Sequence(req, request_id, index, text_prompt, detok)
-            self.children[request_id].append(child_id)
-            reqs.append(req)
+        seqs = [self._new_sequence(p, index) for index in range(p.params.n)]
+        self.children[p.request_id] = [seq.req.request_id for seq in seqs]
+        for seq in seqs:
+            self.sequences[seq.req.request_id] = seq
+        reqs = [seq.req for seq in seqs]
         self.scheduler.add_request(reqs[0])
         if self.config.enable_prefix_caching and len(reqs) > 1:
             # The siblings wait until the first has computed the prompt, then take its blocks from the
@@ -82,6 +105,14 @@ class LLMEngine:
         else:
             for req in reqs[1:]:
                 self.scheduler.add_request(req)
+
+    def _new_sequence(self, p: ProcessedRequest, index: int) -> "_Sequence":
+        params = _child_params(p.params, index)
+        child_id = p.request_id if p.params.n == 1 else f"{index}_{p.request_id}"
+        req = Request(child_id, list(p.prompt_token_ids), params, p.max_tokens, self.eos_token_ids, p.cache_salt,
+                      p.arrival_time)
+        detok = IncrementalDetokenizer(self.tokenizer.backend_tokenizer, params)
+        return _Sequence(req, p.request_id, index, p.prompt, detok)
 
     def _release_siblings(self) -> None:
         for first_id, siblings in list(self.deferred.items()):
@@ -102,18 +133,66 @@ class LLMEngine:
 
     # ---- one step ----
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample; return an output per sequence that advanced."""
+        """Schedule, run the model once, sample; return an output per sequence that advanced (or failed)."""
         out = self.scheduler.schedule()
         if out.is_empty():
             self._release_siblings()
             return []
-        sampling = [r for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens]
-        logits = self.runner.execute(out)
-        sampled = self.sampler(logits, sampling)
+        failed: set[str] = set()
+        sampled = self._execute_isolating_failures(out, failed)
+        outputs = self._fail(failed)
         self.scheduler.update_after_step(out)
         now = time.monotonic()
-        outputs = [self._process_token(req, token, now) for req, token in zip(sampling, sampled)]
+        for req, token in sampled:
+            outputs += self._process_token_or_fail(req, token, now)
         self._release_siblings()
+        return outputs
+
+    def _execute(self, out: SchedulerOutput) -> list[tuple[Request, SampledToken]]:
+        sampling = [r for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens]
+        logits = self.runner.execute(out)
+        return list(zip(sampling, self.sampler(logits, sampling)))
+
+    def _execute_isolating_failures(self, out: SchedulerOutput, failed: set[str]) -> list:
+        """Run the step; if it raises, run each request alone, so only the ones that still fail are dropped
+        (their parents go to `failed`) and the rest of the batch advances as if nothing happened."""
+        try:
+            return self._execute(out)
+        except Exception as exc:
+            logger.warning("engine step failed (%s); retrying its %d requests one at a time",
+                           type(exc).__name__, len(out.scheduled))
+        sampled = []
+        for req, num_new in out.scheduled:
+            try:
+                sampled += self._execute(SchedulerOutput([(req, num_new)]))
+            except Exception as exc:
+                logger.warning("request %s failed in the engine step (%s)", req.request_id, type(exc).__name__)
+                failed.add(self.sequences[req.request_id].parent_id)
+        out.scheduled = [(r, n) for r, n in out.scheduled if self.sequences[r.request_id].parent_id not in failed]
+        return [(r, t) for r, t in sampled if self.sequences[r.request_id].parent_id not in failed]
+
+    def _process_token_or_fail(self, req: Request, token: SampledToken, now: float) -> list[RequestOutput]:
+        seq = self.sequences.get(req.request_id)
+        if seq is None:  # a sibling failed earlier in this step: the whole parent is gone
+            return []
+        try:
+            return [self._process_token(req, token, now)]
+        except Exception as exc:
+            logger.warning("request %s failed after sampling (%s)", req.request_id, type(exc).__name__)
+            return self._fail({seq.parent_id})
+
+    def _fail(self, parent_ids: set[str]) -> list[RequestOutput]:
+        """Finish every sequence of these requests with finish_reason "error"; their blocks go back."""
+        outputs = []
+        for parent_id in parent_ids:
+            for child_id in self.children.get(parent_id, []):
+                seq = self.sequences.get(child_id)
+                self.deferred.pop(child_id, None)
+                if seq is None:
+                    continue
+                self.scheduler.finish(seq.req, RequestStatus.FINISHED_ERROR)
+                outputs.append(self._make_output(seq))
+                self._forget(seq)
         return outputs
 
     def _process_token(self, req: Request, token: SampledToken, now: float) -> RequestOutput:
@@ -159,9 +238,17 @@ class LLMEngine:
         if all(c not in self.sequences for c in siblings):
             self.children.pop(seq.parent_id, None)
 
+    def table_sizes(self) -> dict[str, int]:
+        """Entries of every per-request table: all zero when nothing is in flight (a leak shows here)."""
+        sched = self.scheduler
+        return {"engine_sequences": len(self.sequences), "engine_children": len(self.children),
+                "engine_deferred": len(self.deferred), "scheduler_requests": len(sched.requests),
+                "scheduler_waiting": len(sched.waiting), "scheduler_running": len(sched.running)}
+
     def stats(self) -> dict:
         pool = self.scheduler.pool
         return {
+            "tables": self.table_sizes(),
             "num_requests_running": len(self.scheduler.running),
             "num_requests_waiting": len(self.scheduler.waiting),
             "kv_cache_usage_perc": pool.usage(),
@@ -175,5 +262,4 @@ def _child_params(params: SamplingParams, index: int) -> SamplingParams:
     """Each of n sequences gets its own seed (seed + index), so seeded n > 1 still differs per sequence."""
     if params.n == 1:
         return params
-    seed = None if params.seed is None else params.seed + index
-    return replace(params, n=1, seed=seed)
+    return replace(params, n=1, seed=params.child_seed(index))

@@ -1,10 +1,21 @@
-"""SamplingParams, in vLLM's names; validated on construction so bad input fails before it queues."""
+"""SamplingParams, in vLLM's names; validated on construction so bad input fails before it queues.
 
+Every field is checked at the edge of its range, not only its sign: integers must fit the engine's
+types (a 2^64 `top_k` overflowed the tensor that holds it, a 2^70 `seed` the generator), floats must be
+finite, token ids non-negative (the vocabulary bound is checked where the vocabulary is known).
+"""
+
+import math
 from dataclasses import dataclass, field
 
 from sobrio.errors import InvalidRequestError
 
 _EPS = 1e-5
+INT32_MAX = 2**31 - 1
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 512
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass
@@ -12,7 +23,7 @@ class SamplingParams:
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: off
+    top_k: int = 0  # 0 or -1: off; larger than the vocabulary means the whole vocabulary
     min_p: float = 0.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -30,31 +41,63 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple, type(None))):
+            raise InvalidRequestError("stop must be a string or a list of strings", param="stop")
         self.stop = [s for s in (self.stop or []) if s]
+        self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
-        self._validate()
+        self._validate_types()
+        self._validate_ranges()
 
-    def _validate(self) -> None:
+    def _validate_types(self) -> None:
+        ints = {"n": self.n, "top_k": self.top_k, "min_tokens": self.min_tokens, "seed": self.seed,
+                "max_tokens": self.max_tokens, "logprobs": self.logprobs}
+        for name, value in ints.items():
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise InvalidRequestError(f"{name} must be an integer", param=name)
+        floats = {"temperature": self.temperature, "top_p": self.top_p, "min_p": self.min_p,
+                  "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                  "repetition_penalty": self.repetition_penalty}
+        for name, value in floats.items():
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise InvalidRequestError(f"{name} must be a finite number", param=name)
+        if not all(isinstance(s, str) for s in self.stop):
+            raise InvalidRequestError("stop must be a string or a list of strings", param="stop")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids must be non-negative integers", param="stop_token_ids")
+
+    def _validate_ranges(self) -> None:
         checks = [
-            (self.n >= 1, "n", f"n must be at least 1, got {self.n}"),
-            (self.temperature >= 0, "temperature", f"temperature must be >= 0, got {self.temperature}"),
+            (1 <= self.n <= 256, "n", f"n must be in [1, 256], got {self.n}"),
+            (0 <= self.temperature <= 100, "temperature", f"temperature must be in [0, 100], got {self.temperature}"),
             (0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k >= 0, "top_k", f"top_k must be -1, 0 or positive, got {self.top_k}"),
+            (0 <= self.top_k <= INT32_MAX, "top_k", f"top_k must be -1, 0 or in [1, {INT32_MAX}]"),
             (0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p}"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty", "presence_penalty must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "frequency_penalty must be in [-2, 2]"),
-            (self.repetition_penalty > 0, "repetition_penalty", "repetition_penalty must be > 0"),
-            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
-             f"max_tokens must be at least 1, got {self.max_tokens}"),
-            (self.min_tokens >= 0, "min_tokens", "min_tokens must be >= 0"),
+            (0 < self.repetition_penalty <= 100, "repetition_penalty", "repetition_penalty must be in (0, 100]"),
+            (self.seed is None or SEED_MIN <= self.seed <= SEED_MAX, "seed",
+             f"seed must be in [{SEED_MIN}, {SEED_MAX}]"),
+            (self.max_tokens is None or 1 <= self.max_tokens <= INT32_MAX, "max_tokens",
+             f"max_tokens must be in [1, {INT32_MAX}], got {self.max_tokens}"),
+            (0 <= self.min_tokens <= INT32_MAX, "min_tokens", f"min_tokens must be in [0, {INT32_MAX}]"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
              "min_tokens must not exceed max_tokens"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "logprobs must be in [0, 20]"),
+            (len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings"),
+            (all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop), "stop",
+             f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters"),
+            (len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
+             f"at most {MAX_STOP_TOKEN_IDS} stop token ids"),
         ]
         for ok, param, message in checks:
             if not ok:
                 raise InvalidRequestError(message, param=param)
+
+    def child_seed(self, index: int) -> int | None:
+        """The seed of the index-th of n sequences: seed + index, wrapped into the generator's range."""
+        return None if self.seed is None else (self.seed + index) % (SEED_MAX + 1)
 
     @property
     def greedy(self) -> bool:

@@ -14,8 +14,9 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1
 class EngineStatsCollector:
     """Reads the engines' live state at scrape time (gauges and the cache/preemption counters)."""
 
-    def __init__(self, engines: dict):
+    def __init__(self, engines: dict, own_tables=lambda: {}):
         self.engines = engines
+        self.own_tables = own_tables  # the server's per-request tables, counted beside the engines'
 
     def collect(self):
         gauges = {name: GaugeMetricFamily(f"sobrio:{name}", doc, labels=["model_name"]) for name, doc in [
@@ -26,18 +27,23 @@ class EngineStatsCollector:
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache"),
             ("num_preemptions", "Requests preempted for lack of KV blocks")]}
+        tables = GaugeMetricFamily("sobrio:request_table_entries", "Entries of each per-request table (a "
+                                   "request that left one behind shows here once idle)", labels=["model_name", "table"])
         for model_name, engine in self.engines.items():
             stats = engine.stats()
             for name, family in {**gauges, **counters}.items():
                 family.add_metric([model_name], stats[name])
+            for table, size in {**stats["tables"], **self.own_tables()}.items():
+                tables.add_metric([model_name, table], size)
         yield from gauges.values()
         yield from counters.values()
+        yield tables
 
 
 class ServerMetrics:
     def __init__(self, engines: dict):
         self.registry = CollectorRegistry()
-        self.registry.register(EngineStatsCollector(engines))
+        self.registry.register(EngineStatsCollector(engines, self.table_sizes))
         labels = ["model_name"]
         r = self.registry
         self.prompt_tokens = Counter("sobrio:prompt_tokens", "Prefill tokens processed", labels, registry=r)
@@ -51,6 +57,9 @@ class ServerMetrics:
         self.queue_time = hist("request_queue_time_seconds", "Arrival to first schedule")
         self._last_token_time: dict[tuple[str, int], float] = {}
         self._lock = threading.Lock()  # observe runs on engine threads, forget on those or the event loop
+
+    def table_sizes(self) -> dict[str, int]:
+        return {"metrics_inter_token": len(self._last_token_time)}
 
     def forget(self, request_id: str) -> None:
         """An aborted request sends no final output: drop its inter-token bookkeeping."""

@@ -2,15 +2,19 @@
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from sobrio.sample.params import SamplingParams
+from sobrio.sample.params import INT32_MAX, MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN, SamplingParams
+
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 
 class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Unknown fields are refused by name; NaN and infinity are refused in every float."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(StrictModel):
@@ -26,23 +30,23 @@ class _SamplingFields(StrictModel):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = None
     n: int = Field(default=1, ge=1, le=16)
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: str | list[str] | None = None  # count and length checked by SamplingParams
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = Field(default=None, max_length=256)
     # sobrio's own (as vLLM's)
-    top_k: int | None = None
+    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = 0
+    min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    cache_salt: str | None = None
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
@@ -76,8 +80,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(default=None, le=INT32_MAX)
+    max_completion_tokens: int | None = Field(default=None, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     response_format: ResponseFormat | None = None
@@ -96,7 +100,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = Field(default=16, le=INT32_MAX)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: Literal[False] = False
     suffix: None = None

@@ -10,6 +10,7 @@ from sobrio.engine.input import InputProcessor
 from sobrio.engine.model_runner import ModelRunner
 from sobrio.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from sobrio.engine.request import Request, RequestStatus
+from sobrio.engine.sampling import build_sampling_metadata
 from sobrio.engine.scheduler import Scheduler, SchedulerOutput
 from sobrio.errors import EngineOverloadedError, InvalidRequestError
 from sobrio.loader.load import load_model_files
@@ -151,7 +152,7 @@ class LLMEngine:
     def _execute(self, out: SchedulerOutput) -> list[tuple[Request, SampledToken]]:
         sampling = [r for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens]
         logits = self.runner.execute(out)
-        return list(zip(sampling, self.sampler(logits, sampling)))
+        return list(zip(sampling, self.sampler(logits, build_sampling_metadata(sampling))))
 
     def _execute_isolating_failures(self, out: SchedulerOutput, failed: set[str]) -> list:
         """Run the step; if it raises, run each request alone, so only the ones that still fail are dropped

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sobrio.engine.request import Request
+from sobrio.sample.metadata import SamplingMetadata
 
 
 @dataclass
@@ -19,32 +19,34 @@ class SampledToken:
     top_logprobs: list[tuple[int, float]] | None = None
 
 
-def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
+def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> None:
     """Repetition (prompt and output), frequency and presence (output) penalties, in place."""
     vocab = logits.shape[-1]
-    for row, req in enumerate(reqs):
-        params = req.sampling_params
-        if not params.has_penalties:
+    for row in range(meta.num_rows):
+        if not meta.has_penalties(row):
             continue
-        out_ids = torch.tensor(req.output_token_ids, dtype=torch.long)
+        out_ids = torch.tensor(meta.output_token_ids[row], dtype=torch.long)
         counts = torch.bincount(out_ids, minlength=vocab)[:vocab].to(logits.dtype)
-        if params.repetition_penalty != 1.0:
+        repetition = meta.repetition_penalty[row]
+        if repetition != 1.0:
             seen = counts > 0
-            seen[torch.tensor(req.prompt_token_ids, dtype=torch.long)] = True
+            seen[torch.tensor(meta.prompt_token_ids[row], dtype=torch.long)] = True
             x = logits[row]
-            penalized = torch.where(x > 0, x / params.repetition_penalty, x * params.repetition_penalty)
-            logits[row] = torch.where(seen, penalized, x)
-        logits[row] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+            logits[row] = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
+        logits[row] -= (meta.frequency_penalty[row] * counts
+                        + meta.presence_penalty[row] * (counts > 0).to(logits.dtype))
 
 
-def mask_stop_tokens(logits: torch.Tensor, reqs: list[Request]) -> None:
-    """Forbid EOS and stop tokens until a request has its min_tokens."""
-    for row, req in enumerate(reqs):
-        params = req.sampling_params
-        if len(req.output_token_ids) < params.min_tokens:
-            banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(req.eos_token_ids))
-            if banned:
-                logits[row, banned] = float("-inf")
+def apply_masks(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Banned tokens (min_tokens), the allowed-token mask (structured output), then logits processors."""
+    for row, banned in enumerate(meta.banned_token_ids):
+        if banned:
+            logits[row, banned] = float("-inf")
+    if meta.allowed_token_mask is not None:
+        logits.masked_fill_(~meta.allowed_token_mask, float("-inf"))
+    for processor in meta.logits_processors:
+        logits = processor(logits)
+    return logits
 
 
 def filter_top_k_top_p_min_p(logits: torch.Tensor, top_k: list[int], top_p: list[float],
@@ -68,7 +70,7 @@ def filter_top_k_top_p_min_p(logits: torch.Tensor, top_k: list[int], top_p: list
     return logits
 
 
-def sample_random(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+def sample_random(logits: torch.Tensor, meta: SamplingMetadata, rows: list[int]) -> torch.Tensor:
     """Inverse-CDF sampling: one uniform per row, from the request's own generator when it is seeded.
     Overwrites `logits`.
 
@@ -76,41 +78,41 @@ def sample_random(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     cumsum + searchsorted costs ~25 us per row. The work is in place: at 64 rows each fresh [64, 49k]
     float32 tensor cost ~4 ms of page faults, and five of them were 20% of a decode step.
     """
-    params = [r.sampling_params for r in reqs]
-    logits.div_(torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1))
-    logits = filter_top_k_top_p_min_p(logits, [p.top_k for p in params], [p.top_p for p in params],
-                                      [p.min_p for p in params])
+    logits.div_(torch.tensor([meta.temperature[r] for r in rows], dtype=logits.dtype).unsqueeze(1))
+    logits = filter_top_k_top_p_min_p(logits, [meta.top_k[r] for r in rows], [meta.top_p[r] for r in rows],
+                                      [meta.min_p[r] for r in rows])
     cdf = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_().cumsum_(dim=-1)  # unnormalized
-    uniform = torch.rand(len(reqs), 1)
-    for row, req in enumerate(reqs):
-        if req.generator is not None:
-            uniform[row] = torch.rand(1, generator=req.generator)
+    uniform = torch.rand(len(rows), 1)
+    for i, row in enumerate(rows):
+        generator = meta.generators.get(row)
+        if generator is not None:
+            uniform[i] = torch.rand(1, generator=generator)
     tokens = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1)
     return tokens.clamp_(max=logits.shape[-1] - 1)
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[SampledToken]:
-        """logits: [B, V] float32, one row per request in `reqs` (left unchanged: the work is on one copy)."""
-        assert logits.shape[0] == len(reqs)
-        want_logprobs = [r.sampling_params.logprobs is not None for r in reqs]
-        raw_logprobs = logits.log_softmax(dim=-1) if any(want_logprobs) else None
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> list[SampledToken]:
+        """logits: [B, V] float32, one row per sampling request (left unchanged: the work is on one copy)."""
+        assert logits.shape[0] == meta.num_rows
+        want_logprobs = any(n is not None for n in meta.num_logprobs)
+        raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
         logits = logits.clone()
-        apply_penalties(logits, reqs)
-        mask_stop_tokens(logits, reqs)
+        apply_penalties(logits, meta)
+        logits = apply_masks(logits, meta)
         tokens = logits.argmax(dim=-1)
-        random_rows = [i for i, r in enumerate(reqs) if not r.sampling_params.greedy]
-        if len(random_rows) == len(reqs):
-            tokens = sample_random(logits, reqs)
+        random_rows = [i for i in range(meta.num_rows) if not meta.is_greedy(i)]
+        if len(random_rows) == meta.num_rows:
+            tokens = sample_random(logits, meta, random_rows)
         elif random_rows:
             rows = torch.tensor(random_rows)
-            tokens[rows] = sample_random(logits[rows], [reqs[i] for i in random_rows])
+            tokens[rows] = sample_random(logits[rows], meta, random_rows)
         token_list = tokens.tolist()
-        return [self._with_logprobs(token_list[i], raw_logprobs, i, reqs[i]) for i in range(len(reqs))]
+        return [self._with_logprobs(token_list[i], raw_logprobs, i, meta.num_logprobs[i])
+                for i in range(meta.num_rows)]
 
     @staticmethod
-    def _with_logprobs(token: int, raw_logprobs, row: int, req: Request) -> SampledToken:
-        n = req.sampling_params.logprobs
+    def _with_logprobs(token: int, raw_logprobs, row: int, n: int | None) -> SampledToken:
         if n is None:
             return SampledToken(token)
         row_lp = raw_logprobs[row]

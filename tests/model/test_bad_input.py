@@ -110,11 +110,12 @@ def test_a_step_that_fails_for_one_request_fails_only_that_one(smollm2, monkeypa
     alone = [o.outputs[0].token_ids for o in smollm2.generate(prompts, greedy, use_tqdm=False)]
     sampler = engine.sampler
 
-    def poisoned(logits, reqs):  # any batch holding the poison request raises, as a bad row would
-        if any(r.request_id == "poison" for r in reqs):
+    def poisoned(logits, meta):  # any batch holding the poison request raises, as a bad row would
+        if poison_ids in meta.prompt_token_ids:
             raise IndexError("poisoned row")
-        return sampler(logits, reqs)
+        return sampler(logits, meta)
 
+    poison_ids = smollm2.get_tokenizer()("A request that fails").input_ids
     monkeypatch.setattr(engine, "sampler", poisoned)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"healthy-{i}", prompt, greedy)

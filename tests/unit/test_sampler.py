@@ -4,9 +4,18 @@ import pytest
 import torch
 
 from sobrio.engine.request import Request
+from sobrio.engine.sampling import build_sampling_metadata
 from sobrio.errors import InvalidRequestError
 from sobrio.sample.params import SamplingParams
-from sobrio.sample.sampler import Sampler, filter_top_k_top_p_min_p
+from sobrio.sample.sampler import Sampler as _Sampler
+from sobrio.sample.sampler import filter_top_k_top_p_min_p
+
+
+class Sampler(_Sampler):
+    """The sampler fed from requests, as the engine feeds it."""
+
+    def __call__(self, logits, reqs):
+        return super().__call__(logits, build_sampling_metadata(reqs))
 
 
 def _req(**params) -> Request:

@@ -1,0 +1,44 @@
+"""What the sampler needs for one step, one row per sampling request: plain values, no engine objects.
+
+The engine builds it from its requests (`sobrio.engine.sampling.build_sampling_metadata`); the sampler
+knows nothing of requests, schedulers or processes. Structured output fills `allowed_token_mask`;
+other per-step logit rewrites hang in `logits_processors`.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+LogitsProcessor = Callable[[torch.Tensor], torch.Tensor]  # [B, V] float32 logits in, same shape out
+
+
+@dataclass
+class SamplingMetadata:
+    temperature: list[float]  # 0 (below 1e-5): greedy
+    top_p: list[float]
+    top_k: list[int]  # 0: off
+    min_p: list[float]
+    generators: dict[int, torch.Generator]  # row -> the request's own seeded generator
+    presence_penalty: list[float]
+    frequency_penalty: list[float]
+    repetition_penalty: list[float]
+    prompt_token_ids: list[list[int]]  # read only where a penalty is set
+    output_token_ids: list[list[int]]
+    banned_token_ids: list[list[int]]  # forbidden this step (EOS and stop tokens before min_tokens)
+    num_logprobs: list[int | None]  # top-n log-probabilities to return; None: none
+    allowed_token_mask: torch.Tensor | None = None  # [B, V] bool: False rows' tokens are forbidden
+    logits_processors: list[LogitsProcessor] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        assert len(self.temperature) == len(self.top_p) == len(self.top_k) == len(self.num_logprobs)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.temperature)
+
+    def is_greedy(self, row: int) -> bool:
+        return self.temperature[row] < 1e-5
+
+    def has_penalties(self, row: int) -> bool:
+        return bool(self.presence_penalty[row] or self.frequency_penalty[row] or self.repetition_penalty[row] != 1.0)

@@ -1,6 +1,7 @@
 """`sobrio serve`: the OpenAI-compatible HTTP API over one AsyncLLM per served model."""
 
 import asyncio
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -9,22 +10,24 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import sobrio
 from sobrio.engine.async_llm import AsyncLLM, EngineStepError
 from sobrio.engine.outputs import RequestOutput
 from sobrio.errors import EngineOverloadedError, InvalidRequestError, SobrioError, UnknownModelError
+from sobrio.sample.params import SamplingParams
+from sobrio.server.edge import add_cors_args, cors_from_args, edge_stack, install_openapi
+from sobrio.server.errors import error_response, log_unexpected
+from sobrio.server.limits import Limits, add_limit_args, check_fanout, check_prompt_tokens, limits_from_args
+from sobrio.server.limits import protocol_class as guarded_protocol_class
 from sobrio.server.metrics import ServerMetrics
 from sobrio.server.protocol import ChatCompletionRequest, CompletionRequest, new_id, now
 from sobrio.server.responses import ChoiceState, chat_chunk, completion_chunk, final_response, usage_of
 
 logger = logging.getLogger("sobrio.server")
 
-
-def error_response(status: int, message: str, err_type: str, param: str | None = None,
-                   code: str | None = None, headers: dict | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": err_type, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
+DEFAULT_MAX_TOKENS = 1024  # chat requests without max_tokens; capped at what the context leaves
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -50,6 +53,15 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _sobrio(_, exc: SobrioError):
         return sobrio_error_response(exc)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_, exc: StarletteHTTPException):  # 404 unknown path, 405 wrong method: OpenAI bodies too
+        return error_response(exc.status_code, str(exc.detail), "invalid_request_error", headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_, exc: Exception):
+        # Starlette's ServerErrorMiddleware answers with this, then re-raises: HttpEdge logs the type and place.
+        return error_response(500, "internal server error", "server_error")
+
 
 def sobrio_error_response(exc: Exception) -> JSONResponse:
     if isinstance(exc, InvalidRequestError):
@@ -64,10 +76,12 @@ def sobrio_error_response(exc: Exception) -> JSONResponse:
 
 
 class OpenAIServer:
-    def __init__(self, engines: dict[str, AsyncLLM], api_key: str | None = None):
+    def __init__(self, engines: dict[str, AsyncLLM], limits: Limits | None = None,
+                 default_max_tokens: int | None = DEFAULT_MAX_TOKENS):
         assert engines, "at least one model must be served"
         self.engines = engines
-        self.api_key = api_key
+        self.limits = limits or Limits()
+        self.default_max_tokens = default_max_tokens or None  # 0: up to the context
         self.metrics = ServerMetrics(engines)
         for name, engine in engines.items():
             engine.on_output = lambda output, t, name=name: self._on_output(name, output, t)
@@ -91,19 +105,28 @@ class OpenAIServer:
             raise UnknownModelError(f"model {model!r} is not served here; served: {', '.join(self.engines)}")
         return model, self.engines[model]
 
-    def authorized(self, request: Request) -> bool:
-        if not self.api_key:
-            return True
-        return request.headers.get("authorization", "") == f"Bearer {self.api_key}"
+    def check_fanout(self, engine: AsyncLLM, num_prompts: int, n: int) -> None:
+        """Prompts and sequences against the limits and the waiting queue, before any tokenizing."""
+        waiting = engine.stats()["num_requests_waiting"]
+        check_fanout(self.limits, num_prompts, n, waiting, engine.engine.config.max_num_waiting)
 
-    async def submit(self, engine: AsyncLLM, base_id: str, prompts: list[dict], params, cache_salt, queue) -> list[str]:
+    def params_for(self, params: SamplingParams, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
+        """A request without max_tokens gets the server's default, capped at what the context leaves (vLLM caps
+        at the context); a prompt that leaves nothing is refused by the engine with its own message."""
+        room = max_model_len - num_prompt_tokens
+        if params.max_tokens is not None or self.default_max_tokens is None or room <= 0:
+            return params
+        return dataclasses.replace(params, max_tokens=min(self.default_max_tokens, room))
+
+    async def submit(self, engine: AsyncLLM, base_id: str, prompts: list[list[int]], params: list[SamplingParams],
+                     cache_salt, queue) -> list[str]:
         """Add one engine request per prompt; on any failure abort those already added and re-raise."""
         ids: list[str] = []
         try:
-            for i, prompt in enumerate(prompts):
+            for i, (prompt_ids, prompt_params) in enumerate(zip(prompts, params, strict=True)):
                 request_id = f"{base_id}-{i}"
-                await engine.add_request(request_id, prompt.get("text"), params, queue,
-                                         prompt_token_ids=prompt.get("ids"), cache_salt=cache_salt)
+                await engine.add_request(request_id, None, prompt_params, queue, prompt_token_ids=prompt_ids,
+                                         cache_salt=cache_salt)
                 ids.append(request_id)
         except BaseException:
             for request_id in ids:
@@ -112,17 +135,14 @@ class OpenAIServer:
         return ids
 
 
-def create_app(engines: dict[str, AsyncLLM], api_key: str | None = None) -> FastAPI:
-    server = OpenAIServer(engines, api_key)
+def create_app(engines: dict[str, AsyncLLM], limits: Limits | None = None,
+               default_max_tokens: int | None = DEFAULT_MAX_TOKENS) -> FastAPI:
+    """The API itself; `edge_stack` wraps it with auth, CORS, limits, request ids and the access log."""
+    server = OpenAIServer(engines, limits, default_max_tokens)
     app = FastAPI(title="sobrio", version=sobrio.__version__)
     app.state.server = server
     install_error_handlers(app)
-
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if request.url.path.startswith("/v1") and not server.authorized(request):
-            return error_response(401, "invalid or missing API key", "invalid_request_error", code="invalid_api_key")
-        return await call_next(request)
+    install_openapi(app)
 
     @app.get("/health")
     async def health():
@@ -145,29 +165,38 @@ def create_app(engines: dict[str, AsyncLLM], api_key: str | None = None) -> Fast
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         name, engine = server.engine_for(body.model)
+        params = body.to_sampling_params()
+        server.check_fanout(engine, 1, params.n)
         try:
             messages = [m.template_dict() for m in body.messages]
         except ValueError as exc:
             raise InvalidRequestError(str(exc), param="messages") from None
         ids = await asyncio.to_thread(engine.engine.input_processor.chat_prompt_ids, messages,
                                       body.add_generation_prompt)
-        return await _respond(server, request, body, name, engine, [{"ids": ids}], "chat")
+        return await _respond(server, request, body, params, name, engine, [ids], "chat")
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         name, engine = server.engine_for(body.model)
-        prompts = [{"text": p} if isinstance(p, str) else {"ids": p} for p in body.prompts()]
-        return await _respond(server, request, body, name, engine, prompts, "completion")
+        params = body.to_sampling_params()
+        prompts = body.prompts()
+        server.check_fanout(engine, len(prompts), params.n)
+        tokenize = engine.engine.input_processor.tokenize
+        ids = await asyncio.to_thread(lambda: [tokenize(p) for p in prompts])
+        return await _respond(server, request, body, params, name, engine, ids, "completion")
 
     return app
 
 
-async def _respond(server: OpenAIServer, request: Request, body, model_name: str, engine: AsyncLLM,
-                   prompts: list[dict], kind: str):
-    params = body.to_sampling_params()
+async def _respond(server: OpenAIServer, request: Request, body, params: SamplingParams, model_name: str,
+                   engine: AsyncLLM, prompts: list[list[int]], kind: str):
+    check_prompt_tokens(server.limits, [len(p) for p in prompts], params.n)
+    max_model_len = engine.engine.max_model_len
+    per_prompt = [server.params_for(params, len(p), max_model_len) for p in prompts]
     base_id = new_id("chatcmpl" if kind == "chat" else "cmpl")
+    request.state.request_id = base_id  # X-Request-Id of the answer, unless the client sent its own
     queue: asyncio.Queue = asyncio.Queue()
-    request_ids = await server.submit(engine, base_id, prompts, params, body.cache_salt, queue)
+    request_ids = await server.submit(engine, base_id, prompts, per_prompt, body.cache_salt, queue)
     stream = engine.stream_outputs(request_ids, params.n, queue)
     choices = ChoiceState(request_ids, params.n, params.logprobs)
     if body.stream:
@@ -186,23 +215,37 @@ async def _respond(server: OpenAIServer, request: Request, body, model_name: str
 
 
 async def _collect_unless_disconnected(stream: AsyncIterator[RequestOutput], request: Request):
-    """Gather a non-streamed request's outputs; abort it if the client goes away meanwhile."""
-    async def collect():
-        return [o async for o in stream]
+    """Gather a non-streamed request's outputs; if the client goes away first, abort it (None).
 
-    task = asyncio.ensure_future(collect())
-    while not task.done():
-        await asyncio.wait([task], timeout=0.5)
-        if not task.done() and await request.is_disconnected():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            await stream.aclose()
-            return None
-    return task.result()
+    The disconnect is ASGI's `http.disconnect`, awaited as it comes (no polling), so the abort reaches the
+    engine before its next step. (Polling `request.is_disconnected()` under Starlette's BaseHTTPMiddleware
+    never saw it: that middleware's receive wrapper loses the message in a cancelled scope.)"""
+    collect = asyncio.ensure_future(_collect(stream))
+    gone = asyncio.ensure_future(_wait_for_disconnect(request.receive))
+    try:
+        await asyncio.wait([collect, gone], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (collect, gone):
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(collect, gone, return_exceptions=True)
+        await stream.aclose()  # aborts whatever is unfinished
+    return None if collect.cancelled() else collect.result()
+
+
+async def _collect(stream: AsyncIterator[RequestOutput]) -> list[RequestOutput]:
+    return [o async for o in stream]
+
+
+async def _wait_for_disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _sse(stream: AsyncIterator[RequestOutput], choices: ChoiceState, base_id: str, model_name: str,
                kind: str, include_usage: bool) -> AsyncIterator[str]:
+    """The stream's chunks; a failure (the engine's, a shutdown's, or a bug) ends it with an OpenAI error
+    event and then `[DONE]`, so a client can tell a cut from a finished answer."""
     created = now()
     make_chunk = chat_chunk if kind == "chat" else completion_chunk
     try:
@@ -219,9 +262,15 @@ async def _sse(stream: AsyncIterator[RequestOutput], choices: ChoiceState, base_
             yield f"data: {json.dumps(final)}\n\n"
     except SobrioError as exc:
         yield f"data: {json.dumps(json.loads(sobrio_error_response(exc).body))}\n\n"
+    except Exception as exc:  # noqa: BLE001 - a bug mid-stream: say so in the stream, log no message
+        log_unexpected(exc, "stream")
+        yield f"data: {json.dumps(json.loads(error_response(500, 'internal server error', 'server_error').body))}\n\n"
     finally:
         await stream.aclose()
     yield "data: [DONE]\n\n"
+
+
+LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 
 
 def add_serve_parser(sub, add_engine_args) -> None:
@@ -232,8 +281,25 @@ def add_serve_parser(sub, add_engine_args) -> None:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None)
-    serve.add_argument("--log-level", default="info")
+    serve.add_argument("--log-level", default="info", choices=LOG_LEVELS,
+                       help="trace adds uvicorn's per-connection lines (never ASGI scopes: they hold query strings)")
+    serve.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                       help="max_tokens of a request that gives none (chat), capped at what the context leaves; "
+                            "0: up to the end of the context (vLLM's default)")
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="seconds in-flight requests get to finish after SIGTERM; those still running then "
+                            "end with an OpenAI error (streams: an error event, then [DONE])")
+    add_limit_args(serve)
+    add_cors_args(serve)
     serve.set_defaults(func=run_server)
+
+
+def _configure_logging(level_name: str) -> None:
+    from uvicorn.logging import TRACE_LOG_LEVEL
+
+    logging.addLevelName(TRACE_LOG_LEVEL, "TRACE")  # uvicorn's; unknown to logging until registered
+    level = TRACE_LOG_LEVEL if level_name == "trace" else level_name.upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def run_server(args) -> int:
@@ -243,7 +309,7 @@ def run_server(args) -> int:
     from sobrio.config import EngineConfig
     from sobrio.loader.resolve import DEFAULT_MODELS, is_installed
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _configure_logging(args.log_level)
     models = args.model or [m for m in DEFAULT_MODELS if is_installed(m)]
     names = list(args.served_model_name or [])
     if len(names) > len(models):
@@ -252,7 +318,9 @@ def run_server(args) -> int:
     for i, model in enumerate(models):
         engine = AsyncLLM.from_config(EngineConfig(model=model, **engine_kwargs(args)))
         engines[names[i] if i < len(names) else (model if model in DEFAULT_MODELS else engine.model_name)] = engine
-    app = create_app(engines, args.api_key)
+    limits = limits_from_args(args)
+    app = create_app(engines, limits, args.default_max_tokens)
+    asgi, limits_layer = edge_stack(app, args.api_key, limits, cors_from_args(args))
 
     @app.on_event("shutdown")
     async def _stop_engines():
@@ -260,9 +328,15 @@ def run_server(args) -> int:
             engine.shutdown()
 
     logger.info("serving %s on http://%s:%d", ", ".join(engines), args.host, args.port)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=30, access_log=True)
-    _graceful_server_class()(config).run()
+    # uvicorn's own deadline is a backstop a little after ours: by then every request has had its error answer.
+    config = uvicorn.Config(asgi, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
+                            http=guarded_protocol_class(limits), access_log=False,  # HttpEdge logs, without queries
+                            timeout_graceful_shutdown=args.shutdown_timeout + 5)
+    # uvicorn.asgi at trace would log each request's scope, query string included: kept at debug at most.
+    logging.getLogger("uvicorn.asgi").setLevel(max(logging.DEBUG, logging.getLogger("uvicorn.asgi").level))
+    server = _graceful_server_class()(config, list(engines.values()), args.shutdown_timeout)
+    limits_layer.count_connections = lambda: len(server.server_state.connections)
+    server.run()
     return 0
 
 
@@ -270,10 +344,30 @@ def _graceful_server_class():
     import uvicorn
 
     class _GracefulServer(uvicorn.Server):
-        """uvicorn re-raises SIGTERM after draining, so the process dies with status -15; we exit 0 instead."""
+        """Drains for `drain_timeout` seconds after SIGTERM, then stops the engines: each request still in flight
+        gets an OpenAI error (a stream: an error event and `[DONE]`) before its connection closes. uvicorn
+        re-raises SIGTERM after draining, so the process dies with status -15; we exit 0 instead."""
+
+        def __init__(self, config, engines: list[AsyncLLM], drain_timeout: float):
+            super().__init__(config)
+            self.engines = engines
+            self.drain_timeout = drain_timeout
 
         def handle_exit(self, sig, frame) -> None:
             super().handle_exit(sig, frame)
             self._captured_signals.clear()
+
+        async def shutdown(self, sockets=None) -> None:
+            deadline = asyncio.ensure_future(self._stop_engines_after(self.drain_timeout))
+            try:
+                await super().shutdown(sockets)
+            finally:
+                deadline.cancel()
+
+        async def _stop_engines_after(self, delay: float) -> None:
+            await asyncio.sleep(delay)
+            logger.info("shutdown deadline (%gs) passed: ending the requests still in flight", delay)
+            for engine in self.engines:
+                await asyncio.to_thread(engine.shutdown)
 
     return _GracefulServer

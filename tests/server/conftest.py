@@ -7,6 +7,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -18,6 +20,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+SMALL = ("--model", "smollm2-135m", "--kv-cache-memory", str(64 << 20), "--max-model-len", "512")
+
+
+def wait_until(check: Callable[[], bool], timeout: float, interval: float = 0.1) -> bool:
+    """Poll `check` until it holds or `timeout` seconds pass; the last answer."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
+    return True
+
+
 class ServerProcess:
     def __init__(self, *args: str, timeout: float = 240.0):
         self.port = free_port()
@@ -26,6 +41,14 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "sobrio.cli", "serve", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            self._wait_healthy(timeout)
+        except BaseException:  # never leave a half-started server (or its log) behind
+            self.stop()
+            os.unlink(self.log.name)
+            raise
+
+    def _wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"server exited early:\n{self.log_text()[-3000:]}"
@@ -47,22 +70,33 @@ class ServerProcess:
                 return float(line.rsplit(" ", 1)[1])
         raise KeyError(name)
 
-    def stop(self) -> int:
+    def stop(self, timeout: float = 60) -> int:
+        """SIGTERM, then SIGKILL past `timeout`; the exit status."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(60)
+                self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self.log.close()
         return self.proc.returncode
+
+
+@contextmanager
+def serving(*args: str) -> Iterator[ServerProcess]:
+    """A server for a `with` block or a fixture: stopped and its log removed however the block ends."""
+    srv = ServerProcess(*args)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+        os.unlink(srv.log.name)
 
 
 @pytest.fixture(scope="session")
 def server():
     """Both default models, float32 (to compare with the offline engine), debug logs."""
-    srv = ServerProcess("--dtype", "float32", "--kv-cache-memory", str(256 << 20), "--max-model-len", "1024",
-                        "--log-level", "debug")
-    yield srv
-    srv.stop()
-    os.unlink(srv.log.name)
+    with serving("--dtype", "float32", "--kv-cache-memory", str(256 << 20), "--max-model-len", "1024",
+                 "--log-level", "debug") as srv:
+        yield srv

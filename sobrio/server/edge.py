@@ -1,0 +1,170 @@
+"""The HTTP edge around the FastAPI app, pure ASGI (no BaseHTTPMiddleware: it hides disconnects).
+
+From the outside in: `HttpEdge` (X-Request-Id on every answer, one access-log line without the query,
+no exception escapes as plain text), CORS, `LimitsMiddleware`, `ApiKeyAuth`, then FastAPI.
+"""
+
+import argparse
+import hmac
+import json
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from starlette.middleware.cors import CORSMiddleware
+
+from sobrio.server.errors import ErrorResponse, log_unexpected, send_error
+from sobrio.server.limits import Limits, LimitsMiddleware
+from sobrio.server.protocol import new_id
+
+access_logger = logging.getLogger("sobrio.access")
+
+_CLIENT_ID = re.compile(rb"[\x21-\x7e]{1,128}")  # visible ASCII: echoed as sent, never logged
+LOOPBACK_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"
+
+
+def _header(scope, name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value
+    return None
+
+
+class HttpEdge:
+    """Outermost layer. The answer's X-Request-Id is the client's (when sane) or the request's own id (the
+    completion id the endpoint sets in `request.state.request_id`, else a fresh one)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = scope.setdefault("state", {})
+        client_id = _header(scope, b"x-request-id")
+        client_id = client_id if client_id is not None and _CLIENT_ID.fullmatch(client_id) else None
+        start, status = time.monotonic(), None
+
+        async def send_with_id(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                rid = client_id or str(state.get("request_id") or new_id("req")).encode()
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid)]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception as exc:  # noqa: BLE001 - the point: nothing escapes as a plain-text 500 or a traceback
+            log_unexpected(exc, f"{scope['method']} {_path(scope)}")
+            if status is None:
+                await send_error(send_with_id, 500, "internal server error", "server_error")
+        finally:
+            access_logger.info("%s %s %s %.3fs", scope["method"], _path(scope), status or 499,
+                               time.monotonic() - start)
+
+
+def _path(scope) -> str:
+    """The path as sent (percent-encoded, so no control characters), without the query, bounded."""
+    raw = scope.get("raw_path") or scope["path"].encode()
+    return raw.split(b"?", 1)[0][:200].decode("latin-1")
+
+
+class ApiKeyAuth:
+    """`/v1` needs `Authorization: Bearer <key>` when a key is set, compared in constant time. OPTIONS is never
+    refused: CORS preflights carry no credentials."""
+
+    def __init__(self, app, api_key: str | None):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if (self.expected is not None and scope["type"] == "http" and scope["method"] != "OPTIONS"
+                and scope["path"].startswith("/v1")
+                and not hmac.compare_digest(_header(scope, b"authorization") or b"", self.expected)):
+            await send_error(send, 401, "invalid or missing API key", "invalid_request_error", "invalid_api_key")
+            return
+        await self.app(scope, receive, send)
+
+
+@dataclass(frozen=True)
+class CorsOptions:
+    """vLLM's flags. Unlike vLLM (`*`), the default admits only loopback origins (a UI on this machine):
+    a server on 127.0.0.1 without a key should not answer any web page a user happens to visit."""
+
+    allowed_origins: list[str] = field(default_factory=list)
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+
+
+def _str_list(value: str) -> list[str]:
+    """vLLM takes JSON lists (`'["*"]'`); a comma-separated list is accepted too."""
+    value = value.strip()
+    if value.startswith("["):
+        items = json.loads(value)
+        if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+            raise argparse.ArgumentTypeError("expected a JSON list of strings")
+        return items
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def add_cors_args(parser: argparse.ArgumentParser) -> None:
+    d = CorsOptions()
+    parser.add_argument("--allowed-origins", type=_str_list, default=d.allowed_origins,
+                        help='CORS origins, a JSON list or comma-separated (\'["*"]\' for any); default: '
+                             "loopback origins only (http://localhost:*, http://127.0.0.1:*)")
+    parser.add_argument("--allowed-methods", type=_str_list, default=d.allowed_methods, help="CORS methods")
+    parser.add_argument("--allowed-headers", type=_str_list, default=d.allowed_headers, help="CORS headers")
+    parser.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+
+
+def cors_from_args(args: argparse.Namespace) -> CorsOptions:
+    return CorsOptions(args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials)
+
+
+def edge_stack(app: FastAPI, api_key: str | None, limits: Limits, cors: CorsOptions) -> tuple[HttpEdge,
+                                                                                            LimitsMiddleware]:
+    """The ASGI app to serve, and its limits layer (run_server gives it uvicorn's connection count)."""
+    limited = LimitsMiddleware(ApiKeyAuth(app, api_key), limits)
+    with_cors = CORSMiddleware(limited, allow_origins=cors.allowed_origins,
+                               allow_origin_regex=None if cors.allowed_origins else LOOPBACK_ORIGINS,
+                               allow_methods=cors.allowed_methods, allow_headers=cors.allowed_headers,
+                               allow_credentials=cors.allow_credentials, expose_headers=["X-Request-Id"])
+    return HttpEdge(with_cors), limited
+
+
+# ---- OpenAPI: the errors the server really answers ----
+
+_ERRORS = {"400": "Invalid request (a bad field is named in `param`)", "401": "Invalid or missing API key",
+           "404": "Unknown model", "408": "Request body too slow", "413": "Request body too large",
+           "429": "Waiting queue full or too many connections (see Retry-After)", "500": "Internal error"}
+
+
+def install_openapi(app: FastAPI) -> None:
+    """FastAPI documents a 422 for every body; sobrio answers 400 with an OpenAI error body instead."""
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for name in ("HTTPValidationError", "ValidationError"):
+                components.pop(name, None)
+            components["ErrorResponse"] = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+            for name, sub in components["ErrorResponse"].pop("$defs", {}).items():
+                components[name] = sub
+            error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+            for path, ops in schema.get("paths", {}).items():
+                for op in ops.values():
+                    op["responses"].pop("422", None)
+                    if path.startswith("/v1"):
+                        codes = _ERRORS if "requestBody" in op else {"401": _ERRORS["401"]}
+                        op["responses"].update({c: {"description": d, **error} for c, d in codes.items()})
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi

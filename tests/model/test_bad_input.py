@@ -108,7 +108,7 @@ def test_a_step_that_fails_for_one_request_fails_only_that_one(smollm2, monkeypa
     prompts = ["The sea is", "Once upon a time", "Paris is the capital of", "One, two, three,"]
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     alone = [o.outputs[0].token_ids for o in smollm2.generate(prompts, greedy, use_tqdm=False)]
-    sampler = engine.sampler
+    sampler = engine.core.sampler
 
     def poisoned(logits, meta):  # any batch holding the poison request raises, as a bad row would
         if poison_ids in meta.prompt_token_ids:
@@ -116,7 +116,7 @@ def test_a_step_that_fails_for_one_request_fails_only_that_one(smollm2, monkeypa
         return sampler(logits, meta)
 
     poison_ids = smollm2.get_tokenizer()("A request that fails").input_ids
-    monkeypatch.setattr(engine, "sampler", poisoned)
+    monkeypatch.setattr(engine.core, "sampler", poisoned)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"healthy-{i}", prompt, greedy)
     engine.add_request("poison", "A request that fails", greedy)

@@ -1,0 +1,184 @@
+"""EngineCore: scheduler + executor + sampler and nothing else.
+
+Plain, picklable requests come in (token ids, sampling parameters, salt, arrival time); each step hands
+back plain outputs (request id, new token ids, their logprobs, finish reason, cached prompt tokens).
+No text, no tokenizer and no live `Request` crosses it, so the same core runs in-process or in a
+process of its own behind the same client protocol.
+"""
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from sobrio.config import EngineConfig
+from sobrio.engine.executor import Executor
+from sobrio.engine.request import Request, RequestStatus
+from sobrio.engine.sampling import build_sampling_metadata
+from sobrio.engine.scheduler import Scheduler, SchedulerOutput
+from sobrio.loader.load import LoadedModelFiles
+from sobrio.sample.params import SamplingParams
+from sobrio.sample.sampler import SampledToken, Sampler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineCoreRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int  # resolved against the context by the front
+    eos_token_ids: frozenset[int] = frozenset()
+    cache_salt: str | None = None
+    arrival_time: float = 0.0
+    priority: int = 0
+    # n > 1: start once this sibling has computed the shared prompt, then take its blocks from the cache
+    after_prompt_of: str | None = None
+
+
+@dataclass
+class TokenLogprob:
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | None = None  # the stop token id that finished it
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class _Deferred:
+    """Siblings waiting for a request to compute their shared prompt."""
+
+    first: Request
+    siblings: list[Request] = field(default_factory=list)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, files: LoadedModelFiles):
+        self.config = config
+        self.executor = Executor(config, files)
+        self.max_model_len = self.executor.max_model_len
+        self.scheduler = Scheduler(config, self.executor.num_blocks)
+        self.sampler = Sampler()
+        self.deferred: dict[str, _Deferred] = {}  # first request id -> siblings not yet scheduled
+
+    # ---- requests in ----
+    def add_request(self, creq: EngineCoreRequest) -> None:
+        req = Request(creq.request_id, list(creq.prompt_token_ids), creq.sampling_params, creq.max_tokens,
+                      creq.eos_token_ids, creq.cache_salt, creq.arrival_time or time.monotonic())
+        first = self.scheduler.requests.get(creq.after_prompt_of or "")
+        if first is not None and self.config.enable_prefix_caching and not self._prompt_done(first):
+            self.deferred.setdefault(first.request_id, _Deferred(first)).siblings.append(req)
+            return
+        self.scheduler.add_request(req)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            for group in self.deferred.values():
+                group.siblings = [r for r in group.siblings if r.request_id != request_id]
+            self.scheduler.abort(request_id)
+        self._release_siblings()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self.deferred)
+
+    @staticmethod
+    def _prompt_done(req: Request) -> bool:
+        return req.status.finished or req.num_computed_tokens >= req.num_prompt_tokens - 1
+
+    def _release_siblings(self) -> None:
+        for first_id, group in list(self.deferred.items()):
+            if self._prompt_done(group.first) or not group.siblings:
+                for req in group.siblings:
+                    self.scheduler.add_request(req)
+                del self.deferred[first_id]
+
+    # ---- one step ----
+    def step(self) -> list[EngineCoreOutput]:
+        """Schedule, execute, sample, update: an output per request that advanced, finished or failed."""
+        out = self.scheduler.schedule()
+        if out.is_empty():
+            self._release_siblings()
+            return []
+        failed: list[Request] = []
+        sampled = self._execute_isolating_failures(out, failed)
+        outputs = [self._fail(req) for req in failed]
+        self.scheduler.update_after_step(out)
+        now = time.monotonic()
+        outputs += [self._append(req, token, now) for req, token in sampled]
+        self._release_siblings()
+        return outputs
+
+    def _execute(self, out: SchedulerOutput) -> list[tuple[Request, SampledToken]]:
+        sampling = [r for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens]
+        logits = self.executor.execute(out)
+        return list(zip(sampling, self.sampler(logits, build_sampling_metadata(sampling))))
+
+    def _execute_isolating_failures(self, out: SchedulerOutput, failed: list[Request]) -> list:
+        """Run the step; if it raises, run each request alone, so only the ones that still fail are dropped
+        and the rest of the batch advances as if nothing had happened."""
+        try:
+            return self._execute(out)
+        except Exception as exc:
+            logger.warning("engine step failed (%s); retrying its %d requests one at a time",
+                           type(exc).__name__, len(out.scheduled))
+        sampled = []
+        for req, num_new in out.scheduled:
+            try:
+                sampled += self._execute(SchedulerOutput([(req, num_new)]))
+            except Exception as exc:
+                logger.warning("request %s failed in the engine step (%s)", req.request_id, type(exc).__name__)
+                failed.append(req)
+        out.scheduled = [(r, n) for r, n in out.scheduled if r not in failed]
+        return sampled
+
+    def _fail(self, req: Request) -> EngineCoreOutput:
+        self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+        return self._output(req, [], None)
+
+    def _append(self, req: Request, token: SampledToken, now: float) -> EngineCoreOutput:
+        if req.first_token_time is None:
+            req.first_token_time = now
+        self.scheduler.append_token(req, token.token_id)
+        logprobs = None
+        if token.logprob is not None:
+            logprobs = [TokenLogprob(token.logprob, token.rank, token.top_logprobs or [])]
+        return self._output(req, [token.token_id], logprobs)
+
+    @staticmethod
+    def _output(req: Request, new_token_ids: list[int], logprobs: list[TokenLogprob] | None) -> EngineCoreOutput:
+        stop_reason = req.stop_reason if isinstance(req.stop_reason, int) else None
+        return EngineCoreOutput(req.request_id, new_token_ids, logprobs, req.finish_reason, stop_reason,
+                                req.num_cached_tokens, req.num_preemptions, req.first_scheduled_time,
+                                req.first_token_time, req.finished_time)
+
+    # ---- introspection ----
+    def table_sizes(self) -> dict[str, int]:
+        """Entries of every per-request table: all zero when nothing is in flight (a leak shows here)."""
+        sched = self.scheduler
+        return {"core_deferred": sum(1 + len(g.siblings) for g in self.deferred.values()),
+                "scheduler_requests": len(sched.requests), "scheduler_waiting": len(sched.waiting),
+                "scheduler_running": len(sched.running)}
+
+    def stats(self) -> dict:
+        pool = self.scheduler.pool
+        return {"num_requests_running": len(self.scheduler.running),
+                "num_requests_waiting": len(self.scheduler.waiting), "kv_cache_usage_perc": pool.usage(),
+                "prefix_cache_queries": pool.queries, "prefix_cache_hits": pool.hits,
+                "num_preemptions": self.scheduler.num_preemptions, "tables": self.table_sizes()}

@@ -1,0 +1,29 @@
+"""Executor: owns the model runner(s) and runs one scheduled step on them.
+
+In-process, one runner. A tensor-parallel executor (one process per rank) implements the same three
+members; the scheduler never learns how many processes run the model.
+"""
+
+import torch
+
+from sobrio.config import EngineConfig
+from sobrio.engine.model_runner import ModelRunner
+from sobrio.engine.scheduler import SchedulerOutput
+from sobrio.loader.load import LoadedModelFiles
+
+
+class Executor:
+    def __init__(self, config: EngineConfig, files: LoadedModelFiles):
+        self.runner = ModelRunner(config, files)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.runner.num_blocks
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+        """float32 logits, one row per scheduled request whose last token was computed this step."""
+        return self.runner.execute(out)

@@ -18,12 +18,15 @@ def add_engine_args(parser: argparse.ArgumentParser, multi_model: bool = False) 
     parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--max-num-waiting", type=int, default=4096)
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="greedy output independent of the batch (one kernel per op; slower at large batch)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                enable_prefix_caching=args.enable_prefix_caching, max_num_waiting=args.max_num_waiting)
+                enable_prefix_caching=args.enable_prefix_caching, max_num_waiting=args.max_num_waiting,
+                batch_invariant=args.batch_invariant)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:

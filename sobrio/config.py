@@ -19,6 +19,7 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
     attention_backend: str = "auto"  # auto | cpp | batched | reference (see layers/attention.py)
+    batch_invariant: bool = False  # one kernel and reduction order per op: output independent of the batch
 
     def __post_init__(self) -> None:
         assert self.block_size > 0 and self.block_size % 8 == 0, "block_size must be a multiple of 8"

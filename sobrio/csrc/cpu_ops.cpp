@@ -1,15 +1,18 @@
 // Small fused CPU operators for the decode path, where one aten call per elementwise step costs more
-// than the arithmetic: a bandwidth-bound bf16 GEMV for few-row matmuls, RMSNorm (optionally fused with
-// the residual add), rotary embedding in place, and gated activations. Each matches the PyTorch
-// reference it replaces in rounding order (float32 math, one rounding to the storage dtype per value
-// that PyTorch would round), so the reference path stays the specification.
+// than the arithmetic: a bandwidth-bound bf16 GEMV for few-row matmuls (which, blocked for any row count,
+// is also the batch-invariant matmul), RMSNorm (optionally fused with the residual add), rotary embedding
+// in place, and gated activations. Each matches the PyTorch reference it replaces in rounding order
+// (float32 math, one rounding to the storage dtype per value that PyTorch would round), so the reference
+// path stays the specification. Each computes a row alone, in an order that does not depend on the other
+// rows or on the threads, which `--batch-invariant` relies on.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -24,53 +27,151 @@ template <typename T>
 inline float round_to(float x) { return to_float(static_cast<T>(x)); }
 
 // ---------------------------------------------------------------------------------------------------
-// y[M, N] = x[M, K] @ w[N, K]^T (+ bias), bf16 in and out, float32 accumulation. For M of a few rows the
-// weight matrix is read once from memory, which is what bounds a decode step at small batch.
-#if defined(__AVX512BF16__)
-inline __m512bh load_bf16(const c10::BFloat16* p, int64_t remaining) {
-  if (remaining >= 32) return (__m512bh)_mm512_loadu_si512(p);
-  const __mmask32 mask = (remaining <= 0) ? 0 : static_cast<__mmask32>((1ull << remaining) - 1);
-  return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
+// y[M, N] = x[M, K] @ w[N, K]^T (+ bias), float32 accumulation, one rounding to the dtype per output.
+// Each output element is one dot product computed in one order whatever M is: two accumulators of 16
+// float lanes over alternate K steps (16 elements a step in fp32 lanes, 32 as bf16 pairs), the K tail
+// into the first, one fixed horizontal sum, then the bias; never split across threads (parallel over N). So a row's result does not depend on the rows
+// beside it, and the few-row GEMV of the default path (bf16, M <= 4: the weight matrix streamed from
+// memory once, which bounds a decode step) and the batch-invariant linear (any M) are one kernel.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define SOBRIO_LINEAR 1
+
+inline __mmask16 mask16(int64_t remaining) {
+  return remaining <= 0 ? 0 : static_cast<__mmask16>((1u << std::min<int64_t>(remaining, 16)) - 1);
 }
 
-// One weight row at a time, front to back: the whole matrix is one sequential stream, which the hardware
-// prefetcher follows (interleaving 4 rows measured 25% slower on this EPYC). Each row meets kM rows of x.
-template <int kM>
-void gemv_rows(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* y,
-               int64_t N, int64_t K, int64_t row_begin, int64_t row_end) {
-  for (int64_t n = row_begin; n < row_end; ++n) {
-    const c10::BFloat16* wr = w + n * K;
-    __m512 a0[kM], a1[kM];
-    for (int m = 0; m < kM; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
+// float32 lanes, one FMA per element, 16 elements a step; bf16 and fp16 are widened on load.
+template <typename T_>
+struct LaneDot {
+  using T = T_;
+  using V = __m512;
+  static constexpr int64_t kStep = 16;
+  static __m512 load(const T* p, int64_t remaining);
+  static __m512 madd(__m512 acc, __m512 x, __m512 w) { return _mm512_fmadd_ps(x, w, acc); }
+};
+template <>
+inline __m512 LaneDot<float>::load(const float* p, int64_t remaining) {
+  return remaining >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(mask16(remaining), p);
+}
+inline __m256i load16_raw(const void* p, int64_t remaining) {
+  return remaining >= 16 ? _mm256_loadu_si256(static_cast<const __m256i*>(p))
+                         : _mm256_maskz_loadu_epi16(mask16(remaining), p);
+}
+template <>
+inline __m512 LaneDot<c10::BFloat16>::load(const c10::BFloat16* p, int64_t remaining) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(load16_raw(p, remaining)), 16));
+}
+template <>
+inline __m512 LaneDot<c10::Half>::load(const c10::Half* p, int64_t remaining) {
+  return _mm512_cvtph_ps(load16_raw(p, remaining));
+}
+
+#if defined(__AVX512BF16__)
+// AVX512-BF16: each lane adds a pair of bf16 products, 32 elements a step.
+struct PairDotBf16 {
+  using T = c10::BFloat16;
+  using V = __m512bh;
+  static constexpr int64_t kStep = 32;
+  static __m512bh load(const T* p, int64_t remaining) {
+    if (remaining >= 32) return (__m512bh)_mm512_loadu_si512(p);
+    const __mmask32 mask = (remaining <= 0) ? 0 : static_cast<__mmask32>((1ull << remaining) - 1);
+    return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
+  }
+  static __m512 madd(__m512 acc, __m512bh x, __m512bh w) { return _mm512_dpbf16_ps(acc, x, w); }
+};
+#endif
+
+// kM input rows against kN weight rows at a time, the weight rows front to back (one sequential stream
+// the hardware prefetcher follows). The per-element order is the same for every kM and kN.
+template <class Dot, int kM, int kN>
+void linear_tile(const typename Dot::T* x, const typename Dot::T* w, const typename Dot::T* bias,
+                 typename Dot::T* y, int64_t N, int64_t K, int64_t n_begin, int64_t n_end) {
+  using T = typename Dot::T;
+  constexpr int64_t S = Dot::kStep;
+  for (int64_t n = n_begin; n + kN <= n_end; n += kN) {
+    __m512 a0[kM][kN], a1[kM][kN];
+    for (int m = 0; m < kM; ++m)
+      for (int j = 0; j < kN; ++j) a0[m][j] = a1[m][j] = _mm512_setzero_ps();
     int64_t k = 0;
-    for (; k + 64 <= K; k += 64) {
-      const __m512bh w0 = load_bf16(wr + k, 32), w1 = load_bf16(wr + k + 32, 32);
+    for (; k + 2 * S <= K; k += 2 * S) {
+      typename Dot::V w0[kN], w1[kN];
+      for (int j = 0; j < kN; ++j) w0[j] = Dot::load(w + (n + j) * K + k, S), w1[j] = Dot::load(w + (n + j) * K + k + S, S);
       for (int m = 0; m < kM; ++m) {
-        a0[m] = _mm512_dpbf16_ps(a0[m], load_bf16(x + m * K + k, 32), w0);
-        a1[m] = _mm512_dpbf16_ps(a1[m], load_bf16(x + m * K + k + 32, 32), w1);
+        const auto x0 = Dot::load(x + m * K + k, S), x1 = Dot::load(x + m * K + k + S, S);
+        for (int j = 0; j < kN; ++j) a0[m][j] = Dot::madd(a0[m][j], x0, w0[j]), a1[m][j] = Dot::madd(a1[m][j], x1, w1[j]);
       }
     }
-    for (; k < K; k += 32) {
-      const __m512bh w0 = load_bf16(wr + k, K - k);
-      for (int m = 0; m < kM; ++m) a0[m] = _mm512_dpbf16_ps(a0[m], load_bf16(x + m * K + k, K - k), w0);
+    for (; k < K; k += S) {
+      for (int m = 0; m < kM; ++m) {
+        const auto x0 = Dot::load(x + m * K + k, K - k);
+        for (int j = 0; j < kN; ++j) a0[m][j] = Dot::madd(a0[m][j], x0, Dot::load(w + (n + j) * K + k, K - k));
+      }
     }
-    const float b = bias ? to_float(bias[n]) : 0.f;
-    for (int m = 0; m < kM; ++m) y[m * N + n] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m])) + b);
+    for (int j = 0; j < kN; ++j) {
+      const float b = bias ? to_float(bias[n + j]) : 0.f;
+      for (int m = 0; m < kM; ++m) y[m * N + n + j] = static_cast<T>(_mm512_reduce_add_ps(_mm512_add_ps(a0[m][j], a1[m][j])) + b);
+    }
   }
 }
 
-void gemv_dispatch(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* y,
-                   int64_t M, int64_t N, int64_t K, int64_t begin, int64_t end) {
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) gemv_rows<4>(x + m * K, w, bias, y + m * N, N, K, begin, end);
-  if (M - m == 3) gemv_rows<3>(x + m * K, w, bias, y + m * N, N, K, begin, end);
-  if (M - m == 2) gemv_rows<2>(x + m * K, w, bias, y + m * N, N, K, begin, end);
-  if (M - m == 1) gemv_rows<1>(x + m * K, w, bias, y + m * N, N, K, begin, end);
+// Up to 4 rows: one pass over the weight rows. Past 4 rows the weight rows go in blocks that stay in L2
+// while every group of 4 input rows passes over them, two weight rows at a time (more products per load).
+template <class Dot, int kM>
+void linear_rows(const typename Dot::T* x, const typename Dot::T* w, const typename Dot::T* bias,
+                 typename Dot::T* y, int64_t N, int64_t K, int64_t begin, int64_t end, bool pairs) {
+  if (!pairs) return linear_tile<Dot, kM, 1>(x, w, bias, y, N, K, begin, end);
+  linear_tile<Dot, kM, 2>(x, w, bias, y, N, K, begin, end);
+  if ((end - begin) % 2) linear_tile<Dot, kM, 1>(x, w, bias, y, N, K, end - 1, end);
 }
-#endif
+
+template <class Dot>
+void linear_block(const typename Dot::T* x, const typename Dot::T* w, const typename Dot::T* bias,
+                  typename Dot::T* y, int64_t M, int64_t N, int64_t K, int64_t begin, int64_t end) {
+  const bool many = M > 4;
+  const int64_t block = many ? std::max<int64_t>(8, (256 << 10) / (K * sizeof(typename Dot::T))) : end - begin;
+  for (int64_t nb = begin; nb < end; nb += block) {
+    const int64_t ne = std::min(end, nb + block);
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) linear_rows<Dot, 4>(x + m * K, w, bias, y + m * N, N, K, nb, ne, many);
+    if (M - m == 3) linear_rows<Dot, 3>(x + m * K, w, bias, y + m * N, N, K, nb, ne, many);
+    if (M - m == 2) linear_rows<Dot, 2>(x + m * K, w, bias, y + m * N, N, K, nb, ne, many);
+    if (M - m == 1) linear_rows<Dot, 1>(x + m * K, w, bias, y + m * N, N, K, nb, ne, many);
+  }
+}
+
+template <class Dot>
+torch::Tensor linear_run(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
+  using T = typename Dot::T;
+  auto xc = x.contiguous();
+  auto wc = w.contiguous();
+  const int64_t M = xc.size(0), N = wc.size(0), K = xc.size(1);
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const T* b = nullptr;
+  torch::Tensor bc;
+  if (bias.has_value()) {
+    bc = bias->contiguous();
+    TORCH_CHECK(bc.scalar_type() == x.scalar_type() && bc.numel() == N, "bias: x's dtype, [N]");
+    b = bc.data_ptr<T>();
+  }
+  const T* xp = xc.data_ptr<T>();
+  const T* wp = wc.data_ptr<T>();
+  T* yp = y.data_ptr<T>();
+  // Waking the second thread costs tens of microseconds on a quiet machine and milliseconds when the server
+  // and its clients hold the other core: split only past ~8 MB of weights (per group of 4 rows) a thread.
+  const int64_t grain = std::max<int64_t>(1, (8 << 20) / (K * static_cast<int64_t>(sizeof(T))) / ((M + 3) / 4));
+  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) { linear_block<Dot>(xp, wp, b, yp, M, N, K, begin, end); });
+  return y;
+}
+#endif  // AVX512 F / BW / VL
+
+void check_linear(const torch::Tensor& x, const torch::Tensor& w) {
+  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "x and w: one dtype");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "shapes: x [M, K], w [N, K]");
+}
 
 bool gemv_supported() {
-#if defined(__AVX512BF16__)
+#if defined(SOBRIO_LINEAR) && defined(__AVX512BF16__)
   return true;
 #else
   return false;
@@ -79,29 +180,40 @@ bool gemv_supported() {
 
 torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(gemv_supported(), "gemv_bf16 needs AVX512-BF16");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "gemv_bf16 takes bf16");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "shapes: x [M, K], w [N, K]");
-  auto xc = x.contiguous();
-  auto wc = w.contiguous();
-  const int64_t M = xc.size(0), N = wc.size(0), K = xc.size(1);
-  auto y = torch::empty({M, N}, x.options());
-  const c10::BFloat16* b = nullptr;
-  torch::Tensor bc;
-  if (bias.has_value()) {
-    bc = bias->contiguous();
-    TORCH_CHECK(bc.scalar_type() == at::kBFloat16 && bc.numel() == N, "bias: bf16 [N]");
-    b = bc.data_ptr<c10::BFloat16>();
-  }
-#if defined(__AVX512BF16__)
-  const auto* xp = xc.data_ptr<c10::BFloat16>();
-  const auto* wp = wc.data_ptr<c10::BFloat16>();
-  auto* yp = y.data_ptr<c10::BFloat16>();
-  // Waking the second thread costs tens of microseconds on a quiet machine and milliseconds when the server
-  // and its clients hold the other core: split only past ~8 MB of weights a thread (the LM head).
-  const int64_t grain = std::max<int64_t>(1, (8 << 20) / (K * 2));
-  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) { gemv_dispatch(xp, wp, b, yp, M, N, K, begin, end); });
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "gemv_bf16 takes bf16");
+  check_linear(x, w);
+#if defined(SOBRIO_LINEAR) && defined(__AVX512BF16__)
+  return linear_run<PairDotBf16>(x, w, bias);
+#else
+  return x;
 #endif
-  return y;
+}
+
+bool invariant_linear_supported() {
+#if defined(SOBRIO_LINEAR)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// The batch-invariant linear: float32, bf16 or fp16. For bf16 on AVX512-BF16 it is gemv_bf16 itself.
+torch::Tensor invariant_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(invariant_linear_supported(), "invariant_linear needs AVX-512 (F, BW, VL)");
+  check_linear(x, w);
+#if defined(SOBRIO_LINEAR)
+  switch (x.scalar_type()) {
+    case at::kFloat: return linear_run<LaneDot<float>>(x, w, bias);
+    case at::kHalf: return linear_run<LaneDot<c10::Half>>(x, w, bias);
+#if defined(__AVX512BF16__)
+    case at::kBFloat16: return linear_run<PairDotBf16>(x, w, bias);
+#else
+    case at::kBFloat16: return linear_run<LaneDot<c10::BFloat16>>(x, w, bias);
+#endif
+    default: TORCH_CHECK(false, "invariant_linear takes float32, bf16 or fp16");
+  }
+#endif
+  return x;
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -165,7 +277,7 @@ torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, t
   const int64_t dim = x.size(-1), rows = x.numel() / dim;
   TORCH_CHECK(weight.numel() == dim && weight.scalar_type() == x.scalar_type(), "rms_norm: weight [dim], x's dtype");
   auto out = torch::empty_like(x);
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
     scalar_t* res = nullptr;
     if (residual.has_value()) {
       TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes(), "residual: x's shape");
@@ -224,7 +336,7 @@ void rotary_embedding(torch::Tensor positions, torch::Tensor q, torch::Tensor k,
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && cos.scalar_type() == sin.scalar_type());
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == q.size(2));
   auto pos = positions.contiguous();
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "rotary_embedding", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary_embedding", [&] {
     for (auto* t : {&q, &k}) {
       if (cos.scalar_type() == torch::kFloat) {
         rope_heads<scalar_t, float>(t->data_ptr<scalar_t>(), t->size(0), t->size(1), t->size(2), t->stride(0),
@@ -287,7 +399,7 @@ torch::Tensor act_and_mul(torch::Tensor x, int64_t act) {
   auto sizes = x.sizes().vec();
   sizes.back() = inter;
   auto out = torch::empty(sizes, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "act_and_mul", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "act_and_mul", [&] {
     act_and_mul_rows<scalar_t>(x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, inter, act);
   });
   return out;
@@ -299,6 +411,9 @@ void register_cpu_ops(pybind11::module& m) {
   m.def("gemv_supported", &gemv_supported, "whether gemv_bf16 was built (AVX512-BF16)");
   m.def("gemv_bf16", &gemv_bf16, "few-row bf16 matmul x @ w.T (+ bias)", py::arg("x"), py::arg("w"),
         py::arg("bias") = py::none());
+  m.def("invariant_linear_supported", &invariant_linear_supported, "whether invariant_linear was built (AVX-512)");
+  m.def("invariant_linear", &invariant_linear, "x @ w.T (+ bias), each row's result independent of the others",
+        py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally adding x into residual first");
   m.def("rotary_embedding", &rotary_embedding, "rotate-half RoPE in place");
   m.def("act_and_mul", &act_and_mul, "silu(gate)*up (0) or gelu_tanh(gate)*up (1)");

@@ -58,10 +58,10 @@ class ModelRunner:
         self.num_blocks = self._num_kv_blocks()
         self.max_model_len = min(config.max_model_len or model_max, self.num_blocks * self.block_size)
         self.model = build_model(files.config, self.max_model_len, files.iter_weights(), self.dtype,
-                                 config.attention_backend)
+                                 config.attention_backend, config.batch_invariant)
         self._allocate_kv_cache()
-        logger.info("model %s loaded: dtype=%s kv_blocks=%d max_model_len=%d",
-                    files.source.name, self.dtype, self.num_blocks, self.max_model_len)
+        logger.info("model %s loaded: dtype=%s kv_blocks=%d max_model_len=%d batch_invariant=%s",
+                    files.source.name, self.dtype, self.num_blocks, self.max_model_len, config.batch_invariant)
 
     def _kv_shape(self) -> tuple[int, int, int]:
         c = self.hf_config

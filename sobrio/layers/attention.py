@@ -12,6 +12,8 @@ Two backends:
   times faster than 64 SDPA calls (whose bf16 GQA path is slow).
 - `CppPagedAttention`: decode through a small C++ operator that reads the paged cache in place.
   `benchmarks/attention_backends.py` times the three.
+- `BatchInvariantAttention` (`--batch-invariant`): every query row, prompt or decode, through that operator
+  as a row of its own, so a row's result does not depend on the batch, the chunking or the prefix cache.
 """
 
 from dataclasses import dataclass, field
@@ -76,6 +78,18 @@ class AttentionMetadata:
                 mask &= positions > ctx.unsqueeze(1) - 1 - window
             self._cache[key] = (slots.view(len(ctx), -1)[:, :length].contiguous(), mask.view(len(ctx), 1, 1, length))
         return self._cache[key]
+
+    def query_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """For every query row: its sequence's block table [T, max_blocks] and its context length [T]
+        (its position + 1), the row as the decode kernel sees a single-query sequence."""
+        if "rows" not in self._cache:
+            starts = torch.tensor(self.query_start_loc)
+            q_lens = starts[1:] - starts[:-1]
+            seq = torch.repeat_interleave(torch.arange(self.num_seqs), q_lens)
+            first_position = torch.tensor(self.context_lens) - q_lens
+            lens = first_position[seq] + torch.arange(len(seq)) - starts[seq] + 1
+            self._cache["rows"] = (self.block_tables[seq], lens)
+        return self._cache["rows"]
 
 
 def _key_range_and_mask(q_len: int, ctx: int, window: int | None) -> tuple[int, torch.Tensor | None, bool]:
@@ -190,6 +204,29 @@ class CppPagedAttention(BatchedDecodeAttention):
         _, _, tables, ctx = meta.decode_seqs()
         return self.ops.paged_decode_attention(q.contiguous(), key_cache, value_cache, tables, ctx,
                                              meta.block_size, self.scale, self.sliding_window or 0)
+
+
+class BatchInvariantAttention(ReferenceAttention):
+    """Each query row attends as a decode query of its own: its keys are read from the cache (its chunk's
+    included, written first) by the C++ decode kernel, one (row, kv head) per task, in position order. A
+    row's result is then a function of its sequence alone, whatever else is in the step, how its prompt was
+    chunked or where the prefix cache made its chunk start; SDPA over a chunk would not be."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        from sobrio.csrc import load
+
+        self.ops = load()
+        assert self.ops is not None, "batch-invariant attention needs the C++ operators"
+
+    def forward(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+        key_cache, value_cache = self.caches()
+        key_cache.index_copy_(0, meta.slot_mapping, k)
+        value_cache.index_copy_(0, meta.slot_mapping, v)
+        tables, lens = meta.query_rows()
+        out = self.ops.paged_decode_attention(q.contiguous(), key_cache, value_cache, tables, lens,
+                                              meta.block_size, self.scale, self.sliding_window or 0)
+        return out.view(q.shape[0], -1)
 
 
 ATTENTION_BACKENDS = {"reference": ReferenceAttention, "batched": BatchedDecodeAttention, "cpp": CppPagedAttention}

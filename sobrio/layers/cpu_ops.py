@@ -18,3 +18,10 @@ def cpu_ops():
 def gemv_available() -> bool:
     ops = cpu_ops()
     return ops is not None and ops.gemv_supported()
+
+
+@functools.cache
+def invariant_linear_available() -> bool:
+    """Whether the batch-invariant matmul was built (it needs AVX-512)."""
+    ops = cpu_ops()
+    return ops is not None and ops.invariant_linear_supported()

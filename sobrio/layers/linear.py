@@ -5,25 +5,39 @@ aten's bf16 matmul on a CPU without AMX reads a 1-row activation against the wei
 memory bandwidth; the GEMV streams each weight row once through AVX512-BF16 dot products. Past
 `GEMV_MAX_ROWS` rows a blocked GEMM wins, and oneDNN's with a pre-packed weight is 1.1-1.4x aten's
 (which re-lays the weight out on every call). Same results as aten: both are oneDNN underneath.
+
+Neither is batch-invariant: a row's result depends on how many rows came with it (GEMV or GEMM, and
+oneDNN's and MKL's blockings differ by M, in fp32 too). With `batch_invariant` every matmul takes the C++
+`invariant_linear`, which computes each output element in one order for any M; for bf16 it is the GEMV
+itself, so batch-invariant decode at batch <= 4 costs nothing.
 """
 
 import torch
 import torch.nn.functional as F
 
-from sobrio.layers.cpu_ops import cpu_ops, gemv_available
+from sobrio.layers.cpu_ops import cpu_ops, gemv_available, invariant_linear_available
 
 GEMV_MAX_ROWS = 4
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias; `packed` is `pack_weight(weight)` or None."""
+           packed: torch.Tensor | None = None, batch_invariant: bool = False) -> torch.Tensor:
+    """x @ weight.T + bias; `packed` is `pack_weight(weight)` or None; `batch_invariant`: the kernel whose
+    rows do not depend on each other, whatever the row count."""
+    if batch_invariant:
+        return invariant_linear(x, weight, bias)
     if x.dtype == torch.bfloat16 and x.dim() == 2:
         if x.shape[0] <= GEMV_MAX_ROWS and gemv_available():
             return cpu_ops().gemv_bf16(x, weight, bias)
         if packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias, each row's result the same whatever rows come with it."""
+    assert x.dim() == 2 and invariant_linear_available(), "batch-invariant matmul: 2-D input, C++ operators"
+    return cpu_ops().invariant_linear(x, weight, bias)
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
@@ -35,9 +49,13 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 class Linear(torch.nn.Linear):
     packed: torch.Tensor | None = None  # set by `prepack()` once the weights are loaded and cast
+    batch_invariant = False
 
-    def prepack(self) -> None:
-        self.packed = pack_weight(self.weight)
+    def prepack(self, batch_invariant: bool = False) -> None:
+        """Choose the matmul once the weights are final: oneDNN's packed copy, or the batch-invariant kernel
+        (which reads the plain weight, so no packed copy is kept)."""
+        self.batch_invariant = batch_invariant
+        self.packed = None if batch_invariant else pack_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
+        return linear(x, self.weight, self.bias, self.packed, self.batch_invariant)

@@ -38,10 +38,11 @@ class Gemma3DecoderLayer(torch.nn.Module):
 
 
 class Gemma3ForCausalLM(CausalLM):
-    def __init__(self, config, max_positions: int, attn_cls: type[ReferenceAttention] = BatchedDecodeAttention):
+    def __init__(self, config, max_positions: int, attn_cls: type[ReferenceAttention] = BatchedDecodeAttention,
+                 batch_invariant: bool = False):
         head_dim = head_dim_of(config)
         rotary = {t: RotaryEmbedding(config, head_dim, max_positions, t) for t in set(config.layer_types)}
         layers = [Gemma3DecoderLayer(config, t, rotary[t], attn_cls) for t in config.layer_types]
         model = DecoderModel(config, layers, GemmaRMSNorm(config.hidden_size, config.rms_norm_eps))
         model.embed_scale = config.hidden_size ** 0.5
-        super().__init__(config, model)
+        super().__init__(config, model, batch_invariant)

@@ -103,10 +103,11 @@ class DecoderModel(torch.nn.Module):
 class CausalLM(torch.nn.Module):
     """A decoder plus its LM head; `forward` returns hidden states, `compute_logits` the float32 logits."""
 
-    def __init__(self, config, model: DecoderModel):
+    def __init__(self, config, model: DecoderModel, batch_invariant: bool = False):
         super().__init__()
         self.config = config
         self.model = model
+        self.batch_invariant = batch_invariant  # every matmul through the batch-invariant kernel
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -115,11 +116,12 @@ class CausalLM(torch.nn.Module):
         self.packed_lm_head: torch.Tensor | None = None
 
     def prepack(self) -> None:
-        """Pack every matmul weight for oneDNN; call once the weights are loaded and cast."""
+        """Choose every matmul (oneDNN's packed weights, or the batch-invariant kernel); call once the
+        weights are loaded and cast."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.prepack()
-        self.packed_lm_head = pack_weight(self.lm_head_weight())
+                module.prepack(self.batch_invariant)
+        self.packed_lm_head = None if self.batch_invariant else pack_weight(self.lm_head_weight())
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -128,18 +130,25 @@ class CausalLM(torch.nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self.lm_head_weight(), packed=self.packed_lm_head).float()
+        logits = linear(hidden, self.lm_head_weight(), packed=self.packed_lm_head,
+                        batch_invariant=self.batch_invariant).float()
         if self.final_logit_softcapping:
-            cap = self.final_logit_softcapping
-            logits = torch.tanh(logits / cap) * cap
+            logits = self._softcap(logits, self.final_logit_softcapping)
         return logits
+
+    def _softcap(self, logits: torch.Tensor, cap: float) -> torch.Tensor:
+        if self.batch_invariant:  # aten's tanh takes a scalar path at each thread's range end: row by row
+            return torch.stack([torch.tanh(row / cap) * cap for row in logits])
+        return torch.tanh(logits / cap) * cap
 
     def attention_layers(self) -> list[ReferenceAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
 
 class LlamaForCausalLM(CausalLM):
-    def __init__(self, config, max_positions: int, attn_cls: type[ReferenceAttention] = BatchedDecodeAttention):
+    def __init__(self, config, max_positions: int, attn_cls: type[ReferenceAttention] = BatchedDecodeAttention,
+                 batch_invariant: bool = False):
         rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
         layers = [LlamaDecoderLayer(config, rotary, attn_cls) for _ in range(config.num_hidden_layers)]
-        super().__init__(config, DecoderModel(config, layers, RMSNorm(config.hidden_size, config.rms_norm_eps)))
+        model = DecoderModel(config, layers, RMSNorm(config.hidden_size, config.rms_norm_eps))
+        super().__init__(config, model, batch_invariant)

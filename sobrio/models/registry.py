@@ -23,13 +23,30 @@ def model_class(config) -> type[CausalLM]:
     return cls
 
 
-def build_model(config, max_positions: int, weights, dtype: torch.dtype, attention_backend: str) -> CausalLM:
-    from sobrio.layers.attention import resolve_backend
+def build_model(config, max_positions: int, weights, dtype: torch.dtype, attention_backend: str,
+                batch_invariant: bool = False) -> CausalLM:
+    from sobrio.layers.attention import BatchInvariantAttention, resolve_backend
     from sobrio.models.weights import load_weights
 
+    if batch_invariant:
+        check_batch_invariant(attention_backend)
+    attn_cls = BatchInvariantAttention if batch_invariant else resolve_backend(attention_backend)
     with torch.device("cpu"):
-        model = model_class(config)(config, max_positions, resolve_backend(attention_backend))
+        model = model_class(config)(config, max_positions, attn_cls, batch_invariant=batch_invariant)
     load_weights(model, weights)
     model = model.to(dtype).eval().requires_grad_(False)
     model.prepack()
     return model
+
+
+def check_batch_invariant(attention_backend: str) -> None:
+    """Batch invariance rests on the C++ operators: the matmul and attention kernels, and RMSNorm, RoPE and
+    the gated activation, which compute each row alone (their PyTorch fallbacks may not)."""
+    from sobrio.layers.cpu_ops import cpu_ops, invariant_linear_available
+
+    if cpu_ops() is None or not invariant_linear_available():
+        raise InvalidRequestError("batch_invariant needs sobrio's C++ operators built on a CPU with AVX-512 "
+                                  "(run `python -m sobrio.csrc`; SOBRIO_DISABLE_CPP must be unset)")
+    if attention_backend not in ("auto", "cpp"):
+        raise InvalidRequestError(f"batch_invariant has its own attention; attention_backend "
+                                  f"{attention_backend!r} cannot be used with it")

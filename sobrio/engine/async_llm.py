@@ -1,9 +1,15 @@
-"""asyncio front of one engine: the synchronous loop runs in its own thread, outputs fan out to queues.
+"""asyncio clients of one engine: the front (tokenize, detokenize) plus a core, in-process or in its own process.
 
-Each request gets an asyncio.Queue fed from the engine thread; its consumer iterates `generate()`.
-Cancelling that iteration (a client that disconnects) aborts the request, which frees its blocks at the
-next step. An exception inside a step fails the requests in flight then (each gets the error); the loop
-keeps serving new ones.
+Both implement the `EngineClient` protocol (`sobrio/engine/client.py`). A background thread produces the
+engine's outputs and routes them to one asyncio queue per HTTP request:
+- `AsyncLLM`: the thread steps an in-process core (the offline-style engine; tests).
+- `AsyncMPClient`: the core runs in its own process (`core_process.py`); the thread receives each
+  step's outputs and runs the front on them. The default of `sobrio serve`: the event loop and the
+  model no longer share one interpreter.
+
+Cancelling an output iteration (a client that disconnects) aborts the request. A step that fails for
+one request fails that request alone (the core isolates it); a core process that dies fails the
+requests in flight, and the client starts a new core (a bounded number of times, then gives up).
 """
 
 import asyncio
@@ -13,9 +19,11 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from sobrio.config import EngineConfig
+from sobrio.engine.core_process import CoreProcess, EngineDeadError
 from sobrio.engine.llm_engine import LLMEngine
 from sobrio.engine.outputs import RequestOutput
 from sobrio.errors import SobrioError
+from sobrio.loader.load import load_model_files
 from sobrio.sample.params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -25,26 +33,34 @@ class EngineStepError(SobrioError):
     """The engine failed while computing this request (HTTP 500); other requests go on."""
 
 
-class AsyncLLM:
+class EngineUnavailableError(SobrioError):
+    """The engine is restarting or stopping (HTTP 503)."""
+
+
+class _ClientBase:
+    """Request routing shared by both clients: queues, streaming, aborts, failing what is in flight."""
+
     def __init__(self, engine: LLMEngine, on_output: Callable[[RequestOutput, float], None] | None = None):
         self.engine = engine
         self.on_output = on_output
         self.on_abort: Callable[[str], None] | None = None  # e.g. metrics forgetting a request's timings
-        self._lock = threading.Lock()  # guards the engine: the loop's step vs add/abort from other threads
-        self._wake = threading.Event()
+        self._lock = threading.Lock()  # guards the front (and an in-process core) between threads
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._pending_aborts: list[str] = []  # aborts asked from the event loop, applied before the next step
         self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name=f"engine-{engine.model_name}", daemon=True)
-        self._thread.start()
-
-    @classmethod
-    def from_config(cls, config: EngineConfig, **kwargs) -> "AsyncLLM":
-        return cls(LLMEngine(config), **kwargs)
+        self.healthy = True
+        self._thread = threading.Thread(target=self._run, name=f"engine-{engine.model_name}", daemon=True)
 
     @property
     def model_name(self) -> str:
         return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def input_processor(self):
+        return self.engine.input_processor
 
     async def add_request(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams,
                           queue: asyncio.Queue, prompt_token_ids: list[int] | None = None,
@@ -84,25 +100,24 @@ class AsyncLLM:
 
     def _add(self, request_id, prompt, params, prompt_token_ids, cache_salt, loop, queue) -> None:
         if self._stopping:
-            raise SobrioError("the server is shutting down")
+            raise EngineUnavailableError("the server is shutting down")
+        if not self.healthy:
+            raise EngineUnavailableError("the engine is restarting; retry shortly")
         # Tokenizing takes no lock: a long prompt never holds up the step of the requests in flight.
         processed = self.engine.process_input(request_id, prompt, params, cache_salt=cache_salt,
                                               prompt_token_ids=prompt_token_ids)
         with self._lock:
             self.engine.add_processed(processed)
             self._queues[request_id] = (loop, queue)
-        self._wake.set()
+        self._wake()
 
     def release(self, request_id: str) -> None:
         """The consumer has every output it wants: stop routing this request's outputs."""
         self._queues.pop(request_id, None)
 
     def abort_soon(self, request_id: str) -> None:
-        """Abort without waiting for the engine lock: safe in a cancelled task or a `finally` (a client that
-        went away); the engine thread applies it before its next step."""
-        self._pending_aborts.append(request_id)
-        self._queues.pop(request_id, None)
-        self._wake.set()
+        """Abort without awaiting: safe in a cancelled task or a `finally` (a client that went away)."""
+        self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -112,52 +127,150 @@ class AsyncLLM:
             self.on_abort(request_id)
 
     def stats(self) -> dict:
-        stats = self.engine.stats()
-        stats["tables"] = {**stats["tables"], "async_queues": len(self._queues),
-                           "async_pending_aborts": len(self._pending_aborts)}
+        with self._lock:
+            stats = self.engine.stats()
+        stats["tables"] = {**stats["tables"], "client_queues": len(self._queues)}
         return stats
 
-    def _apply_pending_aborts(self) -> None:
-        while self._pending_aborts:
-            self.abort(self._pending_aborts.pop())
+    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        for output in outputs:
+            if self.on_output is not None:
+                self.on_output(output, now)
+            target = self._queues.get(output.request_id)
+            if target is not None:
+                loop, queue = target
+                loop.call_soon_threadsafe(queue.put_nowait, output)
 
-    def _loop(self) -> None:
+    def _fail_all(self, error: Exception, abort_in_core: bool = True) -> None:
+        """Every request in flight gets `error`; the front forgets them (the caller holds the lock)."""
+        for request_id, (loop, queue) in list(self._queues.items()):
+            if abort_in_core:
+                self.engine.abort_request(request_id)
+            if self.on_abort is not None:
+                self.on_abort(request_id)
+            loop.call_soon_threadsafe(queue.put_nowait, error)
+        self._queues.clear()
+
+    def _wake(self) -> None:
+        """Tell the thread there is new work (an in-process core waits for it)."""
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Fail what is still in flight and stop the thread."""
+        self._stopping = True
+        with self._lock:
+            self._fail_all(EngineUnavailableError("the server is shutting down"))
+        self._wake()
+        self._thread.join(timeout)
+
+
+class AsyncLLM(_ClientBase):
+    """The core in this process: the thread steps it whenever there is work."""
+
+    def __init__(self, engine: LLMEngine, on_output: Callable[[RequestOutput, float], None] | None = None):
+        super().__init__(engine, on_output)
+        self._work = threading.Event()
+        self._pending_aborts: list[str] = []  # asked from the event loop, applied before the next step
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, **kwargs) -> "AsyncLLM":
+        return cls(LLMEngine(config), **kwargs)
+
+    def abort_soon(self, request_id: str) -> None:
+        """The step holds the lock for tens of ms: queue the abort for the thread instead of waiting."""
+        self._pending_aborts.append(request_id)
+        self._queues.pop(request_id, None)
+        self._wake()
+
+    def stats(self) -> dict:
+        stats = super().stats()
+        stats["tables"]["client_pending_aborts"] = len(self._pending_aborts)
+        return stats
+
+    def _wake(self) -> None:
+        self._work.set()
+
+    def _run(self) -> None:
         while not self._stopping:
-            self._apply_pending_aborts()
+            while self._pending_aborts:
+                self.abort(self._pending_aborts.pop())
             if not self.engine.has_unfinished_requests():
-                self._wake.wait(0.5)
-                self._wake.clear()
+                self._work.wait(0.5)
+                self._work.clear()
                 continue
             with self._lock:
                 try:
                     outputs = self.engine.step()
-                except Exception as exc:  # fail the requests in flight, keep the loop alive
+                except Exception as exc:  # the core isolates one request's failure; this is anything else
                     logger.exception("engine step failed: %s", type(exc).__name__)
                     self._fail_all(EngineStepError(f"engine step failed: {type(exc).__name__}"))
                     continue
-            now = time.monotonic()
-            for output in outputs:
-                self._deliver(output, now)
+            self._deliver_all(outputs)
 
-    def _deliver(self, output: RequestOutput, now: float) -> None:
-        if self.on_output is not None:
-            self.on_output(output, now)
-        target = self._queues.get(output.request_id)
-        if target is not None:
-            loop, queue = target
-            loop.call_soon_threadsafe(queue.put_nowait, output)
 
-    def _fail_all(self, error: Exception) -> None:
-        for request_id, (loop, queue) in list(self._queues.items()):
-            self.engine.abort_request(request_id)  # the caller holds the lock
-            if self.on_abort is not None:
-                self.on_abort(request_id)
-            loop.call_soon_threadsafe(queue.put_nowait, error)
+class AsyncMPClient(_ClientBase):
+    """The core in its own process: the thread receives each step's outputs and runs the front on them."""
+
+    def __init__(self, config: EngineConfig, max_restarts: int = 3, startup_timeout: float = 600.0,
+                 on_output: Callable[[RequestOutput, float], None] | None = None,
+                 on_fatal: Callable[[], None] | None = None):
+        self.config, self.max_restarts, self.startup_timeout = config, max_restarts, startup_timeout
+        self.on_fatal = on_fatal  # called when the core died more than max_restarts times
+        self.restarts = 0
+        files = load_model_files(config.model)  # tokenizer and config here; prepares a GGUF once, before the core
+        core = CoreProcess(config, startup_timeout)
+        super().__init__(LLMEngine(config, core=core, files=files), on_output)
+        self._thread.start()
+
+    @property
+    def core(self) -> CoreProcess:
+        return self.engine.core
+
+    def _run(self) -> None:
+        while not self._stopping:
+            try:
+                message = self.core.recv(200)
+            except EngineDeadError as exc:
+                if not self._stopping:
+                    self._restart(exc)
+                continue
+            if message is None or message[0] != "outputs":
+                continue
+            with self._lock:
+                outputs = self.engine.process_outputs(message[1])
+            self._deliver_all(outputs)
+
+    def _restart(self, exc: EngineDeadError) -> None:
+        """Fail every request in flight at once, then start a new core (503 meanwhile)."""
+        logger.error("%s; failing the requests in flight", exc)
+        self.healthy = False
+        with self._lock:
+            self._fail_all(EngineStepError("the engine process died while computing this request"),
+                           abort_in_core=False)
+            self.engine.forget_all()
+        self.core.close(timeout=1)
+        if self.restarts >= self.max_restarts:
+            logger.error("engine core died %d times; giving up", self.restarts + 1)
+            self._stopping = True
+            if self.on_fatal is not None:
+                self.on_fatal()
+            return
+        self.restarts += 1
+        logger.info("restarting the engine core (%d of %d)", self.restarts, self.max_restarts)
+        try:
+            self.engine.core = CoreProcess(self.config, self.startup_timeout)
+        except SobrioError as start_error:
+            logger.error("engine core restart failed: %s", start_error)
+            self._stopping = True
+            if self.on_fatal is not None:
+                self.on_fatal()
+            return
+        self.healthy = True
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        """Abort what is still in flight and stop the loop thread."""
-        self._stopping = True
-        with self._lock:
-            self._fail_all(SobrioError("the server is shutting down"))
-        self._wake.set()
-        self._thread.join(timeout)
+        super().shutdown(timeout)
+        self.core.close()

@@ -15,7 +15,7 @@ from sobrio.engine.detokenize import IncrementalDetokenizer
 from sobrio.engine.input import InputProcessor
 from sobrio.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from sobrio.errors import EngineOverloadedError, InvalidRequestError
-from sobrio.loader.load import load_model_files
+from sobrio.loader.load import LoadedModelFiles, load_model_files
 from sobrio.sample.params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -54,13 +54,14 @@ class _Sequence:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, core=None, files: LoadedModelFiles | None = None):
+        """`core`: an in-process EngineCore by default, or a handle with its interface (`CoreProcess`)."""
         self.config = config
-        files = load_model_files(config.model)
+        files = files or load_model_files(config.model)
         self.model_name = files.source.name
         self.tokenizer = files.tokenizer
         self.hf_config = files.config
-        self.core = EngineCore(config, files)
+        self.core = core if core is not None else EngineCore(config, files)
         self.max_model_len = self.core.max_model_len
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, self.hf_config.vocab_size)
         self.eos_token_ids = self._eos_token_ids()
@@ -132,6 +133,11 @@ class LLMEngine:
         self.core.abort_requests(child_ids)
         for child_id in child_ids:
             self.sequences.pop(child_id, None)
+
+    def forget_all(self) -> None:
+        """Drop every sequence (their core is gone)."""
+        self.sequences.clear()
+        self.children.clear()
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()

@@ -1,9 +1,11 @@
 """`sobrio serve`: the OpenAI-compatible HTTP API over one AsyncLLM per served model."""
 
+import argparse
 import asyncio
 import dataclasses
 import json
 import logging
+import threading
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -146,6 +148,9 @@ def create_app(engines: dict[str, AsyncLLM], limits: Limits | None = None,
 
     @app.get("/health")
     async def health():
+        down = [name for name, engine in server.engines.items() if not engine.healthy]
+        if down:  # an engine core died and is restarting: a probe must see it
+            return error_response(503, f"engine unavailable: {', '.join(down)}", "server_error")
         return {"status": "ok"}
 
     @app.get("/version")
@@ -289,6 +294,13 @@ def add_serve_parser(sub, add_engine_args) -> None:
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests get to finish after SIGTERM; those still running then "
                             "end with an OpenAI error (streams: an error event, then [DONE])")
+    serve.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                       help="run each model's engine core in a process of its own (default), so the HTTP event "
+                            "loop and the model do not share one interpreter; --no-engine-process keeps it in a "
+                            "thread of the server process")
+    serve.add_argument("--engine-restarts", type=int, default=3,
+                       help="times a dead engine core is restarted (its requests in flight fail at once) before "
+                            "the server exits with status 1 for its supervisor")
     add_limit_args(serve)
     add_cors_args(serve)
     serve.set_defaults(func=run_server)
@@ -314,9 +326,15 @@ def run_server(args) -> int:
     names = list(args.served_model_name or [])
     if len(names) > len(models):
         raise SystemExit("more --served-model-name than --model")
+    configs = [EngineConfig(model=model, **engine_kwargs(args)) for model in models]
+    fatal = threading.Event()  # an engine core that keeps dying: exit non-zero for a supervisor
+    try:
+        clients = _start_engines(configs, args.engine_process, args.engine_restarts, fatal.set)
+    except SobrioError as exc:
+        logger.error("%s", exc)
+        return 1
     engines = {}
-    for i, model in enumerate(models):
-        engine = AsyncLLM.from_config(EngineConfig(model=model, **engine_kwargs(args)))
+    for i, (model, engine) in enumerate(zip(models, clients)):
         engines[names[i] if i < len(names) else (model if model in DEFAULT_MODELS else engine.model_name)] = engine
     limits = limits_from_args(args)
     app = create_app(engines, limits, args.default_max_tokens)
@@ -336,8 +354,34 @@ def run_server(args) -> int:
     logging.getLogger("uvicorn.asgi").setLevel(max(logging.DEBUG, logging.getLogger("uvicorn.asgi").level))
     server = _graceful_server_class()(config, list(engines.values()), args.shutdown_timeout)
     limits_layer.count_connections = lambda: len(server.server_state.connections)
+    threading.Thread(target=_exit_on_fatal, args=(fatal, server), daemon=True).start()
     server.run()
-    return 0
+    return 1 if fatal.is_set() else 0
+
+
+def _start_engines(configs: list, engine_process: bool, max_restarts: int, on_fatal) -> list:
+    """One engine per model, each core in a process of its own (started together), or in this process."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sobrio.engine.async_llm import AsyncMPClient
+
+    if not engine_process:
+        return [AsyncLLM.from_config(c) for c in configs]
+    with ThreadPoolExecutor(len(configs)) as pool:
+        futures = [pool.submit(AsyncMPClient, c, max_restarts, on_fatal=on_fatal) for c in configs]
+        errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:
+        for f in futures:
+            if f.exception() is None:
+                f.result().shutdown()
+        raise errors[0]
+    return [f.result() for f in futures]
+
+
+def _exit_on_fatal(fatal: threading.Event, server) -> None:
+    fatal.wait()
+    logger.error("an engine core could not be kept running; stopping the server (exit status 1)")
+    server.should_exit = True
 
 
 def _graceful_server_class():

@@ -1,0 +1,212 @@
+"""The engine core in a process of its own, and the handle the API process holds on it.
+
+Two ZMQ sockets over IPC (a private 0700 folder): API -> core carries `("add", EngineCoreRequest)`,
+`("abort", [ids])` and `("shutdown", None)`; core -> API carries `("ready", info)` once, `("failed", why)`
+if start-up fails, and `("outputs", [EngineCoreOutput], stats)` after each step (or after inputs that
+changed something while idle). Messages are pickled: `benchmarks/ipc_overhead.py` measures the cost.
+
+The core process never sees text: the front tokenizes and detokenizes on the API side.
+"""
+
+import logging
+import multiprocessing
+import os
+import pickle
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from sobrio.config import EngineConfig
+from sobrio.engine.core import EngineCoreRequest
+from sobrio.errors import SobrioError
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 500  # an idle core wakes this often to notice a parent that died
+
+
+class EngineDeadError(SobrioError):
+    """The engine-core process is gone; the requests it held failed (HTTP 500)."""
+
+
+def encode(message) -> bytes:
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode(frame: bytes):
+    return pickle.loads(frame)  # only ever frames of our own processes, on a private socket
+
+
+# ---- the child process ----
+
+def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log_level: int) -> None:
+    """Entry point of the engine-core process: load, report ready, then step while there is work."""
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s")
+    ctx = zmq.Context()
+    inputs, outputs = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    inputs.connect(input_addr)
+    outputs.connect(output_addr)
+    parent = os.getppid()
+    try:
+        core = _start_core(config)
+    except Exception as exc:  # a start-up error: say what it was, then exit
+        logger.exception("engine core failed to start")
+        outputs.send(encode(("failed", f"{type(exc).__name__}: {exc}")))
+        return
+    outputs.send(encode(("ready", {"max_model_len": core.max_model_len, "num_blocks": core.scheduler.pool.num_blocks,
+                                   "pid": os.getpid()})))
+    _serve(core, inputs, outputs, parent)
+    ctx.destroy(linger=0)
+
+
+def _start_core(config: EngineConfig):
+    from sobrio.engine.core import EngineCore
+    from sobrio.loader.load import load_model_files
+
+    logger.info("loading %s (weights, KV cache, operators)", config.model)
+    start = time.monotonic()
+    core = EngineCore(config, load_model_files(config.model))
+    logger.info("engine core ready in %.1fs", time.monotonic() - start)
+    return core
+
+
+def _serve(core, inputs: zmq.Socket, outputs: zmq.Socket, parent: int) -> None:
+    while True:
+        busy = core.has_unfinished_requests()
+        if not inputs.poll(0 if busy else IDLE_POLL_MS):
+            if not busy and os.getppid() != parent:
+                logger.warning("API process is gone; engine core exits")
+                return
+        changed, stop = _apply_inputs(core, inputs)
+        if stop:
+            return
+        if core.has_unfinished_requests():
+            outputs.send(encode(("outputs", core.step(), core.stats())))
+        elif changed:
+            outputs.send(encode(("outputs", [], core.stats())))
+
+
+def _apply_inputs(core, inputs: zmq.Socket) -> tuple[bool, bool]:
+    """Apply every message waiting; (anything applied, shutdown asked)."""
+    changed = False
+    while True:
+        try:
+            kind, payload = decode(inputs.recv(zmq.NOBLOCK))
+        except zmq.Again:
+            return changed, False
+        if kind == "shutdown":
+            return changed, True
+        changed = True
+        if kind == "add":
+            core.add_request(payload)
+        elif kind == "abort":
+            core.abort_requests(payload)
+
+
+# ---- the handle in the API process ----
+
+@dataclass
+class CoreInfo:
+    max_model_len: int
+    num_blocks: int
+    pid: int
+
+
+class CoreProcess:
+    """Starts the engine-core process and speaks to it; the front calls it like an in-process core."""
+
+    def __init__(self, config: EngineConfig, startup_timeout: float = 600.0):
+        self.config = config
+        self._folder = tempfile.mkdtemp(prefix="sobrio-core-")  # 0700: only this user reaches the sockets
+        self._ctx = zmq.Context()
+        self._inputs = self._ctx.socket(zmq.PUSH)
+        self._outputs = self._ctx.socket(zmq.PULL)
+        self._inputs.bind(f"ipc://{self._folder}/in")
+        self._outputs.bind(f"ipc://{self._folder}/out")
+        self.last_stats: dict = {}
+        spawn = multiprocessing.get_context("spawn")
+        self.process = spawn.Process(target=run_engine_core, name=f"sobrio-core-{config.model}", daemon=True,
+                                     args=(config, f"ipc://{self._folder}/in", f"ipc://{self._folder}/out",
+                                           logging.getLogger().getEffectiveLevel()))
+        self.process.start()
+        self.info = self._wait_ready(startup_timeout)
+        self.max_model_len = self.info.max_model_len
+
+    def _wait_ready(self, timeout: float) -> CoreInfo:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._outputs.poll(500):
+                kind, payload, *_ = decode(self._outputs.recv())
+                if kind == "ready":
+                    return CoreInfo(**payload)
+                self.close()
+                raise SobrioError(f"engine core for {self.config.model} failed to start: {payload}")
+            if not self.process.is_alive():
+                self.close()
+                raise SobrioError(f"engine core for {self.config.model} exited during start-up "
+                                  f"(exit code {self.process.exitcode})")
+        self.close()
+        raise SobrioError(f"engine core for {self.config.model} not ready after {timeout:.0f}s")
+
+    # the in-process core's interface, as the front uses it
+    def add_request(self, creq: EngineCoreRequest) -> None:
+        self._send(("add", creq))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if not request_ids:
+            return
+        try:
+            self._send(("abort", list(request_ids)))
+        except EngineDeadError:
+            pass  # nothing left to abort
+
+    def _send(self, message, timeout_ms: int = 5000) -> None:
+        """Never blocks for good: a PUSH socket with no live peer would wait forever."""
+        frame = encode(message)
+        deadline = time.monotonic() + timeout_ms / 1000
+        while True:
+            try:
+                return self._inputs.send(frame, zmq.NOBLOCK)
+            except zmq.Again:
+                if not self.process.is_alive() or time.monotonic() > deadline:
+                    raise EngineDeadError("engine core process is not taking requests") from None
+                time.sleep(0.001)
+
+    def stats(self) -> dict:
+        return self.last_stats or {"num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage_perc": 0.0,
+                                   "prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0,
+                                   "tables": {}}
+
+    def table_sizes(self) -> dict[str, int]:
+        return dict(self.stats().get("tables", {}))
+
+    def recv(self, timeout_ms: int) -> tuple | None:
+        """The next message from the core, or None after timeout_ms; EngineDeadError if the process died."""
+        if self._outputs.poll(timeout_ms):
+            message = decode(self._outputs.recv())
+            if message[0] == "outputs":
+                self.last_stats = message[2]
+            return message
+        if not self.process.is_alive():
+            raise EngineDeadError(f"engine core process exited (code {self.process.exitcode})")
+        return None
+
+    def is_alive(self) -> bool:
+        return self.process.is_alive()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Ask the core to stop, wait a bounded time, then kill it; remove the socket folder."""
+        if self.process.is_alive():
+            try:
+                self._inputs.send(encode(("shutdown", None)), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+        self._ctx.destroy(linger=0)
+        shutil.rmtree(self._folder, ignore_errors=True)

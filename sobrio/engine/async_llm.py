@@ -62,6 +62,10 @@ class _ClientBase:
     def input_processor(self):
         return self.engine.input_processor
 
+    @property
+    def max_num_waiting(self) -> int:
+        return self.engine.config.max_num_waiting
+
     async def add_request(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams,
                           queue: asyncio.Queue, prompt_token_ids: list[int] | None = None,
                           cache_salt: str | None = None) -> None:

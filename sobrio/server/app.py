@@ -1,4 +1,4 @@
-"""`sobrio serve`: the OpenAI-compatible HTTP API over one AsyncLLM per served model."""
+"""`sobrio serve`: the OpenAI-compatible HTTP API over one EngineClient per served model."""
 
 import argparse
 import asyncio
@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import sobrio
 from sobrio.engine.async_llm import AsyncLLM, EngineStepError
+from sobrio.engine.client import EngineClient
 from sobrio.engine.outputs import RequestOutput
 from sobrio.errors import EngineOverloadedError, InvalidRequestError, SobrioError, UnknownModelError
 from sobrio.sample.params import SamplingParams
@@ -78,7 +79,7 @@ def sobrio_error_response(exc: Exception) -> JSONResponse:
 
 
 class OpenAIServer:
-    def __init__(self, engines: dict[str, AsyncLLM], limits: Limits | None = None,
+    def __init__(self, engines: dict[str, EngineClient], limits: Limits | None = None,
                  default_max_tokens: int | None = DEFAULT_MAX_TOKENS):
         assert engines, "at least one model must be served"
         self.engines = engines
@@ -99,7 +100,7 @@ class OpenAIServer:
                         len(output.prompt_token_ids), output.num_cached_tokens, len(c.token_ids), ttft,
                         t - m.arrival_time, c.finish_reason)
 
-    def engine_for(self, model: str | None) -> tuple[str, AsyncLLM]:
+    def engine_for(self, model: str | None) -> tuple[str, EngineClient]:
         if model is None or model == "":
             name = next(iter(self.engines))
             return name, self.engines[name]
@@ -107,10 +108,10 @@ class OpenAIServer:
             raise UnknownModelError(f"model {model!r} is not served here; served: {', '.join(self.engines)}")
         return model, self.engines[model]
 
-    def check_fanout(self, engine: AsyncLLM, num_prompts: int, n: int) -> None:
+    def check_fanout(self, engine: EngineClient, num_prompts: int, n: int) -> None:
         """Prompts and sequences against the limits and the waiting queue, before any tokenizing."""
         waiting = engine.stats()["num_requests_waiting"]
-        check_fanout(self.limits, num_prompts, n, waiting, engine.engine.config.max_num_waiting)
+        check_fanout(self.limits, num_prompts, n, waiting, engine.max_num_waiting)
 
     def params_for(self, params: SamplingParams, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
         """A request without max_tokens gets the server's default, capped at what the context leaves (vLLM caps
@@ -120,7 +121,7 @@ class OpenAIServer:
             return params
         return dataclasses.replace(params, max_tokens=min(self.default_max_tokens, room))
 
-    async def submit(self, engine: AsyncLLM, base_id: str, prompts: list[list[int]], params: list[SamplingParams],
+    async def submit(self, engine: EngineClient, base_id: str, prompts: list[list[int]], params: list[SamplingParams],
                      cache_salt, queue) -> list[str]:
         """Add one engine request per prompt; on any failure abort those already added and re-raise."""
         ids: list[str] = []
@@ -137,7 +138,7 @@ class OpenAIServer:
         return ids
 
 
-def create_app(engines: dict[str, AsyncLLM], limits: Limits | None = None,
+def create_app(engines: dict[str, EngineClient], limits: Limits | None = None,
                default_max_tokens: int | None = DEFAULT_MAX_TOKENS) -> FastAPI:
     """The API itself; `edge_stack` wraps it with auth, CORS, limits, request ids and the access log."""
     server = OpenAIServer(engines, limits, default_max_tokens)
@@ -164,7 +165,7 @@ def create_app(engines: dict[str, AsyncLLM], limits: Limits | None = None,
     @app.get("/v1/models")
     async def models():
         data = [{"id": name, "object": "model", "created": now(), "owned_by": "sobrio",
-                 "max_model_len": engine.engine.max_model_len} for name, engine in server.engines.items()]
+                 "max_model_len": engine.max_model_len} for name, engine in server.engines.items()]
         return {"object": "list", "data": data}
 
     @app.post("/v1/chat/completions")
@@ -176,7 +177,7 @@ def create_app(engines: dict[str, AsyncLLM], limits: Limits | None = None,
             messages = [m.template_dict() for m in body.messages]
         except ValueError as exc:
             raise InvalidRequestError(str(exc), param="messages") from None
-        ids = await asyncio.to_thread(engine.engine.input_processor.chat_prompt_ids, messages,
+        ids = await asyncio.to_thread(engine.input_processor.chat_prompt_ids, messages,
                                       body.add_generation_prompt)
         return await _respond(server, request, body, params, name, engine, [ids], "chat")
 
@@ -186,7 +187,7 @@ def create_app(engines: dict[str, AsyncLLM], limits: Limits | None = None,
         params = body.to_sampling_params()
         prompts = body.prompts()
         server.check_fanout(engine, len(prompts), params.n)
-        tokenize = engine.engine.input_processor.tokenize
+        tokenize = engine.input_processor.tokenize
         ids = await asyncio.to_thread(lambda: [tokenize(p) for p in prompts])
         return await _respond(server, request, body, params, name, engine, ids, "completion")
 
@@ -194,9 +195,9 @@ def create_app(engines: dict[str, AsyncLLM], limits: Limits | None = None,
 
 
 async def _respond(server: OpenAIServer, request: Request, body, params: SamplingParams, model_name: str,
-                   engine: AsyncLLM, prompts: list[list[int]], kind: str):
+                   engine: EngineClient, prompts: list[list[int]], kind: str):
     check_prompt_tokens(server.limits, [len(p) for p in prompts], params.n)
-    max_model_len = engine.engine.max_model_len
+    max_model_len = engine.max_model_len
     per_prompt = [server.params_for(params, len(p), max_model_len) for p in prompts]
     base_id = new_id("chatcmpl" if kind == "chat" else "cmpl")
     request.state.request_id = base_id  # X-Request-Id of the answer, unless the client sent its own
@@ -392,7 +393,7 @@ def _graceful_server_class():
         gets an OpenAI error (a stream: an error event and `[DONE]`) before its connection closes. uvicorn
         re-raises SIGTERM after draining, so the process dies with status -15; we exit 0 instead."""
 
-        def __init__(self, config, engines: list[AsyncLLM], drain_timeout: float):
+        def __init__(self, config, engines: list[EngineClient], drain_timeout: float):
             super().__init__(config)
             self.engines = engines
             self.drain_timeout = drain_timeout

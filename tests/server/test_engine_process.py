@@ -167,3 +167,21 @@ def test_process_client_equals_offline_greedy(smollm2):
         assert asyncio.run(run()) == offline
     finally:
         client.shutdown()
+
+
+def test_a_core_whose_server_is_killed_exits_by_itself():
+    """kill -9 of the API process mid-stream: its core stops within seconds instead of running on."""
+    with serving(*SMALL) as srv:
+        [pid] = core_pids(srv.proc.pid)
+        body = {"model": SMOL, "prompt": "Run on", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{srv.base_url}/v1/completions", json=body, timeout=60) as resp:
+            next(resp.iter_lines())
+            srv.proc.kill()
+        assert wait_until(lambda: not os.path.exists(f"/proc/{pid}") or "Z" in _state(pid), 10)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"

@@ -3,40 +3,8 @@
 import argparse
 import sys
 
-
-def add_engine_args(parser: argparse.ArgumentParser, multi_model: bool = False) -> None:
-    if multi_model:
-        parser.add_argument("--model", action="append", default=None,
-                            help="alias, HF folder or .gguf (repeatable; default: every installed alias)")
-    else:
-        parser.add_argument("--model", default="smollm2-135m", help="alias, HF model folder or .gguf file")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--max-num-waiting", type=int, default=4096)
-    parser.add_argument("--batch-invariant", action="store_true",
-                        help="greedy output independent of the batch (one kernel per op; slower at large batch)")
-    from sobrio.config import EngineConfig  # one place for the policy's defaults
-
-    parser.add_argument("--long-prefill-token-threshold", type=int, default=EngineConfig.long_prefill_token_threshold,
-                        help="in a step with decodes, a prompt gets at most this many tokens (0: no cap)")
-    parser.add_argument("--max-num-partial-prefills", type=int, default=EngineConfig.max_num_partial_prefills,
-                        help="in a step with decodes, at most this many prompts get tokens")
-    parser.add_argument("--max-long-partial-prefills", type=int, default=EngineConfig.max_long_partial_prefills,
-                        help="of those, at most this many have more than the threshold left")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                max_model_len=args.max_model_len, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                enable_prefix_caching=args.enable_prefix_caching, max_num_waiting=args.max_num_waiting,
-                batch_invariant=args.batch_invariant, long_prefill_token_threshold=args.long_prefill_token_threshold,
-                max_num_partial_prefills=args.max_num_partial_prefills,
-                max_long_partial_prefills=args.max_long_partial_prefills)
+from sobrio.engine_args import add_engine_args, engine_kwargs
+from sobrio.errors import ConfigError
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -117,24 +85,29 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
     _add_serve(sub)
-    from sobrio.bench.serve import add_bench_parser
+    from sobrio.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
     return parser
 
 
 def _add_serve(sub) -> None:
+    """`serve` only where the server's dependencies are installed."""
     try:
         from sobrio.server.app import add_serve_parser
     except ImportError:
         return
-    add_serve_parser(sub, add_engine_args)
+    add_serve_parser(sub)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; a bad flag value exits 2 with its message (as argparse does), without a traceback."""
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except ConfigError as exc:
+        print(f"sobrio {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

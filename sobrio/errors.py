@@ -19,3 +19,14 @@ class UnknownModelError(SobrioError, LookupError):
 
 class EngineOverloadedError(SobrioError):
     """The waiting queue is full (HTTP 429)."""
+
+
+class ConfigError(SobrioError, ValueError):
+    """A configuration value is out of bounds; `option` is how the user named it (`--block-size`).
+
+    A ValueError too, so callers that guarded `EngineConfig(...)` with `except ValueError` keep working.
+    """
+
+    def __init__(self, message: str, option: str | None = None):
+        super().__init__(message)
+        self.option = option

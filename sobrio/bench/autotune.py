@@ -13,7 +13,7 @@ import time
 import httpx
 
 from sobrio.bench.metrics import summarize
-from sobrio.bench.serve import add_serve_args, load_dataset, run_requests
+from sobrio.bench.serve import add_serve_args, load_dataset, parse_slos, run_requests
 
 
 def add_autotune_args(parser) -> None:
@@ -89,8 +89,6 @@ def free_port() -> int:
 
 
 def cmd_bench_autotune(args) -> int:
-    from sobrio.bench.serve import parse_slos
-
     slos = parse_slos(args.slo)
     samples = load_dataset(args)
     deadline = time.monotonic() + args.time_budget

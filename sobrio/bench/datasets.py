@@ -13,6 +13,18 @@ class SampleRequest:
     output_len: int
 
 
+def load_tokenizer(name: str):
+    """The tokenizer of a model alias, HF folder or .gguf, without loading or preparing its weights: a
+    benchmark client only builds prompts and counts tokens, and must not dequantize a model to do it."""
+    from transformers import AutoTokenizer
+
+    from sobrio.loader.gguf import gguf_tokenizer
+    from sobrio.loader.resolve import resolve_model
+
+    source = resolve_model(name)
+    return gguf_tokenizer(source.path) if source.is_gguf else AutoTokenizer.from_pretrained(source.path)
+
+
 def _lengths(rng: random.Random, mean: int, range_ratio: float) -> int:
     low, high = max(1, int(mean * (1 - range_ratio))), max(1, int(mean * (1 + range_ratio)))
     return rng.randint(low, high)

@@ -11,6 +11,7 @@ from sobrio.bench import datasets
 from sobrio.bench.arrivals import arrival_gaps
 from sobrio.bench.client import request_body, send
 from sobrio.bench.metrics import RequestResult, summarize
+from sobrio.errors import UnknownModelError
 
 
 def add_serve_args(parser) -> None:
@@ -62,12 +63,11 @@ def load_dataset(args) -> list[datasets.SampleRequest]:
 
 @functools.cache
 def _tokenizer(name: str):
-    from sobrio.loader.load import load_model_files
-
+    """The tokenizer that builds prompts and counts tokens; weights are never loaded for it."""
     try:
-        return load_model_files(name).tokenizer
-    except Exception:  # a remote model name: fall back to the default model's tokenizer for prompt building
-        return load_model_files("smollm2-135m").tokenizer
+        return datasets.load_tokenizer(name)
+    except UnknownModelError:  # a remote model name: the default model's tokenizer builds the prompts
+        return datasets.load_tokenizer("smollm2-135m")
 
 
 async def run_requests(args, samples, count_tokens=None) -> tuple[list[RequestResult], float]:
@@ -170,24 +170,3 @@ def cmd_bench_serve(args) -> int:
     if args.plot:
         plot(results, args.plot)
     return 0 if summary["completed"] else 1
-
-
-def add_bench_parser(sub) -> None:
-    bench = sub.add_parser("bench", help="benchmarks: serve, sweep, autotune, roofline")
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    serve = bench_sub.add_parser("serve", help="timed streamed load against any OpenAI-compatible server")
-    add_serve_args(serve)
-    serve.set_defaults(func=cmd_bench_serve)
-    from sobrio.bench.autotune import add_autotune_args, cmd_bench_autotune
-    from sobrio.bench.roofline import add_roofline_args, cmd_bench_roofline
-    from sobrio.bench.sweep import add_sweep_args, cmd_bench_sweep
-
-    sweep = bench_sub.add_parser("sweep", help="bench serve over request rates or concurrencies, one plot")
-    add_sweep_args(sweep)
-    sweep.set_defaults(func=cmd_bench_sweep)
-    tune = bench_sub.add_parser("autotune", help="find the serve config with the highest rate meeting SLOs")
-    add_autotune_args(tune)
-    tune.set_defaults(func=cmd_bench_autotune)
-    roof = bench_sub.add_parser("roofline", help="machine peaks and the share an engine step reaches")
-    add_roofline_args(roof)
-    roof.set_defaults(func=cmd_bench_roofline)

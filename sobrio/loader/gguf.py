@@ -41,11 +41,27 @@ _GEMMA3_LAYER_NAMES = {
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def prepared_folder(gguf_path: Path) -> Path:
-    """A folder with config.json and tokenizer files derived from the GGUF, made once and cached."""
+def _prepared_path(gguf_path: Path) -> Path:
+    """Where the GGUF's prepared folder lives: keyed by its path, size and mtime, so an edited file is redone."""
     stat = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    folder = cache_dir() / "prepared" / f"{gguf_path.stem}-{key}"
+    return cache_dir() / "prepared" / f"{gguf_path.stem}-{key}"
+
+
+def gguf_tokenizer(gguf_path: Path):
+    """The GGUF's tokenizer alone, for clients such as `sobrio bench` that never run the model: read from the
+    prepared folder if one was made (about a second), else from the GGUF's metadata; writes nothing."""
+    from transformers import AutoTokenizer
+
+    folder = _prepared_path(gguf_path)
+    if (folder / "tokenizer_config.json").is_file():  # the folder appears whole (renamed into place)
+        return AutoTokenizer.from_pretrained(folder)
+    return AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+
+
+def prepared_folder(gguf_path: Path) -> Path:
+    """A folder with config.json and tokenizer files derived from the GGUF, made once and cached."""
+    folder = _prepared_path(gguf_path)
     if (folder / "model.safetensors").is_file():
         return folder
     from safetensors.torch import save_file

@@ -18,6 +18,7 @@ import sobrio
 from sobrio.engine.async_llm import AsyncLLM, EngineStepError
 from sobrio.engine.client import EngineClient
 from sobrio.engine.outputs import RequestOutput
+from sobrio.engine_args import add_engine_args, engine_kwargs
 from sobrio.errors import EngineOverloadedError, InvalidRequestError, SobrioError, UnknownModelError
 from sobrio.sample.params import SamplingParams
 from sobrio.server.edge import add_cors_args, cors_from_args, edge_stack, install_openapi
@@ -279,7 +280,7 @@ async def _sse(stream: AsyncIterator[RequestOutput], choices: ChoiceState, base_
 LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 
 
-def add_serve_parser(sub, add_engine_args) -> None:
+def add_serve_parser(sub) -> None:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(serve, multi_model=True)
     serve.add_argument("--served-model-name", action="append", default=None,
@@ -318,7 +319,6 @@ def _configure_logging(level_name: str) -> None:
 def run_server(args) -> int:
     import uvicorn
 
-    from sobrio.cli import engine_kwargs
     from sobrio.config import EngineConfig
     from sobrio.loader.resolve import DEFAULT_MODELS, is_installed
 

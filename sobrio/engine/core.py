@@ -95,6 +95,11 @@ class EngineCore:
             self.scheduler.abort(request_id)
         self._release_siblings()
 
+    def purge_cache_salt(self, salt: str) -> int:
+        """Forget the prefix-cache blocks of one cache salt (a deleted tenant): later requests with it miss.
+        Requests running with it keep their blocks until they finish. Returns the blocks forgotten."""
+        return self.scheduler.kv.purge(salt)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.deferred)
 

@@ -1,9 +1,9 @@
 """The engine core in a process of its own, and the handle the API process holds on it.
 
 Two ZMQ sockets over IPC (a private 0700 folder): API -> core carries `("add", EngineCoreRequest)`,
-`("abort", [ids])` and `("shutdown", None)`; core -> API carries `("ready", info)` once, `("failed", why)`
-if start-up fails, and `("outputs", [EngineCoreOutput], stats)` after each step (or after inputs that
-changed something while idle). Messages are pickled: `benchmarks/ipc_overhead.py` measures the cost.
+`("abort", [ids])`, `("purge", cache_salt)` and `("shutdown", None)`; core -> API carries `("ready", info)`
+once, `("failed", why)` if start-up fails, and `("outputs", [EngineCoreOutput], stats)` after each step (or
+after inputs that changed something while idle). Messages are pickled: `benchmarks/ipc_overhead.py` measures the cost.
 
 The core process never sees text: the front tokenizes and detokenizes on the API side.
 """
@@ -74,19 +74,33 @@ def _start_core(config: EngineConfig):
 
 
 def _serve(core, inputs: zmq.Socket, outputs: zmq.Socket, parent: int) -> None:
-    while True:
+    while os.getppid() == parent:
         busy = core.has_unfinished_requests()
-        if not inputs.poll(0 if busy else IDLE_POLL_MS):
-            if not busy and os.getppid() != parent:
-                logger.warning("API process is gone; engine core exits")
-                return
+        inputs.poll(0 if busy else IDLE_POLL_MS)
         changed, stop = _apply_inputs(core, inputs)
         if stop:
             return
         if core.has_unfinished_requests():
-            outputs.send(encode(("outputs", core.step(), core.stats())))
+            message = ("outputs", core.step(), core.stats())
         elif changed:
-            outputs.send(encode(("outputs", [], core.stats())))
+            message = ("outputs", [], core.stats())
+        else:
+            continue
+        if not _send_while_parent_lives(outputs, encode(message), parent):
+            break
+    logger.warning("API process is gone; engine core exits")
+
+
+def _send_while_parent_lives(socket: zmq.Socket, frame: bytes, parent: int) -> bool:
+    """A PUSH socket waits while its reader is busy; it must not wait for a reader that died."""
+    while True:
+        try:
+            socket.send(frame, zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            if os.getppid() != parent:
+                return False
+            time.sleep(0.001)
 
 
 def _apply_inputs(core, inputs: zmq.Socket) -> tuple[bool, bool]:
@@ -104,6 +118,8 @@ def _apply_inputs(core, inputs: zmq.Socket) -> tuple[bool, bool]:
             core.add_request(payload)
         elif kind == "abort":
             core.abort_requests(payload)
+        elif kind == "purge":
+            core.purge_cache_salt(payload)
 
 
 # ---- the handle in the API process ----
@@ -162,6 +178,9 @@ class CoreProcess:
             self._send(("abort", list(request_ids)))
         except EngineDeadError:
             pass  # nothing left to abort
+
+    def purge_cache_salt(self, salt: str) -> None:
+        self._send(("purge", salt))
 
     def _send(self, message, timeout_ms: int = 5000) -> None:
         """Never blocks for good: a PUSH socket with no live peer would wait forever."""

@@ -134,6 +134,10 @@ class LLMEngine:
         for child_id in child_ids:
             self.sequences.pop(child_id, None)
 
+    def purge_cache_salt(self, salt: str) -> None:
+        """Forget every prefix-cache block of this cache salt (deleting a tenant)."""
+        self.core.purge_cache_salt(salt)
+
     def forget_all(self) -> None:
         """Drop every sequence (their core is gone)."""
         self.sequences.clear()

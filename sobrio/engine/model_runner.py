@@ -1,13 +1,17 @@
-"""Owns the model and its KV cache; turns a SchedulerOutput into one flat forward pass and its logits."""
+"""Owns the model and its KV cache; turns a SchedulerOutput into one flat forward pass and its logits.
+
+The cache (`sobrio.kv.cache.KVCache`) goes to the model with each step's attention metadata: the model
+holds no reference to it.
+"""
 
 import logging
-import os
 
 import torch
 
 from sobrio.config import EngineConfig
 from sobrio.engine.scheduler import SchedulerOutput
 from sobrio.errors import InvalidRequestError
+from sobrio.kv.cache import KVCache, KVCacheSpec, kv_budget
 from sobrio.layers.attention import AttentionMetadata
 from sobrio.loader.load import LoadedModelFiles
 from sobrio.models.registry import build_model
@@ -33,17 +37,6 @@ def resolve_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
-def available_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, files: LoadedModelFiles):
         if config.num_threads:
@@ -55,35 +48,16 @@ class ModelRunner:
         model_max = getattr(files.config, "max_position_embeddings", 2048)
         if config.max_model_len is not None and config.max_model_len > model_max:
             raise InvalidRequestError(f"max_model_len {config.max_model_len} exceeds the model's {model_max}")
-        self.num_blocks = self._num_kv_blocks()
+        self.kv_spec = kv_cache_spec(files.config, self.dtype, self.block_size)
+        budget = kv_budget(config.kv_cache_memory, config.kv_cache_memory_fraction, config.kv_cache_memory_cap)
+        self.num_blocks = self.kv_spec.num_blocks_for(budget)
         self.max_model_len = min(config.max_model_len or model_max, self.num_blocks * self.block_size)
         self.model = build_model(files.config, self.max_model_len, files.iter_weights(), self.dtype,
                                  config.attention_backend, config.batch_invariant)
-        self._allocate_kv_cache()
+        assert [a.layer_idx for a in self.model.attention_layers()] == list(range(self.kv_spec.num_layers))
+        self.kv_cache = KVCache.allocate(self.kv_spec, self.num_blocks)
         logger.info("model %s loaded: dtype=%s kv_blocks=%d max_model_len=%d batch_invariant=%s",
                     files.source.name, self.dtype, self.num_blocks, self.max_model_len, config.batch_invariant)
-
-    def _kv_shape(self) -> tuple[int, int, int]:
-        c = self.hf_config
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        return c.num_hidden_layers, c.num_key_value_heads, head_dim
-
-    def _num_kv_blocks(self) -> int:
-        layers, kv_heads, head_dim = self._kv_shape()
-        block_bytes = 2 * layers * self.block_size * kv_heads * head_dim * self.dtype.itemsize
-        budget = self.config.kv_cache_memory
-        if budget is None:
-            share = int(available_memory() * self.config.kv_cache_memory_fraction)
-            budget = min(self.config.kv_cache_memory_cap, share)
-        num_blocks = budget // block_bytes
-        if num_blocks < 1:
-            raise InvalidRequestError(f"kv_cache_memory {budget} bytes holds no block of {block_bytes} bytes")
-        return int(num_blocks)
-
-    def _allocate_kv_cache(self) -> None:
-        _, kv_heads, head_dim = self._kv_shape()
-        for attn in self.model.attention_layers():
-            attn.kv_cache = torch.zeros(2, self.num_blocks, self.block_size, kv_heads, head_dim, dtype=self.dtype)
 
     def prepare_inputs(self, out: SchedulerOutput):
         """Flatten the step: token ids, positions, attention metadata, rows whose logits are needed."""
@@ -106,7 +80,8 @@ class ModelRunner:
                                                torch.tensor(query_start_loc[1:]) - torch.tensor(query_start_loc[:-1]))
         block_ids = block_tables[seq_of_token, positions_t // self.block_size]
         slot_mapping = block_ids * self.block_size + positions_t % self.block_size
-        meta = AttentionMetadata(slot_mapping, query_start_loc, context_lens, block_tables, self.block_size)
+        meta = AttentionMetadata(slot_mapping, query_start_loc, context_lens, block_tables, self.block_size,
+                                 self.kv_cache)
         return torch.tensor(input_ids), positions_t, meta, torch.tensor(sample_rows, dtype=torch.long)
 
     @torch.inference_mode()
@@ -115,6 +90,13 @@ class ModelRunner:
         input_ids, positions, meta, sample_rows = self.prepare_inputs(out)
         hidden = self.model(input_ids, positions, meta)
         return self.model.compute_logits(hidden[sample_rows])
+
+
+def kv_cache_spec(hf_config, dtype: torch.dtype, block_size: int) -> KVCacheSpec:
+    """The KV cache's shape for a Hugging Face config: the runner reads the model so `kv` need not."""
+    c = hf_config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return KVCacheSpec(c.num_hidden_layers, c.num_key_value_heads, head_dim, dtype, block_size)
 
 
 def _token_slice(req, start: int, end: int) -> list[int]:

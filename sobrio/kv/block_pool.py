@@ -1,48 +1,33 @@
-"""KV blocks: a free list in LRU order, reference counts, and content hashes for prefix caching.
+"""KV blocks: a free list in LRU order and reference counts, over a prefix cache of their contents.
 
-A block whose tokens are all computed gets a hash chaining its parent's hash, its token ids and the
-request's cache salt. When its last owner lets go it joins the free list but keeps its hash, so a later
-request with the same prefix (and salt) takes it back instead of recomputing; a free block handed out for
-new content loses its old hash then (eviction, least recently freed first).
+When its last owner lets go, a block joins the free list but stays in the prefix cache, so a later request
+with the same prefix (and salt) takes it back instead of recomputing; a free block handed out for new
+content is evicted from the cache then (least recently freed first).
 """
 
-import hashlib
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from sobrio.kv.prefix_cache import EvictionHook, PrefixCache
 
 
 @dataclass
 class Block:
     block_id: int
     ref_count: int = 0
-    block_hash: bytes | None = None
 
 
-def hash_block(parent: bytes | None, token_ids: list[int], salt: str | None) -> bytes:
-    h = hashlib.blake2b(digest_size=16)
-    h.update(parent or b"root")
-    h.update((salt or "").encode())
-    h.update(b"|")
-    h.update(",".join(map(str, token_ids)).encode())
-    return h.digest()
-
-
-@dataclass
 class BlockPool:
-    num_blocks: int
-    block_size: int
-    enable_prefix_caching: bool = True
-    blocks: list[Block] = field(init=False)
-    free: "OrderedDict[int, None]" = field(init=False)  # LRU order: evict from the front
-    cached: dict[bytes, int] = field(init=False)  # block hash -> block id
-    queries: int = 0  # prompt tokens looked up in the cache
-    hits: int = 0  # of those, tokens found
-
-    def __post_init__(self) -> None:
-        assert self.num_blocks > 0
-        self.blocks = [Block(i) for i in range(self.num_blocks)]
-        self.free = OrderedDict((i, None) for i in range(self.num_blocks))
-        self.cached = {}
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        assert num_blocks > 0
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # evict from the front
+        self.prefix_cache = PrefixCache()
+        self.queries = 0  # prompt tokens looked up in the cache
+        self.hits = 0  # of those, tokens found
 
     @property
     def num_free(self) -> int:
@@ -54,13 +39,11 @@ class BlockPool:
     def allocate(self) -> int:
         """Take the least recently freed block, evicting whatever it cached."""
         assert self.free, "no free KV block"
-        block_id, _ = self.free.popitem(last=False)
+        block_id = next(iter(self.free))
+        self.prefix_cache.evict(block_id)  # first: a hook that raises leaves the block free and cached
+        del self.free[block_id]
         block = self.blocks[block_id]
         assert block.ref_count == 0
-        if block.block_hash is not None:
-            if self.cached.get(block.block_hash) == block_id:
-                del self.cached[block.block_hash]
-            block.block_hash = None
         block.ref_count = 1
         return block_id
 
@@ -80,19 +63,27 @@ class BlockPool:
             if block.ref_count == 0:
                 self.free[block_id] = None
 
+    # ---- the prefix cache, as the manager sees it ----
     def lookup(self, block_hashes: list[bytes]) -> list[int]:
         """The cached blocks for the longest prefix of these hashes."""
-        found = []
-        for block_hash in block_hashes:
-            block_id = self.cached.get(block_hash)
-            if block_id is None:
-                break
-            found.append(block_id)
-        return found
+        return self.prefix_cache.lookup(block_hashes)
 
-    def register(self, block_id: int, block_hash: bytes) -> None:
+    def register(self, block_id: int, block_hash: bytes, salt: str | None = None) -> None:
         """Remember a full, computed block under its hash (first writer wins)."""
-        if not self.enable_prefix_caching:
-            return
-        self.blocks[block_id].block_hash = block_hash
-        self.cached.setdefault(block_hash, block_id)
+        if self.enable_prefix_caching:
+            assert self.blocks[block_id].ref_count > 0, "only a block in use has just been computed"
+            self.prefix_cache.register(block_id, block_hash, salt)
+
+    def add_eviction_hook(self, hook: EvictionHook) -> None:
+        """Call hook(block_hash, block_id) whenever a cached block is about to be reused for new content."""
+        self.prefix_cache.add_eviction_hook(hook)
+
+    def purge(self, salt: str) -> int:
+        """Make every block cached under this salt unfindable; frees nothing. Those already free now hold
+        nothing worth keeping: they move to the front of the free list, to be reused before cached ones.
+        Returns how many blocks were forgotten."""
+        purged = self.prefix_cache.purge(salt)
+        for block_id in purged:
+            if block_id in self.free:
+                self.free.move_to_end(block_id, last=False)
+        return len(purged)

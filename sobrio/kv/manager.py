@@ -3,7 +3,8 @@
 It knows tokens and blocks, nothing of models: a request is anything with the fields used below.
 """
 
-from sobrio.kv.block_pool import BlockPool, hash_block
+from sobrio.kv.block_pool import BlockPool
+from sobrio.kv.prefix_cache import hash_block
 
 
 class KVCacheManager:
@@ -69,8 +70,12 @@ class KVCacheManager:
             j = len(req.block_hashes)
             parent = req.block_hashes[-1] if req.block_hashes else None
             block_hash = hash_block(parent, tokens[j * self.block_size:(j + 1) * self.block_size], req.cache_salt)
-            self.pool.register(req.block_table[j], block_hash)
+            self.pool.register(req.block_table[j], block_hash, req.cache_salt)
             req.block_hashes.append(block_hash)
+
+    def purge(self, salt: str) -> int:
+        """Forget the cached blocks of one cache salt (a deleted tenant); requests using them keep them."""
+        return self.pool.purge(salt)
 
     def free(self, req) -> None:
         self.pool.release(req.block_table)

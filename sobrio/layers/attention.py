@@ -1,8 +1,9 @@
 """Paged attention over a flat KV cache.
 
 The cache of one layer is `[2, num_blocks, block_size, num_kv_heads, head_dim]`; attention sees it flattened
-to slots (`block_id * block_size + offset`). The step's metadata says where each sequence's new tokens go
-and which blocks hold its context.
+to slots (`block_id * block_size + offset`). The step's metadata carries the cache (`sobrio.kv.cache.KVCache`;
+each layer takes its own by `layer_idx`), says where each sequence's new tokens go and which blocks hold
+its context.
 
 Two backends:
 - `ReferenceAttention`: per sequence, gather its keys and values, then scaled-dot-product attention.
@@ -21,6 +22,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from sobrio.kv.cache import KVCache
+
 
 @dataclass
 class AttentionMetadata:
@@ -29,6 +32,7 @@ class AttentionMetadata:
     context_lens: list[int]  # [B] tokens in the cache for each sequence once this step is written
     block_tables: torch.Tensor  # [B, max_blocks] block ids (padded with 0)
     block_size: int
+    kv_cache: KVCache | None = None  # every layer's KV tensors; None only for a module used alone (tests)
     _cache: dict = field(default_factory=dict)  # per-step derived tensors, shared by all layers
 
     @property
@@ -111,21 +115,27 @@ class ReferenceAttention(torch.nn.Module):
     """Gather + SDPA per sequence."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, layer_idx: int = 0):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.sliding_window = sliding_window
-        self.kv_cache: torch.Tensor | None = None  # set by the model runner
+        self.layer_idx = layer_idx  # which of the step's KV cache layers is this one's
+        # A module used alone (unit tests, benchmarks) may hold a cache of its own; a model's layers never
+        # do: theirs comes with each step's metadata.
+        self.kv_cache: torch.Tensor | None = None
 
-    def caches(self) -> tuple[torch.Tensor, torch.Tensor]:
-        assert self.kv_cache is not None, "KV cache not allocated"
+    def caches(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's key and value caches, flattened to slots: `[num_slots, num_kv_heads, head_dim]`."""
+        if meta.kv_cache is not None:
+            return meta.kv_cache.slots(self.layer_idx)
+        assert self.kv_cache is not None, "no KV cache: the step's metadata carries none"
         shape = (-1, self.num_kv_heads, self.head_dim)
         return self.kv_cache[0].view(shape), self.kv_cache[1].view(shape)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D]. Writes k, v to the cache; returns [T, H * D]."""
-        key_cache, value_cache = self.caches()
+        key_cache, value_cache = self.caches(meta)
         key_cache.index_copy_(0, meta.slot_mapping, k)
         value_cache.index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
@@ -133,7 +143,7 @@ class ReferenceAttention(torch.nn.Module):
         return out.view(q.shape[0], -1)
 
     def attend_each(self, q, k, v, meta: AttentionMetadata, seqs, out: torch.Tensor) -> None:
-        key_cache, value_cache = self.caches()
+        key_cache, value_cache = self.caches(meta)
         for i in seqs:
             s, e = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             start, mask, causal = meta.key_range_and_mask(i, self.sliding_window)
@@ -159,7 +169,7 @@ class BatchedDecodeAttention(ReferenceAttention):
     """Prompt chunks as the reference; all single-query (decode) sequences batched together."""
 
     def forward(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
-        key_cache, value_cache = self.caches()
+        key_cache, value_cache = self.caches(meta)
         key_cache.index_copy_(0, meta.slot_mapping, k)
         value_cache.index_copy_(0, meta.slot_mapping, v)
         decode = meta.decode_seqs()
@@ -176,7 +186,7 @@ class BatchedDecodeAttention(ReferenceAttention):
 
     def decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [Bd, H, D], one query per decoding sequence. Returns [Bd, H, D]."""
-        key_cache, value_cache = self.caches()
+        key_cache, value_cache = self.caches(meta)
         slots, mask = meta.decode_padded(self.sliding_window)
         bd, length = slots.shape
         group = self.num_heads // self.num_kv_heads
@@ -200,7 +210,7 @@ class CppPagedAttention(BatchedDecodeAttention):
         assert self.ops is not None, "the C++ operators did not build; use the batched backend"
 
     def decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        key_cache, value_cache = self.caches()
+        key_cache, value_cache = self.caches(meta)
         _, _, tables, ctx = meta.decode_seqs()
         return self.ops.paged_decode_attention(q.contiguous(), key_cache, value_cache, tables, ctx,
                                              meta.block_size, self.scale, self.sliding_window or 0)
@@ -220,7 +230,7 @@ class BatchInvariantAttention(ReferenceAttention):
         assert self.ops is not None, "batch-invariant attention needs the C++ operators"
 
     def forward(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
-        key_cache, value_cache = self.caches()
+        key_cache, value_cache = self.caches(meta)
         key_cache.index_copy_(0, meta.slot_mapping, k)
         value_cache.index_copy_(0, meta.slot_mapping, v)
         tables, lens = meta.query_rows()

@@ -10,8 +10,8 @@ from sobrio.models.llama import CausalLM, DecoderModel, GatedMLP, LlamaAttention
 
 
 class Gemma3Attention(LlamaAttention):
-    def __init__(self, config, rotary, sliding_window, attn_cls):
-        super().__init__(config, rotary, sliding_window, config.query_pre_attn_scalar ** -0.5, attn_cls)
+    def __init__(self, config, rotary, sliding_window, attn_cls, layer_idx: int):
+        super().__init__(config, rotary, sliding_window, config.query_pre_attn_scalar ** -0.5, attn_cls, layer_idx)
         self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
 
@@ -20,10 +20,11 @@ class Gemma3Attention(LlamaAttention):
 
 
 class Gemma3DecoderLayer(torch.nn.Module):
-    def __init__(self, config, layer_type: str, rotary: RotaryEmbedding, attn_cls: type[ReferenceAttention]):
+    def __init__(self, config, layer_type: str, rotary: RotaryEmbedding, attn_cls: type[ReferenceAttention],
+                 layer_idx: int):
         super().__init__()
         window = config.sliding_window if layer_type == "sliding_attention" else None
-        self.self_attn = Gemma3Attention(config, rotary, window, attn_cls)
+        self.self_attn = Gemma3Attention(config, rotary, window, attn_cls, layer_idx)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_activation)
         norm = lambda: GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.input_layernorm, self.post_attention_layernorm = norm(), norm()
@@ -42,7 +43,7 @@ class Gemma3ForCausalLM(CausalLM):
                  batch_invariant: bool = False):
         head_dim = head_dim_of(config)
         rotary = {t: RotaryEmbedding(config, head_dim, max_positions, t) for t in set(config.layer_types)}
-        layers = [Gemma3DecoderLayer(config, t, rotary[t], attn_cls) for t in config.layer_types]
+        layers = [Gemma3DecoderLayer(config, t, rotary[t], attn_cls, i) for i, t in enumerate(config.layer_types)]
         model = DecoderModel(config, layers, GemmaRMSNorm(config.hidden_size, config.rms_norm_eps))
         model.embed_scale = config.hidden_size ** 0.5
         super().__init__(config, model, batch_invariant)

@@ -17,7 +17,7 @@ def head_dim_of(config) -> int:
 
 class LlamaAttention(torch.nn.Module):
     def __init__(self, config, rotary: RotaryEmbedding, sliding_window: int | None = None, scale=None,
-                 attn_cls: type[ReferenceAttention] = BatchedDecodeAttention):
+                 attn_cls: type[ReferenceAttention] = BatchedDecodeAttention, layer_idx: int = 0):
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = head_dim_of(config)
@@ -28,7 +28,7 @@ class LlamaAttention(torch.nn.Module):
         self.split = [q_size, kv_size, kv_size]
         self.rotary = rotary
         self.attn = attn_cls(self.num_heads, self.num_kv_heads, self.head_dim,
-                                       scale or self.head_dim ** -0.5, sliding_window)
+                             scale or self.head_dim ** -0.5, sliding_window, layer_idx)
 
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return q, k
@@ -64,10 +64,10 @@ class GatedMLP(torch.nn.Module):
 
 
 class LlamaDecoderLayer(torch.nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding, attn_cls: type[ReferenceAttention]):
+    def __init__(self, config, rotary: RotaryEmbedding, attn_cls: type[ReferenceAttention], layer_idx: int):
         super().__init__()
         window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", False) else None
-        self.self_attn = LlamaAttention(config, rotary, window, attn_cls=attn_cls)
+        self.self_attn = LlamaAttention(config, rotary, window, attn_cls=attn_cls, layer_idx=layer_idx)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -142,6 +142,7 @@ class CausalLM(torch.nn.Module):
         return torch.tanh(logits / cap) * cap
 
     def attention_layers(self) -> list[ReferenceAttention]:
+        """In layer order: the i-th reads layer i of the step's KV cache."""
         return [layer.self_attn.attn for layer in self.model.layers]
 
 
@@ -149,6 +150,6 @@ class LlamaForCausalLM(CausalLM):
     def __init__(self, config, max_positions: int, attn_cls: type[ReferenceAttention] = BatchedDecodeAttention,
                  batch_invariant: bool = False):
         rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
-        layers = [LlamaDecoderLayer(config, rotary, attn_cls) for _ in range(config.num_hidden_layers)]
+        layers = [LlamaDecoderLayer(config, rotary, attn_cls, i) for i in range(config.num_hidden_layers)]
         model = DecoderModel(config, layers, RMSNorm(config.hidden_size, config.rms_norm_eps))
         super().__init__(config, model, batch_invariant)

@@ -1,4 +1,5 @@
-"""The batched decode backend equals the reference on ragged batches (mixed prefill chunks and decodes)."""
+"""The batched decode backend equals the reference on ragged batches (mixed prefill chunks and decodes);
+each layer reads its own cache from the step's metadata."""
 
 import os
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 
 from sobrio.csrc import load
+from sobrio.kv.cache import KVCache
 from sobrio.layers.attention import AttentionMetadata, BatchedDecodeAttention, CppPagedAttention, ReferenceAttention
 
 FAST_BACKENDS = [BatchedDecodeAttention, CppPagedAttention]
@@ -29,7 +31,7 @@ def ragged_step(query_lens: list[int], context_lens: list[int], block_size: int,
     qsl = [0]
     for q_len in query_lens:
         qsl.append(qsl[-1] + q_len)
-    meta = AttentionMetadata(torch.cat(slots), qsl, list(context_lens), block_tables, block_size)
+    meta = AttentionMetadata(torch.cat(slots), qsl, list(context_lens), block_tables, block_size, KVCache([cache]))
     total = qsl[-1]
     q = torch.randn(total, heads, dim, generator=gen).to(dtype)
     k = torch.randn(total, kv_heads, dim, generator=gen).to(dtype)
@@ -56,7 +58,6 @@ def test_fast_backends_equal_reference_on_ragged_batches(backend, dtype, tol, wi
     for cls in (ReferenceAttention, backend):
         cache, meta, q, k, v = ragged_step(query_lens, context_lens, 16, heads, kv_heads, dim, dtype)
         attn = cls(heads, kv_heads, dim, dim ** -0.5, window)
-        attn.kv_cache = cache
         outs.append(attn(q, k, v, meta).float())
     torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
 
@@ -65,10 +66,26 @@ def test_reference_matches_dense_causal_attention():
     """The reference itself against plain causal attention over the whole sequence (one prompt, then decode)."""
     cache, meta, q, k, v = ragged_step([1], [50], 16, 4, 4, 16, torch.float32)
     attn = ReferenceAttention(4, 4, 16, 0.25)
-    attn.kv_cache = cache
     out = attn(q, k, v, meta)
-    keys = attn.caches()[0].index_select(0, meta.context_slots(0))
-    values = attn.caches()[1].index_select(0, meta.context_slots(0))
+    keys = attn.caches(meta)[0].index_select(0, meta.context_slots(0))
+    values = attn.caches(meta)[1].index_select(0, meta.context_slots(0))
     scores = torch.einsum("hd,lhd->hl", q[0], keys) * 0.25
     expected = torch.einsum("hl,lhd->hd", scores.softmax(-1), values)
     torch.testing.assert_close(out.view(4, 16), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", [ReferenceAttention] + FAST_BACKENDS, ids=lambda c: c.__name__)
+def test_each_layer_reads_and_writes_its_own_cache(backend):
+    """Two layers over one step's metadata: each writes its keys to its layer of the KVCache only, and
+    attends as if it were alone."""
+    if backend is CppPagedAttention and load() is None:
+        pytest.skip("C++ operators unavailable")
+    cache, meta, q, k, v = ragged_step([1, 7], [40, 7], 16, 4, 2, 32, torch.float32)
+    other = torch.randn(cache.shape, generator=torch.Generator().manual_seed(1))
+    two = KVCache([other.clone(), cache.clone()])
+    alone = backend(4, 2, 32, 32 ** -0.5)(q, k, v, meta)  # writes this step's keys into `cache`
+    meta2 = AttentionMetadata(meta.slot_mapping, meta.query_start_loc, meta.context_lens, meta.block_tables, 16, two)
+    out = backend(4, 2, 32, 32 ** -0.5, layer_idx=1)(q, k, v, meta2)
+    torch.testing.assert_close(out, alone)
+    assert torch.equal(two.layer(0), other), "layer 1 wrote into layer 0's cache"
+    assert torch.equal(two.layer(1), cache)

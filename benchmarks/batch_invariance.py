@@ -9,15 +9,13 @@ waits for a descheduled thread; `--threads 1` shows the kernels' own cost there.
 """
 
 import argparse
-import random
-import statistics
-import time
 
 # isort: off
 import sobrio  # noqa: F401  (first: it sets the OpenMP thread policy before torch loads)
 # isort: on
 
 from sobrio import LLM, SamplingParams  # noqa: E402
+from sobrio.bench.roofline import decode_step_time  # noqa: E402
 
 SENTENCES = [
     "The cat sat on the warm mat by the window.", "Rivers carry water and sand down to the sea.",
@@ -42,23 +40,9 @@ def divergence(llm: LLM, texts: list[str], max_tokens: int) -> int:
 
 
 def decode_rate(llm: LLM, batch: int, steps: int) -> float:
-    """Decode tokens/s at `batch` running requests: batch / the median step once every prompt is in."""
-    engine, rng = llm.engine, random.Random(batch)
-    ids = [f"bench-{batch}-{i}" for i in range(batch)]
-    for request_id in ids:
-        prompt = [rng.randrange(200, 20000) for _ in range(rng.randint(32, 128))]
-        engine.add_request(request_id, None, SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True),
-                           prompt_token_ids=prompt)
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
-        engine.step()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-    for request_id in ids:
-        engine.abort_request(request_id)
-    return batch / statistics.median(times)
+    """Decode tokens/s at `batch` running requests (`sobrio bench roofline`'s step timing)."""
+    step_time, _ = decode_step_time(llm, batch, prompt_len=96, steps=steps)
+    return batch / step_time
 
 
 def main() -> None:

@@ -87,22 +87,9 @@ def round_trip_us(message, repeat: int = 2000) -> float:
 
 
 def decode_step_ms(llm, batch: int, steps: int = 10) -> float:
-    from sobrio import SamplingParams
+    from sobrio.bench.roofline import decode_step_time
 
-    engine = llm.engine
-    for i in range(batch):
-        engine.add_request(f"ipc-{batch}-{i}", None, SamplingParams(max_tokens=steps + 8, ignore_eos=True),
-                           prompt_token_ids=[100 + (i * 7 + j) % 1000 for j in range(64)])
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
-        engine.step()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-    for i in range(batch):
-        engine.abort_request(f"ipc-{batch}-{i}")
-    return statistics.median(times) * 1e3
+    return decode_step_time(llm, batch, prompt_len=64, steps=steps)[0] * 1e3
 
 
 def main() -> None:

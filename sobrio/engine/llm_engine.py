@@ -110,7 +110,7 @@ class LLMEngine:
         fails here leaves nothing behind."""
         if p.request_id in self.children:
             raise InvalidRequestError(f"request id {p.request_id!r} is already in use")
-        if self.core.stats()["num_requests_waiting"] + p.params.n > self.config.max_num_waiting:
+        if self.num_waiting() + p.params.n > self.config.max_num_waiting:
             raise EngineOverloadedError("the waiting queue is full; retry later")
         seqs = [self._new_sequence(p, index) for index in range(p.params.n)]
         self.children[p.request_id] = [seq.request_id for seq in seqs]
@@ -218,13 +218,19 @@ class LLMEngine:
         if all(c not in self.sequences for c in siblings):
             self.children.pop(seq.parent_id, None)
 
+    def num_waiting(self) -> int:
+        """Sequences not yet running. A core in another process reports its counts once a step, so the
+        front also counts what it sent since: its live sequences less the core's running ones."""
+        stats = self.core.stats()
+        return max(stats["num_requests_waiting"], len(self.sequences) - stats["num_requests_running"])
+
     def table_sizes(self) -> dict[str, int]:
         """Entries of every per-request table, front and core: all zero when nothing is in flight."""
         return {"front_sequences": len(self.sequences), "front_children": len(self.children),
                 **self.core.table_sizes()}
 
     def stats(self) -> dict:
-        return {**self.core.stats(), "tables": self.table_sizes()}
+        return {**self.core.stats(), "num_requests_waiting": self.num_waiting(), "tables": self.table_sizes()}
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -14,6 +14,7 @@ import os
 import pickle
 import shutil
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 
@@ -143,6 +144,7 @@ class CoreProcess:
         self._inputs.bind(f"ipc://{self._folder}/in")
         self._outputs.bind(f"ipc://{self._folder}/out")
         self.last_stats: dict = {}
+        self._closed, self._close_lock = False, threading.Lock()
         spawn = multiprocessing.get_context("spawn")
         self.process = spawn.Process(target=run_engine_core, name=f"sobrio-core-{config.model}", daemon=True,
                                      args=(config, f"ipc://{self._folder}/in", f"ipc://{self._folder}/out",
@@ -217,7 +219,12 @@ class CoreProcess:
         return self.process.is_alive()
 
     def close(self, timeout: float = 10.0) -> None:
-        """Ask the core to stop, wait a bounded time, then kill it; remove the socket folder."""
+        """Ask the core to stop, wait a bounded time, then kill it; remove the socket folder. Once only:
+        a deadline and the server's own shutdown may both ask, and a second zmq term would wait forever."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
         if self.process.is_alive():
             try:
                 self._inputs.send(encode(("shutdown", None)), zmq.NOBLOCK)
@@ -227,5 +234,7 @@ class CoreProcess:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(5)
-        self._ctx.destroy(linger=0)
+        for socket in (self._inputs, self._outputs):
+            socket.close(linger=0)
+        self._ctx.term()
         shutil.rmtree(self._folder, ignore_errors=True)

@@ -196,7 +196,7 @@ def send(base_url: str, path: str, body) -> int:
     return resp.status_code
 
 
-@settings(max_examples=200, deadline=None, derandomize=True, database=None,
+@settings(max_examples=120, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                  HealthCheck.data_too_large])
 @given(case=bodies)
@@ -208,12 +208,12 @@ def test_fuzzed_bodies(small_server, fuzz_log, case):
 def test_fuzz_reached_the_engine(fuzz_log):
     """The fuzz is worth something only if some of its requests were served, not all refused."""
     print(f"fuzz statuses: {sorted(fuzz_log.items())}")
-    assert fuzz_log.get(200, 0) >= 40 and fuzz_log.get(400, 0) >= 40, fuzz_log
+    assert fuzz_log.get(200, 0) >= 25 and fuzz_log.get(400, 0) >= 25, fuzz_log
 
 
 def test_fuzz_harmed_no_healthy_stream_and_left_nothing(small_server):
     """The fuzz again, with 8 healthy streams looping beside it; then every table must be empty."""
-    fuzz = settings(max_examples=100, deadline=None, derandomize=True, database=None,
+    fuzz = settings(max_examples=60, deadline=None, derandomize=True, database=None,
                     suppress_health_check=list(HealthCheck))(given(case=bodies)(
         lambda case: None if send(small_server.base_url, *case) else None))
     with HealthyStreams(small_server.base_url, 8, repeat=True) as healthy:

@@ -212,18 +212,16 @@ class _Boom(RuntimeError):
 
 
 class _FakeEngine:
-    """Enough of AsyncLLM for the app; its tokenizer fails with a message that quotes the prompt."""
+    """Enough of an EngineClient for the app; its tokenizer fails with a message that quotes the prompt."""
 
-    class engine:  # noqa: N801 - mirrors AsyncLLM.engine
-        max_model_len = 512
+    max_model_len = 512
+    max_num_waiting = 16
+    healthy = True
 
-        class config:  # noqa: N801
-            max_num_waiting = 16
-
-        class input_processor:  # noqa: N801
-            @staticmethod
-            def tokenize(prompt):
-                raise _Boom(f"cannot tokenize {prompt!r}")
+    class input_processor:  # noqa: N801
+        @staticmethod
+        def tokenize(prompt):
+            raise _Boom(f"cannot tokenize {prompt!r}")
 
     on_output = on_abort = None
 

@@ -40,17 +40,21 @@ ops = st.lists(st.tuples(st.sampled_from(["add", "step", "step", "abort"]), st.i
 
 # (long_prefill_token_threshold, max_num_partial_prefills, max_long_partial_prefills); 0: no cap
 policies = st.integers(1, 4).flatmap(lambda partial: st.tuples(
-    st.sampled_from([0, 1, 4, 8, 13, 32]), st.just(partial), st.integers(1, partial)))
+    st.sampled_from([0, 1, 3, 4, 8, 13, 16, 32, 40]), st.just(partial), st.integers(1, partial)))
+
+
+def policy_config(policy: tuple[int, int, int], **kwargs) -> EngineConfig:
+    """A small-block config with one draw of `policies` as its prefill policy."""
+    threshold, partial, long = policy
+    return EngineConfig(block_size=8, long_prefill_token_threshold=threshold, max_num_partial_prefills=partial,
+                        max_long_partial_prefills=long, **kwargs)
 
 
 @settings(max_examples=60, deadline=None)
 @given(ops=ops, prefix_caching=st.booleans(), num_blocks=st.integers(8, 40), budget=st.integers(4, 64),
        policy=policies)
 def test_random_add_step_abort_leaks_nothing(ops, prefix_caching, num_blocks, budget, policy):
-    threshold, partial, long = policy
-    config = EngineConfig(block_size=8, max_num_seqs=4, max_num_batched_tokens=budget,
-                          enable_prefix_caching=prefix_caching, long_prefill_token_threshold=threshold,
-                          max_num_partial_prefills=partial, max_long_partial_prefills=long)
+    config = policy_config(policy, max_num_seqs=4, max_num_batched_tokens=budget, enable_prefix_caching=prefix_caching)
     sched = Scheduler(config, num_blocks)
     rng = random.Random(0)
     shared_prefix = [rng.randrange(50) for _ in range(20)]

@@ -11,7 +11,7 @@ from sobrio.config import EngineConfig
 from sobrio.engine.request import Request, RequestStatus
 from sobrio.engine.scheduler import Scheduler, SchedulerOutput, is_decode
 from sobrio.sample.params import SamplingParams
-from tests.unit.test_block_accounting import check_invariants
+from tests.unit.test_block_accounting import check_invariants, policies, policy_config
 
 
 def make_request(request_id: str, prompt_len: int, max_tokens: int, rng: random.Random) -> Request:
@@ -54,19 +54,13 @@ def drain(sched: Scheduler, rng: random.Random, max_steps: int = 5000) -> int:
     raise AssertionError("a request starved: the scheduler did not drain")
 
 
-policies = st.integers(1, 4).flatmap(lambda partial: st.tuples(
-    st.sampled_from([0, 1, 3, 8, 16, 40]), st.just(partial), st.integers(1, partial)))
-
-
 @settings(max_examples=60, deadline=None)
 @given(policy=policies, budget=st.integers(4, 96), num_blocks=st.integers(12, 64), prefix_caching=st.booleans(),
        arrivals=st.lists(st.tuples(st.integers(0, 6), st.integers(1, 60), st.integers(1, 12)), min_size=1,
                          max_size=24))
 def test_random_policies_bound_decode_steps_and_drain(policy, budget, num_blocks, prefix_caching, arrivals):
     threshold, partial, long = policy
-    config = EngineConfig(block_size=8, max_num_seqs=6, max_num_batched_tokens=budget,
-                          enable_prefix_caching=prefix_caching, long_prefill_token_threshold=threshold,
-                          max_num_partial_prefills=partial, max_long_partial_prefills=long)
+    config = policy_config(policy, max_num_seqs=6, max_num_batched_tokens=budget, enable_prefix_caching=prefix_caching)
     sched = Scheduler(config, num_blocks)
     rng = random.Random(0)
     reqs = []

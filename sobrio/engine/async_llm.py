@@ -263,22 +263,21 @@ class AsyncMPClient(_ClientBase):
             self.engine.forget_all()
         self.core.close(timeout=1)
         if self.restarts >= self.max_restarts:
-            logger.error("engine core died %d times; giving up", self.restarts + 1)
-            self._stopping = True
-            if self.on_fatal is not None:
-                self.on_fatal()
-            return
+            return self._give_up(f"engine core died {self.restarts + 1} times; giving up")
         self.restarts += 1
         logger.info("restarting the engine core (%d of %d)", self.restarts, self.max_restarts)
         try:
             self.engine.core = CoreProcess(self.config, self.startup_timeout)
         except SobrioError as start_error:
-            logger.error("engine core restart failed: %s", start_error)
-            self._stopping = True
-            if self.on_fatal is not None:
-                self.on_fatal()
-            return
+            return self._give_up(f"engine core restart failed: {start_error}")
         self.healthy = True
+
+    def _give_up(self, why: str) -> None:
+        """Stop serving this model and tell the server (which exits 1 for its supervisor)."""
+        logger.error("%s", why)
+        self._stopping = True
+        if self.on_fatal is not None:
+            self.on_fatal()
 
     def shutdown(self, timeout: float = 5.0) -> None:
         super().shutdown(timeout)

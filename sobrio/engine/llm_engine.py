@@ -218,19 +218,20 @@ class LLMEngine:
         if all(c not in self.sequences for c in siblings):
             self.children.pop(seq.parent_id, None)
 
-    def num_waiting(self) -> int:
+    def num_waiting(self, stats: dict | None = None) -> int:
         """Sequences not yet running. A core in another process reports its counts once a step, so the
         front also counts what it sent since: its live sequences less the core's running ones."""
-        stats = self.core.stats()
+        stats = stats or self.core.stats()
         return max(stats["num_requests_waiting"], len(self.sequences) - stats["num_requests_running"])
 
-    def table_sizes(self) -> dict[str, int]:
+    def table_sizes(self, core_tables: dict[str, int] | None = None) -> dict[str, int]:
         """Entries of every per-request table, front and core: all zero when nothing is in flight."""
-        return {"front_sequences": len(self.sequences), "front_children": len(self.children),
-                **self.core.table_sizes()}
+        core_tables = self.core.table_sizes() if core_tables is None else core_tables
+        return {"front_sequences": len(self.sequences), "front_children": len(self.children), **core_tables}
 
     def stats(self) -> dict:
-        return {**self.core.stats(), "num_requests_waiting": self.num_waiting(), "tables": self.table_sizes()}
+        stats = self.core.stats()
+        return {**stats, "num_requests_waiting": self.num_waiting(stats), "tables": self.table_sizes(stats["tables"])}
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:

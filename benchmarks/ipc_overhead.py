@@ -10,6 +10,7 @@ Measures, for a step's outputs message with 1 and with 64 requests (one new toke
 
 import multiprocessing
 import pickle
+import shutil
 import statistics
 import tempfile
 import time
@@ -83,6 +84,7 @@ def round_trip_us(message, repeat: int = 2000) -> float:
     push.send(b"stop")
     child.join(10)
     ctx.destroy(linger=0)
+    shutil.rmtree(folder, ignore_errors=True)
     return cost
 
 

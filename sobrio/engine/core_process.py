@@ -61,6 +61,8 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log
                                    "pid": os.getpid()})))
     _serve(core, inputs, outputs, parent)
     ctx.destroy(linger=0)
+    # An API process killed outright cannot remove its socket folder; the core that outlives it does.
+    shutil.rmtree(os.path.dirname(input_addr.removeprefix("ipc://")), ignore_errors=True)
 
 
 def _start_core(config: EngineConfig):

@@ -285,9 +285,9 @@ def add_serve_parser(sub) -> None:
     add_engine_args(serve, multi_model=True)
     serve.add_argument("--served-model-name", action="append", default=None,
                        help="name a --model is served under (repeatable, in --model order)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+    serve.add_argument("--api-key", default=None, help="Bearer key every /v1 request must carry (none: no key)")
     serve.add_argument("--log-level", default="info", choices=LOG_LEVELS,
                        help="trace adds uvicorn's per-connection lines (never ASGI scopes: they hold query strings)")
     serve.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
@@ -305,7 +305,15 @@ def add_serve_parser(sub) -> None:
                             "the server exits with status 1 for its supervisor")
     add_limit_args(serve)
     add_cors_args(serve)
+    _show_defaults(serve)
     serve.set_defaults(func=run_server)
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Every serve flag's help ends with its default (the engine flags already say theirs)."""
+    for action in parser._actions:
+        if action.help and action.default not in (None, argparse.SUPPRESS) and "default" not in action.help:
+            action.help += " (default: %(default)s)"
 
 
 def _configure_logging(level_name: str) -> None:

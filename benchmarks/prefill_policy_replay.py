@@ -14,7 +14,7 @@ import sys
 
 import numpy as np
 
-from sobrio.config import EngineConfig
+from sobrio.config import SobrioConfig
 from sobrio.engine.request import Request
 from sobrio.engine.scheduler import Scheduler, is_decode
 from sobrio.sample.params import SamplingParams
@@ -36,8 +36,8 @@ def step_ms(d: int, p: int) -> float:
 
 
 def run(policy: dict, rate: float, num: int, seed: int, max_num_batched_tokens: int = 2048) -> dict:
-    cfg = EngineConfig(max_num_seqs=64, max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False,
-                       **policy)
+    cfg = SobrioConfig.from_kwargs(max_num_seqs=64, max_num_batched_tokens=max_num_batched_tokens,
+                                   enable_prefix_caching=False, **policy)
     sched = Scheduler(cfg, num_blocks=5825)
     rng = random.Random(seed)
     t, arrivals = 0.0, []

@@ -24,7 +24,7 @@ class EngineOverloadedError(SobrioError):
 class ConfigError(SobrioError, ValueError):
     """A configuration value is out of bounds; `option` is how the user named it (`--block-size`).
 
-    A ValueError too, so callers that guarded `EngineConfig(...)` with `except ValueError` keep working.
+    A ValueError too, so callers that guarded `LLM(...)` or a config with `except ValueError` keep working.
     """
 
     def __init__(self, message: str, option: str | None = None):

@@ -3,7 +3,7 @@
 import itertools
 from collections.abc import Sequence
 
-from sobrio.config import EngineConfig
+from sobrio.config import ModelConfig, SobrioConfig
 from sobrio.engine.llm_engine import LLMEngine
 from sobrio.engine.outputs import RequestOutput
 from sobrio.sample.params import SamplingParams
@@ -12,8 +12,10 @@ Prompt = str | list[int] | dict
 
 
 class LLM:
-    def __init__(self, model: str = "smollm2-135m", dtype: str = "auto", **engine_args):
-        self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, **engine_args))
+    def __init__(self, model: str = ModelConfig.model, **engine_args):
+        """`engine_args`: any engine config field, flat (`max_num_seqs=8, block_size=16`), as vLLM's EngineArgs;
+        an unknown one raises ConfigError."""
+        self.engine = LLMEngine(SobrioConfig.from_kwargs(model=model, **engine_args))
         self._ids = itertools.count()
 
     def get_tokenizer(self):

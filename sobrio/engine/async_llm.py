@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 
-from sobrio.config import EngineConfig
+from sobrio.config import ServerConfig, SobrioConfig
 from sobrio.engine.core_process import CoreProcess, EngineDeadError
 from sobrio.engine.llm_engine import LLMEngine
 from sobrio.engine.outputs import RequestOutput
@@ -64,7 +64,7 @@ class _ClientBase:
 
     @property
     def max_num_waiting(self) -> int:
-        return self.engine.config.max_num_waiting
+        return self.engine.config.scheduler_config.max_num_waiting
 
     async def add_request(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams,
                           queue: asyncio.Queue, prompt_token_ids: list[int] | None = None,
@@ -186,7 +186,7 @@ class AsyncLLM(_ClientBase):
         self._thread.start()
 
     @classmethod
-    def from_config(cls, config: EngineConfig, **kwargs) -> "AsyncLLM":
+    def from_config(cls, config: SobrioConfig, **kwargs) -> "AsyncLLM":
         return cls(LLMEngine(config), **kwargs)
 
     def abort_soon(self, request_id: str) -> None:
@@ -224,13 +224,14 @@ class AsyncLLM(_ClientBase):
 class AsyncMPClient(_ClientBase):
     """The core in its own process: the thread receives each step's outputs and runs the front on them."""
 
-    def __init__(self, config: EngineConfig, max_restarts: int = 3, startup_timeout: float = 600.0,
-                 on_output: Callable[[RequestOutput, float], None] | None = None,
+    def __init__(self, config: SobrioConfig, max_restarts: int = ServerConfig.engine_restarts,
+                 startup_timeout: float = 600.0, on_output: Callable[[RequestOutput, float], None] | None = None,
                  on_fatal: Callable[[], None] | None = None):
         self.config, self.max_restarts, self.startup_timeout = config, max_restarts, startup_timeout
         self.on_fatal = on_fatal  # called when the core died more than max_restarts times
         self.restarts = 0
-        files = load_model_files(config.model)  # tokenizer and config here; prepares a GGUF once, before the core
+        # tokenizer and config here; prepares a GGUF once, before the core
+        files = load_model_files(config.model_config.model)
         core = CoreProcess(config, startup_timeout)
         super().__init__(LLMEngine(config, core=core, files=files), on_output)
         self._thread.start()

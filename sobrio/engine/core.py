@@ -10,7 +10,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from sobrio.config import EngineConfig
+from sobrio.config import SobrioConfig
 from sobrio.engine.executor import Executor
 from sobrio.engine.request import Request, RequestStatus
 from sobrio.engine.sampling import build_sampling_metadata
@@ -70,7 +70,7 @@ class _Deferred:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, files: LoadedModelFiles):
+    def __init__(self, config: SobrioConfig, files: LoadedModelFiles):
         self.config = config
         self.executor = Executor(config, files)
         self.max_model_len = self.executor.max_model_len
@@ -83,7 +83,7 @@ class EngineCore:
         req = Request(creq.request_id, list(creq.prompt_token_ids), creq.sampling_params, creq.max_tokens,
                       creq.eos_token_ids, creq.cache_salt, creq.arrival_time or time.monotonic())
         first = self.scheduler.requests.get(creq.after_prompt_of or "")
-        if first is not None and self.config.enable_prefix_caching and not self._prompt_done(first):
+        if first is not None and self.config.cache_config.enable_prefix_caching and not self._prompt_done(first):
             self.deferred.setdefault(first.request_id, _Deferred(first)).siblings.append(req)
             return
         self.scheduler.add_request(req)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from sobrio.config import EngineConfig
+from sobrio.config import SobrioConfig
 from sobrio.engine.core import EngineCoreRequest
 from sobrio.errors import SobrioError
 
@@ -43,7 +43,7 @@ def decode(frame: bytes):
 
 # ---- the child process ----
 
-def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log_level: int) -> None:
+def run_engine_core(config: SobrioConfig, input_addr: str, output_addr: str, log_level: int) -> None:
     """Entry point of the engine-core process: load, report ready, then step while there is work."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s")
     ctx = zmq.Context()
@@ -65,13 +65,13 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log
     shutil.rmtree(os.path.dirname(input_addr.removeprefix("ipc://")), ignore_errors=True)
 
 
-def _start_core(config: EngineConfig):
+def _start_core(config: SobrioConfig):
     from sobrio.engine.core import EngineCore
     from sobrio.loader.load import load_model_files
 
-    logger.info("loading %s (weights, KV cache, operators)", config.model)
+    logger.info("loading %s (weights, KV cache, operators)", config.model_config.model)
     start = time.monotonic()
-    core = EngineCore(config, load_model_files(config.model))
+    core = EngineCore(config, load_model_files(config.model_config.model))
     logger.info("engine core ready in %.1fs", time.monotonic() - start)
     return core
 
@@ -137,7 +137,7 @@ class CoreInfo:
 class CoreProcess:
     """Starts the engine-core process and speaks to it; the front calls it like an in-process core."""
 
-    def __init__(self, config: EngineConfig, startup_timeout: float = 600.0):
+    def __init__(self, config: SobrioConfig, startup_timeout: float = 600.0):
         self.config = config
         self._folder = tempfile.mkdtemp(prefix="sobrio-core-")  # 0700: only this user reaches the sockets
         self._ctx = zmq.Context()
@@ -148,7 +148,8 @@ class CoreProcess:
         self.last_stats: dict = {}
         self._closed, self._close_lock = False, threading.Lock()
         spawn = multiprocessing.get_context("spawn")
-        self.process = spawn.Process(target=run_engine_core, name=f"sobrio-core-{config.model}", daemon=True,
+        name = f"sobrio-core-{config.model_config.model}"
+        self.process = spawn.Process(target=run_engine_core, name=name, daemon=True,
                                      args=(config, f"ipc://{self._folder}/in", f"ipc://{self._folder}/out",
                                            logging.getLogger().getEffectiveLevel()))
         self.process.start()
@@ -163,13 +164,13 @@ class CoreProcess:
                 if kind == "ready":
                     return CoreInfo(**payload)
                 self.close()
-                raise SobrioError(f"engine core for {self.config.model} failed to start: {payload}")
+                raise SobrioError(f"engine core for {self.config.model_config.model} failed to start: {payload}")
             if not self.process.is_alive():
                 self.close()
-                raise SobrioError(f"engine core for {self.config.model} exited during start-up "
+                raise SobrioError(f"engine core for {self.config.model_config.model} exited during start-up "
                                   f"(exit code {self.process.exitcode})")
         self.close()
-        raise SobrioError(f"engine core for {self.config.model} not ready after {timeout:.0f}s")
+        raise SobrioError(f"engine core for {self.config.model_config.model} not ready after {timeout:.0f}s")
 
     # the in-process core's interface, as the front uses it
     def add_request(self, creq: EngineCoreRequest) -> None:

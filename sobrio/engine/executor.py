@@ -6,14 +6,14 @@ members; the scheduler never learns how many processes run the model.
 
 import torch
 
-from sobrio.config import EngineConfig
+from sobrio.config import SobrioConfig
 from sobrio.engine.model_runner import ModelRunner
 from sobrio.engine.scheduler import SchedulerOutput
 from sobrio.loader.load import LoadedModelFiles
 
 
 class Executor:
-    def __init__(self, config: EngineConfig, files: LoadedModelFiles):
+    def __init__(self, config: SobrioConfig, files: LoadedModelFiles):
         self.runner = ModelRunner(config, files)
 
     @property

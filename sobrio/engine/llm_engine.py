@@ -9,7 +9,7 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 
-from sobrio.config import EngineConfig
+from sobrio.config import SobrioConfig
 from sobrio.engine.core import EngineCore, EngineCoreOutput, EngineCoreRequest, TokenLogprob
 from sobrio.engine.detokenize import IncrementalDetokenizer
 from sobrio.engine.input import InputProcessor
@@ -54,10 +54,10 @@ class _Sequence:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, core=None, files: LoadedModelFiles | None = None):
+    def __init__(self, config: SobrioConfig, core=None, files: LoadedModelFiles | None = None):
         """`core`: an in-process EngineCore by default, or a handle with its interface (`CoreProcess`)."""
         self.config = config
-        files = files or load_model_files(config.model)
+        files = files or load_model_files(config.model_config.model)
         self.model_name = files.source.name
         self.tokenizer = files.tokenizer
         self.hf_config = files.config
@@ -110,7 +110,7 @@ class LLMEngine:
         fails here leaves nothing behind."""
         if p.request_id in self.children:
             raise InvalidRequestError(f"request id {p.request_id!r} is already in use")
-        if self.num_waiting() + p.params.n > self.config.max_num_waiting:
+        if self.num_waiting() + p.params.n > self.config.scheduler_config.max_num_waiting:
             raise EngineOverloadedError("the waiting queue is full; retry later")
         seqs = [self._new_sequence(p, index) for index in range(p.params.n)]
         self.children[p.request_id] = [seq.request_id for seq in seqs]

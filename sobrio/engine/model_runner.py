@@ -8,7 +8,7 @@ import logging
 
 import torch
 
-from sobrio.config import EngineConfig
+from sobrio.config import SobrioConfig
 from sobrio.engine.scheduler import SchedulerOutput
 from sobrio.errors import InvalidRequestError
 from sobrio.kv.cache import KVCache, KVCacheSpec, kv_budget
@@ -38,26 +38,27 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, files: LoadedModelFiles):
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+    def __init__(self, config: SobrioConfig, files: LoadedModelFiles):
+        model, cache = config.model_config, config.cache_config
+        if config.parallel_config.num_threads:
+            torch.set_num_threads(config.parallel_config.num_threads)
         self.config = config
         self.hf_config = files.config
-        self.dtype = resolve_dtype(config.dtype)
-        self.block_size = config.block_size
+        self.dtype = resolve_dtype(model.dtype)
+        self.block_size = cache.block_size
         model_max = getattr(files.config, "max_position_embeddings", 2048)
-        if config.max_model_len is not None and config.max_model_len > model_max:
-            raise InvalidRequestError(f"max_model_len {config.max_model_len} exceeds the model's {model_max}")
+        if model.max_model_len is not None and model.max_model_len > model_max:
+            raise InvalidRequestError(f"max_model_len {model.max_model_len} exceeds the model's {model_max}")
         self.kv_spec = kv_cache_spec(files.config, self.dtype, self.block_size)
-        budget = kv_budget(config.kv_cache_memory, config.kv_cache_memory_fraction, config.kv_cache_memory_cap)
+        budget = kv_budget(cache.kv_cache_memory, cache.kv_cache_memory_fraction, cache.kv_cache_memory_cap)
         self.num_blocks = self.kv_spec.num_blocks_for(budget)
-        self.max_model_len = min(config.max_model_len or model_max, self.num_blocks * self.block_size)
+        self.max_model_len = min(model.max_model_len or model_max, self.num_blocks * self.block_size)
         self.model = build_model(files.config, self.max_model_len, files.iter_weights(), self.dtype,
-                                 config.attention_backend, config.batch_invariant)
+                                 model.attention_backend, model.batch_invariant)
         assert [a.layer_idx for a in self.model.attention_layers()] == list(range(self.kv_spec.num_layers))
         self.kv_cache = KVCache.allocate(self.kv_spec, self.num_blocks)
         logger.info("model %s loaded: dtype=%s kv_blocks=%d max_model_len=%d batch_invariant=%s",
-                    files.source.name, self.dtype, self.num_blocks, self.max_model_len, config.batch_invariant)
+                    files.source.name, self.dtype, self.num_blocks, self.max_model_len, model.batch_invariant)
 
     def prepare_inputs(self, out: SchedulerOutput):
         """Flatten the step: token ids, positions, attention metadata, rows whose logits are needed."""

@@ -12,7 +12,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from sobrio.config import EngineConfig
+from sobrio.config import SchedulerConfig, SobrioConfig
 from sobrio.engine.request import Request, RequestStatus
 from sobrio.kv.block_pool import BlockPool
 from sobrio.kv.manager import KVCacheManager
@@ -52,7 +52,7 @@ class PrefillSlots:
     long: int
 
     @classmethod
-    def for_step(cls, config: EngineConfig, carries_decodes: bool) -> "PrefillSlots":
+    def for_step(cls, config: SchedulerConfig, carries_decodes: bool) -> "PrefillSlots":
         if not carries_decodes:
             return cls(0, sys.maxsize, sys.maxsize)
         return cls(config.long_prefill_token_threshold, config.max_num_partial_prefills,
@@ -75,9 +75,10 @@ class PrefillSlots:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_blocks: int):
+    def __init__(self, config: SobrioConfig, num_blocks: int):
         self.config = config
-        self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler_config = config.scheduler_config  # read every step
+        self.pool = BlockPool(num_blocks, config.cache_config.block_size, config.cache_config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -94,8 +95,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        slots = PrefillSlots.for_step(self.config, any(map(is_decode, self.running)))
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens, slots)
+        slots = PrefillSlots.for_step(self.scheduler_config, any(map(is_decode, self.running)))
+        budget = self._schedule_running(out, self.scheduler_config.max_num_batched_tokens, slots)
         if not out.preempted:
             self._schedule_waiting(out, budget, slots)
         return out
@@ -133,7 +134,8 @@ class Scheduler:
             return  # the common decode step: skip gathering the running requests' pending hashes
         in_prefill = {h for r in self.running for h in self.kv.uncomputed_hashes(r)}
         deferred: list[Request] = []
-        while self.waiting and budget > 0 and slots.prefills > 0 and len(self.running) < self.config.max_num_seqs:
+        max_num_seqs = self.scheduler_config.max_num_seqs
+        while self.waiting and budget > 0 and slots.prefills > 0 and len(self.running) < max_num_seqs:
             req = self.waiting[0]
             if not req.block_table:
                 self.kv.apply_prefix_hits(req)
@@ -142,7 +144,7 @@ class Scheduler:
             if num_new == 0 or self._next_block_in(req, in_prefill):
                 self._reset(req)  # hold it back; with a pending block, that block will be a cache hit
                 deferred.append(self.waiting.popleft())
-                if len(deferred) >= self.config.max_num_seqs:
+                if len(deferred) >= max_num_seqs:
                     break  # bound the scan of a long queue
                 continue
             if not self.kv.allocate_slots(req, num_new):

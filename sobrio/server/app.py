@@ -1,6 +1,5 @@
 """`sobrio serve`: the OpenAI-compatible HTTP API over one EngineClient per served model."""
 
-import argparse
 import asyncio
 import dataclasses
 import json
@@ -15,23 +14,23 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import sobrio
+from sobrio.config import LimitsConfig, ServerConfig, SobrioConfig
 from sobrio.engine.async_llm import AsyncLLM, EngineStepError
 from sobrio.engine.client import EngineClient
 from sobrio.engine.outputs import RequestOutput
-from sobrio.engine_args import add_engine_args, engine_kwargs
-from sobrio.errors import EngineOverloadedError, InvalidRequestError, SobrioError, UnknownModelError
+from sobrio.engine_args import add_config_args, add_engine_args, config_from_args, engine_kwargs
+from sobrio.errors import ConfigError, EngineOverloadedError, InvalidRequestError, SobrioError, UnknownModelError
+from sobrio.loader.resolve import DEFAULT_MODELS, is_installed
 from sobrio.sample.params import SamplingParams
-from sobrio.server.edge import add_cors_args, cors_from_args, edge_stack, install_openapi
+from sobrio.server.edge import edge_stack, install_openapi
 from sobrio.server.errors import error_response, log_unexpected
-from sobrio.server.limits import Limits, add_limit_args, check_fanout, check_prompt_tokens, limits_from_args
+from sobrio.server.limits import check_fanout, check_prompt_tokens
 from sobrio.server.limits import protocol_class as guarded_protocol_class
 from sobrio.server.metrics import ServerMetrics
 from sobrio.server.protocol import ChatCompletionRequest, CompletionRequest, new_id, now
 from sobrio.server.responses import ChoiceState, chat_chunk, completion_chunk, final_response, usage_of
 
 logger = logging.getLogger("sobrio.server")
-
-DEFAULT_MAX_TOKENS = 1024  # chat requests without max_tokens; capped at what the context leaves
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -80,11 +79,11 @@ def sobrio_error_response(exc: Exception) -> JSONResponse:
 
 
 class OpenAIServer:
-    def __init__(self, engines: dict[str, EngineClient], limits: Limits | None = None,
-                 default_max_tokens: int | None = DEFAULT_MAX_TOKENS):
+    def __init__(self, engines: dict[str, EngineClient], limits: LimitsConfig | None = None,
+                 default_max_tokens: int | None = ServerConfig.default_max_tokens):
         assert engines, "at least one model must be served"
         self.engines = engines
-        self.limits = limits or Limits()
+        self.limits = limits or LimitsConfig()
         self.default_max_tokens = default_max_tokens or None  # 0: up to the context
         self.metrics = ServerMetrics(engines)
         for name, engine in engines.items():
@@ -139,8 +138,8 @@ class OpenAIServer:
         return ids
 
 
-def create_app(engines: dict[str, EngineClient], limits: Limits | None = None,
-               default_max_tokens: int | None = DEFAULT_MAX_TOKENS) -> FastAPI:
+def create_app(engines: dict[str, EngineClient], limits: LimitsConfig | None = None,
+               default_max_tokens: int | None = ServerConfig.default_max_tokens) -> FastAPI:
     """The API itself; `edge_stack` wraps it with auth, CORS, limits, request ids and the access log."""
     server = OpenAIServer(engines, limits, default_max_tokens)
     app = FastAPI(title="sobrio", version=sobrio.__version__)
@@ -277,43 +276,12 @@ async def _sse(stream: AsyncIterator[RequestOutput], choices: ChoiceState, base_
     yield "data: [DONE]\n\n"
 
 
-LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
-
-
 def add_serve_parser(sub) -> None:
+    """`sobrio serve`: ServerConfig's flags (with nested limits and CORS), then every engine concern's."""
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    add_engine_args(serve, multi_model=True)
-    serve.add_argument("--served-model-name", action="append", default=None,
-                       help="name a --model is served under (repeatable, in --model order)")
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
-    serve.add_argument("--api-key", default=None, help="Bearer key every /v1 request must carry (none: no key)")
-    serve.add_argument("--log-level", default="info", choices=LOG_LEVELS,
-                       help="trace adds uvicorn's per-connection lines (never ASGI scopes: they hold query strings)")
-    serve.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
-                       help="max_tokens of a request that gives none (chat), capped at what the context leaves; "
-                            "0: up to the end of the context (vLLM's default)")
-    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
-                       help="seconds in-flight requests get to finish after SIGTERM; those still running then "
-                            "end with an OpenAI error (streams: an error event, then [DONE])")
-    serve.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
-                       help="run each model's engine core in a process of its own (default), so the HTTP event "
-                            "loop and the model do not share one interpreter; --no-engine-process keeps it in a "
-                            "thread of the server process")
-    serve.add_argument("--engine-restarts", type=int, default=3,
-                       help="times a dead engine core is restarted (its requests in flight fail at once) before "
-                            "the server exits with status 1 for its supervisor")
-    add_limit_args(serve)
-    add_cors_args(serve)
-    _show_defaults(serve)
+    add_config_args(serve, ServerConfig)
+    add_engine_args(serve, with_model=False)
     serve.set_defaults(func=run_server)
-
-
-def _show_defaults(parser: argparse.ArgumentParser) -> None:
-    """Every serve flag's help ends with its default (the engine flags already say theirs)."""
-    for action in parser._actions:
-        if action.help and action.default not in (None, argparse.SUPPRESS) and "default" not in action.help:
-            action.help += " (default: %(default)s)"
 
 
 def _configure_logging(level_name: str) -> None:
@@ -324,48 +292,64 @@ def _configure_logging(level_name: str) -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def run_server(args) -> int:
-    import uvicorn
+def _served_models(config: ServerConfig) -> list[str]:
+    """--model, or every installed default alias; more --served-model-name than models is a ConfigError."""
+    models = config.model or [m for m in DEFAULT_MODELS if is_installed(m)]
+    if len(config.served_model_name or []) > len(models):
+        raise ConfigError(f"--served-model-name must be given at most once per model served ({len(models)})",
+                          "--served-model-name")
+    return models
 
-    from sobrio.config import EngineConfig
-    from sobrio.loader.resolve import DEFAULT_MODELS, is_installed
 
-    _configure_logging(args.log_level)
-    models = args.model or [m for m in DEFAULT_MODELS if is_installed(m)]
-    names = list(args.served_model_name or [])
-    if len(names) > len(models):
-        raise SystemExit("more --served-model-name than --model")
-    configs = [EngineConfig(model=model, **engine_kwargs(args)) for model in models]
-    fatal = threading.Event()  # an engine core that keeps dying: exit non-zero for a supervisor
-    try:
-        clients = _start_engines(configs, args.engine_process, args.engine_restarts, fatal.set)
-    except SobrioError as exc:
-        logger.error("%s", exc)
-        return 1
+def _served_names(config: ServerConfig, models: list[str], clients: list[EngineClient]) -> dict[str, EngineClient]:
+    """Each engine under its --served-model-name, else its alias, else the model's own name."""
+    names = list(config.served_model_name or [])
     engines = {}
     for i, (model, engine) in enumerate(zip(models, clients)):
         engines[names[i] if i < len(names) else (model if model in DEFAULT_MODELS else engine.model_name)] = engine
-    limits = limits_from_args(args)
-    app = create_app(engines, limits, args.default_max_tokens)
-    asgi, limits_layer = edge_stack(app, args.api_key, limits, cors_from_args(args))
+    return engines
+
+
+def run_server(args) -> int:
+    config = config_from_args(args, ServerConfig)
+    _configure_logging(config.log_level)
+    models = _served_models(config)
+    configs = [SobrioConfig.from_kwargs(model=model, **engine_kwargs(args)) for model in models]
+    fatal = threading.Event()  # an engine core that keeps dying: exit non-zero for a supervisor
+    try:
+        clients = _start_engines(configs, config.engine_process, config.engine_restarts, fatal.set)
+    except SobrioError as exc:
+        logger.error("%s", exc)
+        return 1
+    engines = _served_names(config, models, clients)
+    app = create_app(engines, config.limits, config.default_max_tokens)
+    asgi, limits_layer = edge_stack(app, config.api_key, config.limits, config.cors)
 
     @app.on_event("shutdown")
     async def _stop_engines():
         for engine in engines.values():
             engine.shutdown()
 
-    logger.info("serving %s on http://%s:%d", ", ".join(engines), args.host, args.port)
-    # uvicorn's own deadline is a backstop a little after ours: by then every request has had its error answer.
-    config = uvicorn.Config(asgi, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
-                            http=guarded_protocol_class(limits), access_log=False,  # HttpEdge logs, without queries
-                            timeout_graceful_shutdown=args.shutdown_timeout + 5)
-    # uvicorn.asgi at trace would log each request's scope, query string included: kept at debug at most.
-    logging.getLogger("uvicorn.asgi").setLevel(max(logging.DEBUG, logging.getLogger("uvicorn.asgi").level))
-    server = _graceful_server_class()(config, list(engines.values()), args.shutdown_timeout)
+    logger.info("serving %s on http://%s:%d", ", ".join(engines), config.host, config.port)
+    server = _uvicorn_server(config, asgi, list(engines.values()))
     limits_layer.count_connections = lambda: len(server.server_state.connections)
     threading.Thread(target=_exit_on_fatal, args=(fatal, server), daemon=True).start()
     server.run()
     return 1 if fatal.is_set() else 0
+
+
+def _uvicorn_server(config: ServerConfig, asgi, engines: list[EngineClient]):
+    """uvicorn with our h11 protocol (header and discard deadlines), no access log (HttpEdge logs, without
+    queries), and a graceful shutdown whose own deadline is a backstop a little after ours: by then every
+    request has had its error answer."""
+    import uvicorn
+
+    uvicorn_config = uvicorn.Config(asgi, host=config.host, port=config.port, log_level=config.log_level,
+                                    lifespan="on", http=guarded_protocol_class(config.limits), access_log=False,
+                                    timeout_graceful_shutdown=config.shutdown_timeout + 5)
+    # uvicorn.asgi at trace would log each request's scope, query string included: kept at debug at most.
+    logging.getLogger("uvicorn.asgi").setLevel(max(logging.DEBUG, logging.getLogger("uvicorn.asgi").level))
+    return _graceful_server_class()(uvicorn_config, engines, config.shutdown_timeout)
 
 
 def _start_engines(configs: list, engine_process: bool, max_restarts: int, on_fatal) -> list:

@@ -4,20 +4,18 @@ From the outside in: `HttpEdge` (X-Request-Id on every answer, one access-log li
 no exception escapes as plain text), CORS, `LimitsMiddleware`, `ApiKeyAuth`, then FastAPI.
 """
 
-import argparse
 import hmac
-import json
 import logging
 import re
 import time
-from dataclasses import dataclass, field
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from starlette.middleware.cors import CORSMiddleware
 
+from sobrio.config import CorsConfig, LimitsConfig
 from sobrio.server.errors import ErrorResponse, log_unexpected, send_error
-from sobrio.server.limits import Limits, LimitsMiddleware
+from sobrio.server.limits import LimitsMiddleware
 from sobrio.server.protocol import new_id
 
 access_logger = logging.getLogger("sobrio.access")
@@ -91,44 +89,8 @@ class ApiKeyAuth:
         await self.app(scope, receive, send)
 
 
-@dataclass(frozen=True)
-class CorsOptions:
-    """vLLM's flags. Unlike vLLM (`*`), the default admits only loopback origins (a UI on this machine):
-    a server on 127.0.0.1 without a key should not answer any web page a user happens to visit."""
-
-    allowed_origins: list[str] = field(default_factory=list)
-    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
-    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
-    allow_credentials: bool = False
-
-
-def _str_list(value: str) -> list[str]:
-    """vLLM takes JSON lists (`'["*"]'`); a comma-separated list is accepted too."""
-    value = value.strip()
-    if value.startswith("["):
-        items = json.loads(value)
-        if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
-            raise argparse.ArgumentTypeError("expected a JSON list of strings")
-        return items
-    return [v.strip() for v in value.split(",") if v.strip()]
-
-
-def add_cors_args(parser: argparse.ArgumentParser) -> None:
-    d = CorsOptions()
-    parser.add_argument("--allowed-origins", type=_str_list, default=d.allowed_origins,
-                        help='CORS origins, a JSON list or comma-separated (\'["*"]\' for any); default: '
-                             "loopback origins only (http://localhost:*, http://127.0.0.1:*)")
-    parser.add_argument("--allowed-methods", type=_str_list, default=d.allowed_methods, help="CORS methods")
-    parser.add_argument("--allowed-headers", type=_str_list, default=d.allowed_headers, help="CORS headers")
-    parser.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
-
-
-def cors_from_args(args: argparse.Namespace) -> CorsOptions:
-    return CorsOptions(args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials)
-
-
-def edge_stack(app: FastAPI, api_key: str | None, limits: Limits, cors: CorsOptions) -> tuple[HttpEdge,
-                                                                                            LimitsMiddleware]:
+def edge_stack(app: FastAPI, api_key: str | None, limits: LimitsConfig,
+               cors: CorsConfig) -> tuple[HttpEdge, LimitsMiddleware]:
     """The ASGI app to serve, and its limits layer (run_server gives it uvicorn's connection count)."""
     limited = LimitsMiddleware(ApiKeyAuth(app, api_key), limits)
     with_cors = CORSMiddleware(limited, allow_origins=cors.allowed_origins,

@@ -1,8 +1,9 @@
 """Bounds on what one client can make the server hold: bytes, time, connections, sequences, tokens.
 
-Each bound is a `sobrio serve` flag and answers with an OpenAI error body. The cheap ones come first:
-the connection count and the body size are checked before the body is parsed, the number of prompts
-and sequences before anything is tokenized, the prompt tokens before anything is queued.
+Each bound is a `sobrio serve` flag (`LimitsConfig` in sobrio/config/server.py, with its defaults) and
+answers with an OpenAI error body. The cheap ones come first: the connection count and the body size are
+checked before the body is parsed, the number of prompts and sequences before anything is tokenized, the
+prompt tokens before anything is queued.
 
 - `LimitsMiddleware` (ASGI): concurrent connections/requests (429 + Retry-After), body size (413, also
   for chunked bodies), body read time (408); the app then gets the body already read.
@@ -12,64 +13,23 @@ and sequences before anything is tokenized, the prompt tokens before anything is
 - `check_fanout` and `check_prompt_tokens`: prompts, sequences and prompt tokens of one request.
 """
 
-import argparse
 import asyncio
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import h11
 from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
+from sobrio.config import LimitsConfig
 from sobrio.errors import EngineOverloadedError, InvalidRequestError
 from sobrio.server.errors import error_body, send_error
 
 UNLIMITED_PATHS = ("/health", "/metrics")  # probes must see an overloaded server as alive
 
 
-@dataclass(frozen=True)
-class Limits:
-    """Defaults: roomy for any real request to these models, small enough that one client cannot pin
-    the server (see README, "Limits")."""
-
-    max_body_bytes: int = 4 << 20  # a 128k-token context as text (non-ASCII escaped as \uXXXX too) fits
-    max_prompts_per_request: int = 256
-    max_seqs_per_request: int = 256  # prompts x n: 1/16 of the default waiting queue (4096)
-    max_request_tokens: int = 128 << 10  # prompt tokens x n: e.g. a full 8k context with n=16
-    header_timeout: float = 10.0
-    body_timeout: float = 30.0  # whole body; at the size limit that is >= 140 kB/s
-    limit_concurrency: int = 1024  # open connections or requests in flight
-
-
-def add_limit_args(parser: argparse.ArgumentParser) -> None:
-    d = Limits()
-    parser.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
-                        help="largest request body, counted while it is read, chunked or not (413)")
-    parser.add_argument("--max-prompts-per-request", type=int, default=d.max_prompts_per_request,
-                        help="most prompts in one completions request (400)")
-    parser.add_argument("--max-seqs-per-request", type=int, default=d.max_seqs_per_request,
-                        help="most sequences (prompts x n) in one request (400); a request whose sequences "
-                             "do not fit in the waiting queue now gets 429 before it is tokenized")
-    parser.add_argument("--max-request-tokens", type=int, default=d.max_request_tokens,
-                        help="most prompt tokens x n one request may queue (400)")
-    parser.add_argument("--header-timeout", type=float, default=d.header_timeout,
-                        help="seconds a client has to send a request's line and headers (408, then close)")
-    parser.add_argument("--body-timeout", type=float, default=d.body_timeout,
-                        help="seconds a client has to send a whole request body (408, then close)")
-    parser.add_argument("--limit-concurrency", type=int, default=d.limit_concurrency,
-                        help="most open connections or requests in flight; past it 429 with Retry-After")
-
-
-def limits_from_args(args: argparse.Namespace) -> Limits:
-    return Limits(max_body_bytes=args.max_body_bytes, max_prompts_per_request=args.max_prompts_per_request,
-                  max_seqs_per_request=args.max_seqs_per_request, max_request_tokens=args.max_request_tokens,
-                  header_timeout=args.header_timeout, body_timeout=args.body_timeout,
-                  limit_concurrency=args.limit_concurrency)
-
-
 # ---- per request: prompts, sequences, tokens ----
 
-def check_fanout(limits: Limits, num_prompts: int, n: int, waiting: int, max_waiting: int) -> None:
+def check_fanout(limits: LimitsConfig, num_prompts: int, n: int, waiting: int, max_waiting: int) -> None:
     """Refuse, before anything is tokenized, a request with too many prompts or sequences (400), or whose
     sequences do not fit in the waiting queue now (429)."""
     if num_prompts > limits.max_prompts_per_request:
@@ -84,7 +44,7 @@ def check_fanout(limits: Limits, num_prompts: int, n: int, waiting: int, max_wai
         raise EngineOverloadedError(f"the waiting queue cannot take {seqs} more sequences now; retry later")
 
 
-def check_prompt_tokens(limits: Limits, prompt_lengths: list[int], n: int) -> None:
+def check_prompt_tokens(limits: LimitsConfig, prompt_lengths: list[int], n: int) -> None:
     """Refuse, before anything is queued, a request whose prompt tokens x n exceed the limit (400)."""
     total = sum(prompt_lengths) * n
     if total > limits.max_request_tokens:
@@ -98,7 +58,7 @@ class LimitsMiddleware:
     """Refuses work the server should not take (too many connections, a body too large or too slow) before
     any of it is parsed; passes the app a body already read, then the client's own receive (disconnects)."""
 
-    def __init__(self, app, limits: Limits, count_connections: Callable[[], int] | None = None):
+    def __init__(self, app, limits: LimitsConfig, count_connections: Callable[[], int] | None = None):
         self.app = app
         self.limits = limits
         self.count_connections = count_connections  # set by run_server: uvicorn's open connections
@@ -196,8 +156,8 @@ class GuardedH11Protocol(H11Protocol):
     request head (`header_timeout`, from the connection's start or the first byte of the next request)
     or the rest of a body already refused (`discard_timeout`)."""
 
-    header_timeout: float = Limits.header_timeout
-    discard_timeout: float = Limits.body_timeout
+    header_timeout: float = LimitsConfig.header_timeout
+    discard_timeout: float = LimitsConfig.body_timeout
 
     def connection_made(self, transport) -> None:
         self._deadline: asyncio.TimerHandle | None = None
@@ -247,6 +207,6 @@ class GuardedH11Protocol(H11Protocol):
         self.transport.close()
 
 
-def protocol_class(limits: Limits) -> type[GuardedH11Protocol]:
+def protocol_class(limits: LimitsConfig) -> type[GuardedH11Protocol]:
     return type("GuardedH11Protocol", (GuardedH11Protocol,),
                 {"header_timeout": limits.header_timeout, "discard_timeout": limits.body_timeout})

@@ -110,11 +110,11 @@ def test_two_models_run_in_two_core_processes(server):
 
 def test_tokenizing_holds_up_no_step():
     """A slow tokenization (a huge prompt) must not stop the requests in flight from advancing."""
-    from sobrio.config import EngineConfig
+    from sobrio.config import SobrioConfig
     from sobrio.engine.async_llm import AsyncMPClient
     from tests.conftest import engine_kwargs
 
-    client = AsyncMPClient(EngineConfig(model=SMOL, **engine_kwargs()))
+    client = AsyncMPClient(SobrioConfig.from_kwargs(model=SMOL, **engine_kwargs()))
     try:
         tokenize = client.engine.input_processor.tokenize
         release = threading.Event()
@@ -147,14 +147,14 @@ def test_tokenizing_holds_up_no_step():
 
 
 def test_process_client_equals_offline_greedy(smollm2):
-    from sobrio.config import EngineConfig
+    from sobrio.config import SobrioConfig
     from sobrio.engine.async_llm import AsyncMPClient
     from tests.conftest import engine_kwargs
 
     prompts = ["The sea is", "Paris is the capital of", "def fibonacci(n):"]
     greedy = SamplingParams(temperature=0, max_tokens=24)
     offline = [o.outputs[0].token_ids for o in smollm2.generate(prompts, greedy, use_tqdm=False)]
-    client = AsyncMPClient(EngineConfig(model=SMOL, **engine_kwargs()))
+    client = AsyncMPClient(SobrioConfig.from_kwargs(model=SMOL, **engine_kwargs()))
     try:
         async def one(i: int, prompt: str) -> list[int]:
             async for out in client.generate(f"eq-{i}", prompt, greedy):

@@ -230,11 +230,11 @@ class _FakeEngine:
 
 
 def test_unexpected_exception_is_an_openai_500_logged_by_type_only(caplog):
+    from sobrio.config import CorsConfig, LimitsConfig
     from sobrio.server.app import create_app
-    from sobrio.server.edge import CorsOptions, edge_stack
-    from sobrio.server.limits import Limits
+    from sobrio.server.edge import edge_stack
 
-    asgi, _ = edge_stack(create_app({SMOL: _FakeEngine()}), None, Limits(), CorsOptions())
+    asgi, _ = edge_stack(create_app({SMOL: _FakeEngine()}), None, LimitsConfig(), CorsConfig())
 
     async def call() -> httpx.Response:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=asgi), base_url="http://t") as client:

@@ -5,7 +5,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sobrio.config import EngineConfig
+from sobrio.config import SobrioConfig
 from sobrio.engine.request import Request, RequestStatus
 from sobrio.engine.scheduler import Scheduler
 from sobrio.sample.params import SamplingParams
@@ -23,12 +23,12 @@ def check_invariants(sched: Scheduler) -> None:
     for block in sched.pool.blocks:
         assert block.ref_count == owners.get(block.block_id, 0)
         assert (block.ref_count == 0) == (block.block_id in sched.pool.free)
-    assert len(sched.running) <= sched.config.max_num_seqs
+    assert len(sched.running) <= sched.scheduler_config.max_num_seqs
 
 
 def fake_step(sched: Scheduler, rng: random.Random, vocab: int) -> None:
     out = sched.schedule()
-    assert out.num_batched_tokens <= sched.config.max_num_batched_tokens
+    assert out.num_batched_tokens <= sched.scheduler_config.max_num_batched_tokens
     check_invariants(sched)
     for req in sched.update_after_step(out):
         sched.append_token(req, rng.randrange(vocab))
@@ -43,11 +43,11 @@ policies = st.integers(1, 4).flatmap(lambda partial: st.tuples(
     st.sampled_from([0, 1, 3, 4, 8, 13, 16, 32, 40]), st.just(partial), st.integers(1, partial)))
 
 
-def policy_config(policy: tuple[int, int, int], **kwargs) -> EngineConfig:
+def policy_config(policy: tuple[int, int, int], **kwargs) -> SobrioConfig:
     """A small-block config with one draw of `policies` as its prefill policy."""
     threshold, partial, long = policy
-    return EngineConfig(block_size=8, long_prefill_token_threshold=threshold, max_num_partial_prefills=partial,
-                        max_long_partial_prefills=long, **kwargs)
+    return SobrioConfig.from_kwargs(block_size=8, long_prefill_token_threshold=threshold,
+                                    max_num_partial_prefills=partial, max_long_partial_prefills=long, **kwargs)
 
 
 @settings(max_examples=60, deadline=None)
@@ -82,7 +82,8 @@ def test_random_add_step_abort_leaks_nothing(ops, prefix_caching, num_blocks, bu
 
 
 def test_preemption_frees_newest_and_recomputes():
-    config = EngineConfig(block_size=8, max_num_seqs=4, max_num_batched_tokens=64, enable_prefix_caching=False)
+    config = SobrioConfig.from_kwargs(block_size=8, max_num_seqs=4, max_num_batched_tokens=64,
+                                      enable_prefix_caching=False)
     sched = Scheduler(config, num_blocks=4)
     reqs = [Request(str(i), list(range(1, 13)), SamplingParams(max_tokens=12), 12, frozenset()) for i in range(2)]
     for req in reqs:
@@ -96,7 +97,7 @@ def test_preemption_frees_newest_and_recomputes():
 
 
 def test_prefix_hits_share_blocks_and_salts_isolate():
-    config = EngineConfig(block_size=8, max_num_batched_tokens=256)
+    config = SobrioConfig.from_kwargs(block_size=8, max_num_batched_tokens=256)
     sched = Scheduler(config, num_blocks=32)
     prompt = list(range(1, 30))
     first = Request("a", prompt, SamplingParams(max_tokens=2), 2, frozenset())

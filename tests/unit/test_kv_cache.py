@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sobrio.kv.cache as kv_cache_module
-from sobrio.config import EngineConfig
+from sobrio.config import CacheConfig, SobrioConfig
 from sobrio.engine.request import Request
 from sobrio.engine.scheduler import Scheduler
 from sobrio.errors import InvalidRequestError
@@ -35,7 +35,7 @@ def test_budget_is_the_flag_or_a_capped_share_of_available_memory(monkeypatch):
     monkeypatch.setattr(kv_cache_module, "available_memory", lambda: 100 << 30)
     assert kv_budget(12345, 0.15, 2 << 30) == 12345  # --kv-cache-memory wins
     assert kv_budget(None, 0.15, 1 << 40) == int((100 << 30) * 0.15)
-    defaults = EngineConfig()
+    defaults = CacheConfig()
     assert kv_budget(defaults.kv_cache_memory, defaults.kv_cache_memory_fraction,
                      defaults.kv_cache_memory_cap) == 2 << 30  # the cap, on a large host
 
@@ -222,7 +222,7 @@ def drain(sched: Scheduler, rng: random.Random) -> None:
 
 
 def test_purge_through_the_scheduler_with_a_request_running():
-    sched = Scheduler(EngineConfig(block_size=BLOCK, max_num_batched_tokens=256), num_blocks=32)
+    sched = Scheduler(SobrioConfig.from_kwargs(block_size=BLOCK, max_num_batched_tokens=256), num_blocks=32)
     rng, prompt = random.Random(0), list(range(1, 30))
     for req in (request("a1", prompt, "a"), request("b1", prompt, "b")):
         sched.add_request(req)
@@ -253,7 +253,8 @@ ops = st.lists(st.tuples(st.sampled_from(["add", "step", "step", "abort", "purge
 def test_random_add_step_abort_purge_keeps_ref_counts(ops, num_blocks, budget):
     """Purges at any point (requests of that salt waiting, prefilling or decoding) free nothing in use,
     leave every ref count equal to its block tables, and everything drains back to the free list."""
-    sched = Scheduler(EngineConfig(block_size=BLOCK, max_num_seqs=4, max_num_batched_tokens=budget), num_blocks)
+    sched = Scheduler(SobrioConfig.from_kwargs(block_size=BLOCK, max_num_seqs=4, max_num_batched_tokens=budget),
+                      num_blocks)
     rng = random.Random(0)
     shared = [rng.randrange(50) for _ in range(20)]
     salts = ["t0", "t1", None]

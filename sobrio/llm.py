@@ -21,6 +21,10 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` uses when given none: the model's recommended defaults (`generation_config`), as vLLM."""
+        return SamplingParams(**self.engine.default_sampling)
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -29,7 +33,7 @@ class LLM:
         A prompt is text, token ids, or a dict with "prompt" or "prompt_token_ids" and optionally "cache_salt".
         """
         prompts = _as_prompt_list(prompts)
-        params = _as_params_list(sampling_params, len(prompts))
+        params = _as_params_list(sampling_params or self.get_default_sampling_params(), len(prompts))
         request_ids: dict[str, int] = {}  # request id -> number of sequences it returns
         for prompt, p in zip(prompts, params):
             request_id = str(next(self._ids))

@@ -1,14 +1,19 @@
 """Configuration, one dataclass per concern, in vLLM's names and split (vLLM's `vllm/config/`).
 
-- `ModelConfig` (model.py): what runs and how it computes: model, dtype, max_model_len, seed,
-  attention_backend, batch_invariant (a kernel choice, so the model's, as the attention backend).
+- `ModelConfig` (model.py): what runs and how it computes: model, tokenizer, chat_template, the default
+  sampling parameters (generation_config), dtype, max_model_len, max_logprobs, seed, attention_backend,
+  batch_invariant (a kernel choice, so the model's, as the attention backend).
 - `CacheConfig` (cache.py): the paged KV cache: block_size, kv_cache_memory (and its fraction and cap
-  when unset), enable_prefix_caching.
+  when unset), enable_prefix_caching; gpu_memory_utilization is accepted for vLLM's scripts (no effect).
 - `SchedulerConfig` (scheduler.py): what one step may hold: max_num_seqs, max_num_batched_tokens,
   max_num_waiting (the waiting queue the scheduler drains), and the prefill policy
-  (long_prefill_token_threshold, max_num_partial_prefills, max_long_partial_prefills).
-- `ParallelConfig` (parallel.py): num_threads; tensor_parallel_size and data_parallel_size accept
-  only 1 until they are built.
+  (long_prefill_token_threshold, max_num_partial_prefills, max_long_partial_prefills);
+  enable_chunked_prefill is accepted for vLLM's scripts (always on).
+- `ParallelConfig` (parallel.py): num_threads; tensor_parallel_size, pipeline_parallel_size and
+  data_parallel_size accept only 1 until they are built.
+- `UnsupportedConfig` (unsupported.py): vLLM flags for features sobrio lacks (`--quantization`,
+  `--speculative-config`, `--enable-lora`, ...): recognized, and refused with "sobrio does not support ... yet"
+  unless left at their default. Checked by `SobrioConfig.from_kwargs`; never part of a config.
 - `SobrioConfig` (sobrio.py, vLLM's `VllmConfig`): one engine's concerns together. It is what crosses
   to the engine-core process, so it holds nothing else. `SobrioConfig.from_kwargs` takes the flat form
   of `LLM(model, max_num_seqs=8, ...)` (vLLM's EngineArgs) and routes each keyword to its concern.
@@ -28,6 +33,7 @@ from sobrio.config.parallel import ParallelConfig
 from sobrio.config.scheduler import SchedulerConfig
 from sobrio.config.server import LOG_LEVELS, CorsConfig, LimitsConfig, ServerConfig
 from sobrio.config.sobrio import SobrioConfig
+from sobrio.config.unsupported import UnsupportedConfig
 
 __all__ = ["ATTENTION_BACKENDS", "DTYPES", "LOG_LEVELS", "CacheConfig", "CorsConfig", "LimitsConfig",
-           "ModelConfig", "ParallelConfig", "SchedulerConfig", "ServerConfig", "SobrioConfig"]
+           "ModelConfig", "ParallelConfig", "SchedulerConfig", "ServerConfig", "SobrioConfig", "UnsupportedConfig"]

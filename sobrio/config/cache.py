@@ -14,9 +14,12 @@ class CacheConfig(Checked):
     kv_cache_memory_fraction: float = 0.15  # of available memory, when kv_cache_memory is None
     kv_cache_memory_cap: int = 2 << 30  # bytes, when kv_cache_memory is None
     enable_prefix_caching: bool = flag(True, "reuse the KV blocks of prompt prefixes seen before")
+    gpu_memory_utilization: float = flag(0.9, "accepted for vLLM's scripts; no effect on CPU: the KV cache takes "
+                                              "--kv-cache-memory")
 
     def __post_init__(self) -> None:
         self._require("block_size", self.block_size > 0 and self.block_size % 8 == 0, "a positive multiple of 8")
         self._at_least(1, "kv_cache_memory", optional=True)
         self._at_least(1, "kv_cache_memory_cap")
         self._require("kv_cache_memory_fraction", 0 < self.kv_cache_memory_fraction <= 1, "in (0, 1]")
+        self._require("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "in (0, 1]")

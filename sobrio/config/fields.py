@@ -1,8 +1,10 @@
 """What every concern's config shares: fields that are flags, and checks that name the flag.
 
 A field made with `flag(...)` is also a `--kebab-case` command-line flag: its default, help text and any
-argparse special (choices, a converter, `append`) live in its metadata, and `sobrio/engine_args.py` reads
-them, so no default is written twice. A field without `flag` is settable from Python only.
+argparse special (choices, a converter, `append`, `nargs`, positional) live in its metadata, and
+`sobrio/engine_args.py` reads them, so no default is written twice. A field without `flag` is settable from
+Python only. `unsupported(...)` names a vLLM flag sobrio lacks: it parses, and any value but the default is
+refused with "sobrio does not support ... yet".
 """
 
 from collections.abc import Callable
@@ -13,13 +15,30 @@ from sobrio.errors import ConfigError
 
 
 def flag(default: Any, help_text: str, *, choices: tuple[str, ...] | None = None,
-         action: str | None = None, type: Callable[[str], Any] | None = None) -> Any:
-    """A field that is also a flag. A list default is copied per instance (a dataclass needs a factory)."""
-    extra = {"choices": choices, "action": action, "type": type}
-    metadata = {"help": help_text} | {k: v for k, v in extra.items() if v is not None}
+         action: str | None = None, type: Callable[[str], Any] | None = None, nargs: str | None = None,
+         positional: bool = False) -> Any:
+    """A field that is also a flag. A list default is copied per instance (a dataclass needs a factory).
+    `action="append"` and `nargs="+"` flags are repeatable, and a value from the command line replaces one
+    from a `--config` file rather than adding to it. `positional`: an optional positional argument."""
+    extra = {"choices": choices, "action": action, "type": type, "nargs": nargs, "positional": positional or None}
+    return _field(default, {"help": help_text} | {k: v for k, v in extra.items() if v is not None})
+
+
+def _field(default: Any, metadata: dict) -> Any:
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=metadata)
     return field(default=default, metadata=metadata)
+
+
+def unsupported(default: Any, what: str, **kwargs: Any) -> Any:
+    """A vLLM flag for a feature sobrio lacks: recognized so that a script fails with a clear message (exit 2),
+    not argparse's "unrecognized arguments". `Checked._refuse_unsupported` refuses any value but `default`."""
+    metadata = dict(flag(default, f"not supported yet: {what}", **kwargs).metadata)
+    return _field(default, metadata | {"unsupported": True})
+
+
+def is_unsupported(f: Field) -> bool:
+    return bool(f.metadata.get("unsupported"))
 
 
 def is_flag(f: Field) -> bool:
@@ -52,6 +71,13 @@ class Checked:
         if not ok:
             option = option_name(self, name)
             raise ConfigError(f"{option} must be {rule}, got {getattr(self, name)!r}", option)
+
+    def _refuse_unsupported(self) -> None:
+        """Every `unsupported` field must keep its default (the no-op value)."""
+        for f in fields(self):
+            if is_unsupported(f) and getattr(self, f.name) != default_of(f):
+                option = option_name(self, f.name)
+                raise ConfigError(f"sobrio does not support {option} yet (got {getattr(self, f.name)!r})", option)
 
     def _at_least(self, minimum: int, *names: str, optional: bool = False) -> None:
         """Each named field >= minimum (or None, when `optional`)."""

@@ -6,6 +6,7 @@ nested in `ServerConfig`; `server/limits.py` and `server/edge.py` enforce them.
 
 import argparse
 import json
+import os
 from dataclasses import dataclass, field
 
 from sobrio.config.fields import Checked, flag
@@ -67,15 +68,33 @@ class CorsConfig(Checked):
 class ServerConfig(Checked):
     """The HTTP process: which models, where it listens, how it logs, drains and restarts engine cores."""
 
-    model: list[str] | None = flag(None, "alias, HF folder or .gguf (repeatable; default: every installed alias)",
-                                   action="append")
-    served_model_name: list[str] | None = flag(None, "name a --model is served under (repeatable, in --model order)",
-                                               action="append")
+    model_tag: str | None = flag(None, "the model to serve, as in `vllm serve MODEL`: alias, HF folder or .gguf "
+                                       "(default: every installed alias)", positional=True)
+    model: list[str] | None = flag(None, "alias, HF folder or .gguf (repeatable; served after MODEL if both are "
+                                         "given)", action="append")
+    served_model_name: list[str] | None = flag(None, "names the models are served under, one per model in order; "
+                                                     "one model takes every name given, the first its main one "
+                                                     "(repeatable)", nargs="+")
+    config: str | None = flag(None, "YAML file of flags: keys are the flag names without -- (`max-model-len: 512`, "
+                                    "`model: smollm2-135m`); the command line wins over the file")
     host: str = flag("127.0.0.1", "address to listen on")
-    port: int = flag(8000, "port to listen on")
+    port: int = flag(8000, "port to listen on (checked before any model loads)")
+    root_path: str | None = flag(None, "path prefix behind a path-routing proxy (`/api`): every route answers "
+                                       "under it as well as without it")
+    ssl_keyfile: str | None = flag(None, "TLS private key file (PEM): serve HTTPS, with --ssl-certfile")
+    ssl_certfile: str | None = flag(None, "TLS certificate file (PEM): serve HTTPS, with --ssl-keyfile")
+    ssl_ca_certs: str | None = flag(None, "CA certificates file to check client certificates against")
+    ssl_cert_reqs: int = flag(0, "client certificate: 0 not asked, 1 optional, 2 required (Python's ssl.CERT_*)")
     api_key: str | None = flag(None, "Bearer key every /v1 request must carry (none: no key)")
     log_level: str = flag("info", "trace adds uvicorn's per-connection lines (never ASGI scopes: they hold query "
                                   "strings)", choices=LOG_LEVELS)
+    uvicorn_log_level: str | None = flag(None, "uvicorn's own log level (default: --log-level's)", choices=LOG_LEVELS)
+    disable_log_requests: bool = flag(False, "no log line per finished request (its id, model, token counts and "
+                                             "timings; never its text)")
+    enable_log_requests: bool = flag(False, "accepted (vLLM's newer spelling); requests are logged unless "
+                                            "--disable-log-requests")
+    disable_log_stats: bool = flag(False, "no periodic line per model (every 10 s while busy): throughput, running "
+                                          "and waiting requests, KV-cache use, prefix-cache hits")
     default_max_tokens: int = flag(1024, "max_tokens of a request that gives none (chat), capped at what the "
                                          "context leaves; 0: up to the end of the context (vLLM's default)")
     shutdown_timeout: float = flag(30.0, "seconds in-flight requests get to finish after SIGTERM; those still "
@@ -86,6 +105,9 @@ class ServerConfig(Checked):
                                       "it in a thread of the server process")
     engine_restarts: int = flag(3, "times a dead engine core is restarted (its requests in flight fail at once) "
                                    "before the server exits with status 1 for its supervisor")
+    metrics_prefix: str = flag("sobrio", "prefix of the /metrics names; vllm publishes vLLM's names "
+                                         "(vllm:num_requests_running, ...) for existing vLLM dashboards",
+                               choices=("sobrio", "vllm"))
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     cors: CorsConfig = field(default_factory=CorsConfig)
 
@@ -94,5 +116,16 @@ class ServerConfig(Checked):
         self._require("host", bool(self.host), "an address")
         self._require("api_key", self.api_key is None or bool(self.api_key), "a non-empty key (or unset)")
         self._require("log_level", self.log_level in LOG_LEVELS, f"one of {', '.join(LOG_LEVELS)}")
+        self._require("uvicorn_log_level", self.uvicorn_log_level in (None, *LOG_LEVELS),
+                      f"one of {', '.join(LOG_LEVELS)}")
+        self._require("root_path", self.root_path is None or (self.root_path.startswith("/")
+                                                             and not self.root_path.endswith("/")),
+                      "a path that starts with / and does not end with / (`/api`)")
+        self._require("ssl_certfile", (self.ssl_keyfile is None) == (self.ssl_certfile is None),
+                      "given together with --ssl-keyfile")
+        for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "config"):
+            path = getattr(self, name)
+            self._require(name, path is None or os.path.isfile(path), "a readable file")
+        self._require("ssl_cert_reqs", self.ssl_cert_reqs in (0, 1, 2), "0, 1 or 2")
         self._at_least(0, "default_max_tokens", "engine_restarts")
         self._require("shutdown_timeout", self.shutdown_timeout > 0, "> 0 seconds")

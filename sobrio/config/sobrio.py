@@ -8,6 +8,7 @@ from sobrio.config.cache import CacheConfig
 from sobrio.config.model import ModelConfig
 from sobrio.config.parallel import ParallelConfig
 from sobrio.config.scheduler import SchedulerConfig
+from sobrio.config.unsupported import UnsupportedConfig
 from sobrio.errors import ConfigError
 
 
@@ -28,7 +29,11 @@ class SobrioConfig:
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "SobrioConfig":
         """vLLM's flat form (`LLM(model, max_num_seqs=8, block_size=16)`): each keyword goes to the concern
-        that declares it; an unknown one raises ConfigError naming it (and the nearest known name)."""
+        that declares it; an unknown one raises ConfigError naming it (and the nearest known name), and one for
+        a feature sobrio lacks (`quantization="awq"`) says so; those left at their default are dropped."""
+        refused = {f.name for f in fields(UnsupportedConfig)}
+        UnsupportedConfig(**{k: v for k, v in kwargs.items() if k in refused})
+        kwargs = {k: v for k, v in kwargs.items() if k not in refused}
         owner = _owners()
         for name in kwargs:
             if name not in owner:

@@ -42,6 +42,7 @@ class _ClientBase:
 
     def __init__(self, engine: LLMEngine, on_output: Callable[[RequestOutput, float], None] | None = None):
         self.engine = engine
+        self.config: SobrioConfig = engine.config  # the engine's configuration (/metrics: cache_config_info)
         self.on_output = on_output
         self.on_abort: Callable[[str], None] | None = None  # e.g. metrics forgetting a request's timings
         self._lock = threading.Lock()  # guards the front (and an in-process core) between threads
@@ -63,22 +64,28 @@ class _ClientBase:
         return self.engine.input_processor
 
     @property
+    def default_sampling(self) -> dict:
+        """--generation-config: SamplingParams keywords for the fields a request leaves unset."""
+        return self.engine.default_sampling
+
+    @property
     def max_num_waiting(self) -> int:
         return self.engine.config.scheduler_config.max_num_waiting
 
     async def add_request(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams,
                           queue: asyncio.Queue, prompt_token_ids: list[int] | None = None,
-                          cache_salt: str | None = None) -> None:
+                          cache_salt: str | None = None, priority: int = 0) -> None:
         """Queue a request whose outputs (or a failure) go to `queue`; raises InvalidRequestError at once."""
         loop = asyncio.get_running_loop()
-        await asyncio.to_thread(self._add, request_id, prompt, params, prompt_token_ids, cache_salt, loop, queue)
+        await asyncio.to_thread(self._add, request_id, prompt, params, prompt_token_ids, cache_salt, loop, queue,
+                                priority)
 
     async def generate(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams,
-                       prompt_token_ids: list[int] | None = None,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       prompt_token_ids: list[int] | None = None, cache_salt: str | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yield outputs as the engine makes them; leaving early aborts the request."""
         queue: asyncio.Queue = asyncio.Queue()
-        await self.add_request(request_id, prompt, params, queue, prompt_token_ids, cache_salt)
+        await self.add_request(request_id, prompt, params, queue, prompt_token_ids, cache_salt, priority)
         async for output in self.stream_outputs([request_id], params.n, queue):
             yield output
 
@@ -102,14 +109,14 @@ class _ClientBase:
                     self.abort_soon(request_id)  # no await: this may run inside a cancelled task
                 self.release(request_id)
 
-    def _add(self, request_id, prompt, params, prompt_token_ids, cache_salt, loop, queue) -> None:
+    def _add(self, request_id, prompt, params, prompt_token_ids, cache_salt, loop, queue, priority=0) -> None:
         if self._stopping:
             raise EngineUnavailableError("the server is shutting down")
         if not self.healthy:
             raise EngineUnavailableError("the engine is restarting; retry shortly")
         # Tokenizing takes no lock: a long prompt never holds up the step of the requests in flight.
         processed = self.engine.process_input(request_id, prompt, params, cache_salt=cache_salt,
-                                              prompt_token_ids=prompt_token_ids)
+                                              prompt_token_ids=prompt_token_ids, priority=priority)
         with self._lock:
             self.engine.add_processed(processed)
             self._queues[request_id] = (loop, queue)
@@ -231,7 +238,7 @@ class AsyncMPClient(_ClientBase):
         self.on_fatal = on_fatal  # called when the core died more than max_restarts times
         self.restarts = 0
         # tokenizer and config here; prepares a GGUF once, before the core
-        files = load_model_files(config.model_config.model)
+        files = load_model_files(config.model_config)
         core = CoreProcess(config, startup_timeout)
         super().__init__(LLMEngine(config, core=core, files=files), on_output)
         self._thread.start()

@@ -10,6 +10,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Protocol, runtime_checkable
 
+from sobrio.config import SobrioConfig
 from sobrio.engine.input import InputProcessor
 from sobrio.engine.outputs import RequestOutput
 from sobrio.sample.params import SamplingParams
@@ -28,18 +29,23 @@ class EngineClient(Protocol):
         """Admission bound of the waiting queue (sequences); past it requests get 429."""
 
     @property
+    def config(self) -> SobrioConfig:
+        """The engine's configuration (read by /metrics: cache_config_info)."""
+
+    @property
     def input_processor(self) -> InputProcessor:
         """Chat templates, tokenization and the checks a request must pass (the front's)."""
 
     def generate(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams,
-                 prompt_token_ids: list[int] | None = None,
-                 cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                 prompt_token_ids: list[int] | None = None, cache_salt: str | None = None,
+                 priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Outputs as the engine makes them (n sequences each); leaving early aborts the request."""
 
     async def add_request(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams,
                           queue: asyncio.Queue, prompt_token_ids: list[int] | None = None,
-                          cache_salt: str | None = None) -> None:
-        """Queue a request whose outputs go to `queue` (several requests may share one: n, prompt lists)."""
+                          cache_salt: str | None = None, priority: int = 0) -> None:
+        """Queue a request whose outputs go to `queue` (several requests may share one: n, prompt lists).
+        `priority` (lower first) counts only under --scheduling-policy priority; otherwise it must be 0."""
 
     def stream_outputs(self, request_ids: list[str], n: int, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         """Every output of these requests from their shared queue; leaving early aborts the unfinished."""

@@ -15,6 +15,7 @@ from sobrio.engine.executor import Executor
 from sobrio.engine.request import Request, RequestStatus
 from sobrio.engine.sampling import build_sampling_metadata
 from sobrio.engine.scheduler import Scheduler, SchedulerOutput
+from sobrio.engine.stats import StepTokenCounts
 from sobrio.loader.load import LoadedModelFiles
 from sobrio.sample.params import SamplingParams
 from sobrio.sample.sampler import SampledToken, Sampler
@@ -55,6 +56,8 @@ class EngineCoreOutput:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    # prompt_logprobs: once, with the first token; entry k is for prompt token k + 1 (token 0 has none)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def finished(self) -> bool:
@@ -76,12 +79,14 @@ class EngineCore:
         self.max_model_len = self.executor.max_model_len
         self.scheduler = Scheduler(config, self.executor.num_blocks)
         self.sampler = Sampler()
+        self.step_tokens = StepTokenCounts()  # /metrics: iteration_tokens_total
         self.deferred: dict[str, _Deferred] = {}  # first request id -> siblings not yet scheduled
 
     # ---- requests in ----
     def add_request(self, creq: EngineCoreRequest) -> None:
         req = Request(creq.request_id, list(creq.prompt_token_ids), creq.sampling_params, creq.max_tokens,
-                      creq.eos_token_ids, creq.cache_salt, creq.arrival_time or time.monotonic())
+                      creq.eos_token_ids, creq.cache_salt, creq.arrival_time or time.monotonic(),
+                      priority=creq.priority)
         first = self.scheduler.requests.get(creq.after_prompt_of or "")
         if first is not None and self.config.cache_config.enable_prefix_caching and not self._prompt_done(first):
             self.deferred.setdefault(first.request_id, _Deferred(first)).siblings.append(req)
@@ -121,6 +126,7 @@ class EngineCore:
         if out.is_empty():
             self._release_siblings()
             return []
+        self.step_tokens.observe(sum(n for _, n in out.scheduled))
         failed: list[Request] = []
         sampled = self._execute_isolating_failures(out, failed)
         outputs = [self._fail(req) for req in failed]
@@ -132,8 +138,24 @@ class EngineCore:
 
     def _execute(self, out: SchedulerOutput) -> list[tuple[Request, SampledToken]]:
         sampling = [r for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens]
-        logits = self.executor.execute(out)
-        return list(zip(sampling, self.sampler(logits, build_sampling_metadata(sampling))))
+        prompt_logprobs: dict[str, list] = {}
+        logits = self.executor.execute(out, prompt_logprobs)
+        sampled = list(zip(sampling, self.sampler(logits, build_sampling_metadata(sampling))))
+        for req, _ in out.scheduled:  # only once the whole step succeeded: a retried step adds nothing twice
+            self._add_prompt_logprobs(req, prompt_logprobs.get(req.request_id))
+        return sampled
+
+    @staticmethod
+    def _add_prompt_logprobs(req: Request, computed) -> None:
+        """Keep the prompt positions not yet kept; a preempted request recomputes (and ignores) earlier ones."""
+        if req.prompt_logprobs is None or not computed:
+            return
+        first_position, entries = computed
+        have = len(req.prompt_logprobs)
+        for position, (logprob, rank, top) in enumerate(entries, start=first_position):
+            if position == have:
+                req.prompt_logprobs.append(TokenLogprob(logprob, rank, top))
+                have += 1
 
     def _execute_isolating_failures(self, out: SchedulerOutput, failed: list[Request]) -> list:
         """Run the step; if it raises, run each request alone, so only the ones that still fail are dropped
@@ -164,7 +186,10 @@ class EngineCore:
         logprobs = None
         if token.logprob is not None:
             logprobs = [TokenLogprob(token.logprob, token.rank, token.top_logprobs or [])]
-        return self._output(req, [token.token_id], logprobs)
+        output = self._output(req, [token.token_id], logprobs)
+        if req.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+            output.prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
+        return output
 
     @staticmethod
     def _output(req: Request, new_token_ids: list[int], logprobs: list[TokenLogprob] | None) -> EngineCoreOutput:
@@ -186,4 +211,5 @@ class EngineCore:
         return {"num_requests_running": len(self.scheduler.running),
                 "num_requests_waiting": len(self.scheduler.waiting), "kv_cache_usage_perc": pool.usage(),
                 "prefix_cache_queries": pool.queries, "prefix_cache_hits": pool.hits,
-                "num_preemptions": self.scheduler.num_preemptions, "tables": self.table_sizes()}
+                "num_preemptions": self.scheduler.num_preemptions, "tables": self.table_sizes(),
+                "iteration_tokens": self.step_tokens.snapshot(), "num_blocks": pool.num_blocks}

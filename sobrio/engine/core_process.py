@@ -71,7 +71,7 @@ def _start_core(config: SobrioConfig):
 
     logger.info("loading %s (weights, KV cache, operators)", config.model_config.model)
     start = time.monotonic()
-    core = EngineCore(config, load_model_files(config.model_config.model))
+    core = EngineCore(config, load_model_files(config.model_config, tokenizer=False))
     logger.info("engine core ready in %.1fs", time.monotonic() - start)
     return core
 
@@ -152,6 +152,7 @@ class CoreProcess:
         self.process = spawn.Process(target=run_engine_core, name=name, daemon=True,
                                      args=(config, f"ipc://{self._folder}/in", f"ipc://{self._folder}/out",
                                            logging.getLogger().getEffectiveLevel()))
+        logger.info("starting the engine-core process of %s (it loads the weights)", config.model_config.model)
         self.process.start()
         self.info = self._wait_ready(startup_timeout)
         self.max_model_len = self.info.max_model_len
@@ -202,7 +203,7 @@ class CoreProcess:
     def stats(self) -> dict:
         return self.last_stats or {"num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage_perc": 0.0,
                                    "prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0,
-                                   "tables": {}}
+                                   "tables": {}, "num_blocks": self.info.num_blocks}
 
     def table_sizes(self) -> dict[str, int]:
         return dict(self.stats().get("tables", {}))

@@ -24,6 +24,7 @@ class Executor:
     def max_model_len(self) -> int:
         return self.runner.max_model_len
 
-    def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """float32 logits, one row per scheduled request whose last token was computed this step."""
-        return self.runner.execute(out)
+    def execute(self, out: SchedulerOutput, prompt_logprobs: dict | None = None) -> torch.Tensor:
+        """float32 logits, one row per scheduled request whose last token was computed this step; the
+        prompt log-probabilities of the requests that want them go into `prompt_logprobs` (by request id)."""
+        return self.runner.execute(out, prompt_logprobs)

@@ -5,6 +5,7 @@ in-process core today; a client for a core in its own process speaks the same pl
 Single-threaded by design: `AsyncLLM` serializes calls.
 """
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -32,6 +33,7 @@ class ProcessedRequest:
     max_tokens: int
     cache_salt: str | None
     arrival_time: float
+    priority: int = 0
 
 
 @dataclass
@@ -51,19 +53,23 @@ class _Sequence:
     num_tokens_sent: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class LLMEngine:
     def __init__(self, config: SobrioConfig, core=None, files: LoadedModelFiles | None = None):
         """`core`: an in-process EngineCore by default, or a handle with its interface (`CoreProcess`)."""
         self.config = config
-        files = files or load_model_files(config.model_config.model)
+        files = files or load_model_files(config.model_config)
         self.model_name = files.source.name
         self.tokenizer = files.tokenizer
         self.hf_config = files.config
         self.core = core if core is not None else EngineCore(config, files)
         self.max_model_len = self.core.max_model_len
-        self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, self.hf_config.vocab_size)
+        self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, self.hf_config.vocab_size,
+                                              config.model_config.max_logprobs)
+        self.default_sampling = files.default_sampling  # --generation-config: for fields a request leaves unset
+        self.num_requests_added = 0  # numbers the unseeded requests' seeds (--seed)
         self.eos_token_ids = self._eos_token_ids()
         self.sequences: dict[str, _Sequence] = {}  # child request id -> sequence
         self.children: dict[str, list[str]] = {}  # parent request id -> child request ids
@@ -87,23 +93,32 @@ class LLMEngine:
     # ---- requests in ----
     def process_input(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams,
                       cache_salt: str | None = None, arrival_time: float | None = None,
-                      prompt_token_ids: list[int] | None = None) -> ProcessedRequest:
+                      prompt_token_ids: list[int] | None = None, priority: int = 0) -> ProcessedRequest:
         """Tokenize and validate, touching no engine state: safe on any thread, outside the step's lock."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling params must be a SamplingParams")
+        self._check_priority(priority)
         self.input_processor.validate_params(params, cache_salt)
         ids = self.input_processor.tokenize(prompt_token_ids if prompt_token_ids is not None else prompt)
         max_tokens = self.input_processor.resolve_max_tokens(len(ids), params)
         text_prompt = prompt if isinstance(prompt, str) else None
         return ProcessedRequest(request_id, text_prompt, ids, params, max_tokens, cache_salt,
-                                arrival_time or time.monotonic())
+                                arrival_time or time.monotonic(), priority)
+
+    def _check_priority(self, priority: int) -> None:
+        """vLLM's rule: a priority other than 0 needs --scheduling-policy priority."""
+        if not isinstance(priority, int) or isinstance(priority, bool) or not -2**63 <= priority < 2**63:
+            raise InvalidRequestError("priority must be a 64-bit integer", param="priority")
+        if priority and self.config.scheduler_config.scheduling_policy != "priority":
+            raise InvalidRequestError("priority is set but priority scheduling is not enabled "
+                                      "(start the server with --scheduling-policy priority)", param="priority")
 
     def add_request(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams,
                     cache_salt: str | None = None, arrival_time: float | None = None,
-                    prompt_token_ids: list[int] | None = None) -> None:
+                    prompt_token_ids: list[int] | None = None, priority: int = 0) -> None:
         """Validate and queue a request (n sequences share its id). Raises InvalidRequestError."""
         self.add_processed(self.process_input(request_id, prompt, params, cache_salt, arrival_time,
-                                              prompt_token_ids))
+                                              prompt_token_ids, priority))
 
     def add_processed(self, p: ProcessedRequest) -> None:
         """Queue a processed request. Every object is built before any table is touched, so a request that
@@ -112,6 +127,9 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {p.request_id!r} is already in use")
         if self.num_waiting() + p.params.n > self.config.scheduler_config.max_num_waiting:
             raise EngineOverloadedError("the waiting queue is full; retry later")
+        self.num_requests_added += 1
+        if p.params.seed is None and not p.params.greedy:  # --seed: the same answers after a restart
+            p.params = replace(p.params, seed=derived_seed(self.config.model_config.seed, self.num_requests_added))
         seqs = [self._new_sequence(p, index) for index in range(p.params.n)]
         self.children[p.request_id] = [seq.request_id for seq in seqs]
         for seq in seqs:
@@ -120,7 +138,7 @@ class LLMEngine:
         for seq in seqs:
             self.core.add_request(EngineCoreRequest(
                 seq.request_id, p.prompt_token_ids, seq.params, p.max_tokens, self.eos_token_ids, p.cache_salt,
-                p.arrival_time, after_prompt_of=None if seq.request_id == first else first))
+                p.arrival_time, priority=p.priority, after_prompt_of=None if seq.request_id == first else first))
 
     def _new_sequence(self, p: ProcessedRequest, index: int) -> _Sequence:
         params = _child_params(p.params, index)
@@ -164,6 +182,10 @@ class LLMEngine:
         return outputs
 
     def _advance(self, seq: _Sequence, out: EngineCoreOutput) -> RequestOutput:
+        if out.prompt_logprobs is not None:
+            prompt = seq.prompt_token_ids
+            seq.prompt_logprobs = [None] + [self._logprob_dict(prompt[k + 1], lp)
+                                            for k, lp in enumerate(out.prompt_logprobs)]
         for i, token_id in enumerate(out.new_token_ids):
             seq.token_ids.append(token_id)
             if out.new_logprobs is not None:
@@ -205,9 +227,11 @@ class LLMEngine:
                                       seq.stop_reason, logprobs, cumulative)
         finished_time = ((out and out.finished_time) or time.monotonic()) if finished else None
         metrics = RequestMetrics(seq.arrival_time, out and out.first_scheduled_time, out and out.first_token_time,
-                                 finished_time, out.num_preemptions if out else 0)
+                                 finished_time, out.num_preemptions if out else 0,
+                                 len(self.children.get(seq.parent_id, ())) or 1, seq.params.max_tokens)
         result = RequestOutput(seq.parent_id, seq.prompt, seq.prompt_token_ids, [completion], finished, metrics,
-                               out.num_cached_tokens if out else 0, seq.detok.delta(finished), delta_ids)
+                               out.num_cached_tokens if out else 0, seq.detok.delta(finished), delta_ids,
+                               seq.prompt_logprobs)
         if finished:
             self._forget(seq)
         return result
@@ -232,6 +256,14 @@ class LLMEngine:
     def stats(self) -> dict:
         stats = self.core.stats()
         return {**stats, "num_requests_waiting": self.num_waiting(stats), "tables": self.table_sizes(stats["tables"])}
+
+
+def derived_seed(engine_seed: int, number: int) -> int:
+    """The seed of the number-th request that came without one: a hash of the engine's --seed and that number,
+    so a restarted server samples the same answers to the same requests in the same order (vLLM seeds one
+    global generator; one seed per request also keeps a request's tokens independent of its batch)."""
+    digest = hashlib.blake2b(f"{engine_seed}:{number}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -15,6 +15,7 @@ from sobrio.kv.cache import KVCache, KVCacheSpec, kv_budget
 from sobrio.layers.attention import AttentionMetadata
 from sobrio.loader.load import LoadedModelFiles
 from sobrio.models.registry import build_model
+from sobrio.timing import log_step
 
 logger = logging.getLogger(__name__)
 
@@ -53,12 +54,27 @@ class ModelRunner:
         budget = kv_budget(cache.kv_cache_memory, cache.kv_cache_memory_fraction, cache.kv_cache_memory_cap)
         self.num_blocks = self.kv_spec.num_blocks_for(budget)
         self.max_model_len = min(model.max_model_len or model_max, self.num_blocks * self.block_size)
-        self.model = build_model(files.config, self.max_model_len, files.iter_weights(), self.dtype,
-                                 model.attention_backend, model.batch_invariant)
+        with log_step(logger, "loading the weights of %s", files.source.name):
+            self.model = build_model(files.config, self.max_model_len, files.iter_weights(), self.dtype,
+                                     model.attention_backend, model.batch_invariant)
         assert [a.layer_idx for a in self.model.attention_layers()] == list(range(self.kv_spec.num_layers))
         self.kv_cache = KVCache.allocate(self.kv_spec, self.num_blocks)
         logger.info("model %s loaded: dtype=%s kv_blocks=%d max_model_len=%d batch_invariant=%s",
                     files.source.name, self.dtype, self.num_blocks, self.max_model_len, model.batch_invariant)
+        with log_step(logger, "warming up %s", files.source.name):
+            self.warm_up()
+
+    def warm_up(self) -> None:
+        """One small prompt through the model, so the first request does not pay for loading the C++
+        operators and for the kernels' first calls. It writes only KV block 0, which a request writes before
+        it reads."""
+        from sobrio.engine.request import Request
+        from sobrio.sample.params import SamplingParams
+
+        num_tokens = min(self.block_size, self.max_model_len)
+        req = Request("warm-up", list(range(num_tokens)), SamplingParams(max_tokens=1), max_tokens=1)
+        req.block_table = [0]
+        self.execute(SchedulerOutput(scheduled=[(req, num_tokens)]))
 
     def prepare_inputs(self, out: SchedulerOutput):
         """Flatten the step: token ids, positions, attention metadata, rows whose logits are needed."""
@@ -86,11 +102,48 @@ class ModelRunner:
         return torch.tensor(input_ids), positions_t, meta, torch.tensor(sample_rows, dtype=torch.long)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Run one step; return float32 logits for the requests whose last token was computed."""
+    def execute(self, out: SchedulerOutput, prompt_logprobs: dict | None = None) -> torch.Tensor:
+        """Run one step; return float32 logits for the requests whose last token was computed. With a dict
+        for `prompt_logprobs`, the requests that want them get theirs for this step's prompt positions."""
         input_ids, positions, meta, sample_rows = self.prepare_inputs(out)
         hidden = self.model(input_ids, positions, meta)
+        if prompt_logprobs is not None:
+            self._prompt_logprobs(out, hidden, prompt_logprobs)
         return self.model.compute_logits(hidden[sample_rows])
+
+    def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor, result: dict) -> None:
+        """For each request wanting prompt logprobs: the logits at prompt position p score prompt token p + 1.
+        `result[request_id] = (first position, [(logprob, rank, [(token id, logprob), ...top n]), ...])`.
+        Positions the request already holds (recomputed after a preemption) are skipped; the LM head runs
+        on at most 256 rows at a time, so a long prompt chunk does not hold [chunk, vocab] logits at once."""
+        offset = 0
+        for req, num_new in out.scheduled:
+            start = req.num_computed_tokens
+            if req.prompt_logprobs is not None:
+                begin = max(start, len(req.prompt_logprobs))
+                end = min(start + num_new, req.num_prompt_tokens - 1)
+                if end > begin:
+                    rows = hidden[offset + begin - start:offset + end - start]
+                    targets = torch.tensor(req.prompt_token_ids[begin + 1:end + 1], dtype=torch.long)
+                    result[req.request_id] = (begin, _score(self.model, rows, targets,
+                                                            req.sampling_params.prompt_logprobs or 0))
+            offset += num_new
+
+
+def _score(model, rows: torch.Tensor, targets: torch.Tensor, top_n: int, chunk: int = 256) -> list[tuple]:
+    """(logprob of each target, its rank, the top_n (token id, logprob)) for each row of hidden states."""
+    entries = []
+    for i in range(0, len(rows), chunk):
+        logprobs = model.compute_logits(rows[i:i + chunk]).log_softmax(dim=-1)
+        target = targets[i:i + chunk].unsqueeze(1)
+        chosen = logprobs.gather(1, target)
+        ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
+        top = [[] for _ in ranks]
+        if top_n:
+            values, ids = logprobs.topk(top_n, dim=-1)
+            top = [list(zip(i_row, v_row)) for i_row, v_row in zip(ids.tolist(), values.tolist())]
+        entries += [(lp, rank, t) for lp, rank, t in zip(chosen.squeeze(1).tolist(), ranks, top)]
+    return entries
 
 
 def kv_cache_spec(hf_config, dtype: torch.dtype, block_size: int) -> KVCacheSpec:

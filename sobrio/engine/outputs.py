@@ -31,6 +31,8 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    n: int = 1  # sequences of the request (its `n`), for /metrics
+    max_tokens: int | None = None  # the request's max_tokens, for /metrics
 
 
 @dataclass
@@ -45,3 +47,5 @@ class RequestOutput:
     # Streaming: the text and tokens added since the previous output of the same sequence.
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    # prompt_logprobs (vLLM's): entry k for prompt token k (None for the first), with the top n
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

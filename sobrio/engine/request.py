@@ -46,10 +46,24 @@ class Request:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    priority: int = 0  # --scheduling-policy priority: lower first, then earlier arrival
+    prompt_logprobs: list | None = None  # prompt_logprobs: entry k is for prompt token k + 1 (core.TokenLogprob)
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:
         if self.sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+        if self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = []
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prompt must be computed here, not taken from the prefix cache: each position's logits count."""
+        return self.prompt_logprobs is not None
+
+    @property
+    def sort_key(self) -> tuple[int, float]:
+        return self.priority, self.arrival_time
 
     @property
     def num_prompt_tokens(self) -> int:

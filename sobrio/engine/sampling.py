@@ -21,4 +21,5 @@ def build_sampling_metadata(reqs: list[Request]) -> SamplingMetadata:
         presence_penalty=[p.presence_penalty for p in params], frequency_penalty=[p.frequency_penalty for p in params],
         repetition_penalty=[p.repetition_penalty for p in params],
         prompt_token_ids=[r.prompt_token_ids for r in reqs], output_token_ids=[r.output_token_ids for r in reqs],
-        banned_token_ids=[_banned(r) for r in reqs], num_logprobs=[p.logprobs for p in params])
+        banned_token_ids=[_banned(r) for r in reqs], num_logprobs=[p.logprobs for p in params],
+        logit_bias=[p.logit_bias for p in params] if any(p.logit_bias for p in params) else [])

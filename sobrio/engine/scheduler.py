@@ -5,8 +5,11 @@ When the KV cache cannot hold a step, the newest running request is preempted: i
 it goes back to the head of the waiting queue, to be recomputed (mostly from the prefix cache) later.
 A step that carries decodes also obeys `PrefillSlots`: its prompt work is bounded, so a long prompt does
 not stall the next token of every running request.
+Under `--scheduling-policy priority` the waiting queue is ordered by (priority, arrival) instead of
+arrival alone, and the preempted request is the running one of lowest priority (latest arrival on a tie).
 """
 
+import bisect
 import sys
 import time
 from collections import deque
@@ -84,11 +87,19 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.by_priority = self.scheduler_config.scheduling_policy == "priority"
 
     def add_request(self, req: Request) -> None:
         assert req.request_id not in self.requests, f"duplicate request id {req.request_id}"
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        if self.by_priority:
+            self._insert_waiting(req)
+        else:
+            self.waiting.append(req)
+
+    def _insert_waiting(self, req: Request) -> None:
+        """Priority policy: keep the waiting queue sorted by (priority, arrival)."""
+        self.waiting.insert(bisect.bisect_right(self.waiting, req.sort_key, key=lambda r: r.sort_key), req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -115,7 +126,7 @@ class Scheduler:
                 i += 1
                 continue
             while not self.kv.allocate_slots(req, num_new):
-                victim = self.running.pop()
+                victim = self._pick_victim(i)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
@@ -127,6 +138,14 @@ class Scheduler:
             i += 1
         return budget
 
+    def _pick_victim(self, first: int) -> Request:
+        """The running request to preempt, among those not yet scheduled this step (index >= first): the
+        newest (fcfs), or the lowest priority, newest on a tie (priority)."""
+        if not self.by_priority:
+            return self.running.pop()
+        index = max(range(first, len(self.running)), key=lambda j: self.running[j].sort_key)
+        return self.running.pop(index)
+
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, slots: PrefillSlots) -> None:
         """Admit prompts in order. One held back (its next block is being computed, or it is long and the
         long slots are taken) lets the ones behind it pass; it keeps its place at the head."""
@@ -137,7 +156,7 @@ class Scheduler:
         max_num_seqs = self.scheduler_config.max_num_seqs
         while self.waiting and budget > 0 and slots.prefills > 0 and len(self.running) < max_num_seqs:
             req = self.waiting[0]
-            if not req.block_table:
+            if not req.block_table and not req.wants_prompt_logprobs:
                 self.kv.apply_prefix_hits(req)
             remaining = req.num_tokens - req.num_computed_tokens
             num_new = slots.grant(remaining, min(remaining, budget))
@@ -180,7 +199,10 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        if self.by_priority:
+            self._insert_waiting(req)
+        else:
+            self.waiting.appendleft(req)
 
     def update_after_step(self, out: SchedulerOutput) -> list[Request]:
         """Advance computed counts and hash newly full blocks; return the requests that must sample."""

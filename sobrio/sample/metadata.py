@@ -28,6 +28,7 @@ class SamplingMetadata:
     banned_token_ids: list[list[int]]  # forbidden this step (EOS and stop tokens before min_tokens)
     num_logprobs: list[int | None]  # top-n log-probabilities to return; None: none
     allowed_token_mask: torch.Tensor | None = None  # [B, V] bool: False rows' tokens are forbidden
+    logit_bias: list[dict[int, float] | None] = field(default_factory=list)  # per row (or empty: none at all)
     logits_processors: list[LogitsProcessor] = field(default_factory=list)
 
     def __post_init__(self) -> None:

@@ -16,6 +16,8 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed acc
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 512
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # entries; OpenAI allows -100..100 per token
+MAX_LOGPROBS = 1 << 20  # a bound on the type only: the engine refuses more than --max-logprobs (default 20)
 
 
 @dataclass
@@ -35,6 +37,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n log-probabilities per output token
+    prompt_logprobs: int | None = None  # top-n log-probabilities per prompt token (vLLM's); None: none
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -45,6 +49,9 @@ class SamplingParams:
             raise InvalidRequestError("stop must be a string or a list of strings", param="stop")
         self.stop = [s for s in (self.stop or []) if s]
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise InvalidRequestError("logit_bias must map token ids to numbers", param="logit_bias")
+        self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
         if self.top_k == -1:
             self.top_k = 0
         self._validate_types()
@@ -52,7 +59,7 @@ class SamplingParams:
 
     def _validate_types(self) -> None:
         ints = {"n": self.n, "top_k": self.top_k, "min_tokens": self.min_tokens, "seed": self.seed,
-                "max_tokens": self.max_tokens, "logprobs": self.logprobs}
+                "max_tokens": self.max_tokens, "logprobs": self.logprobs, "prompt_logprobs": self.prompt_logprobs}
         for name, value in ints.items():
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
                 raise InvalidRequestError(f"{name} must be an integer", param=name)
@@ -66,6 +73,10 @@ class SamplingParams:
             raise InvalidRequestError("stop must be a string or a list of strings", param="stop")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be non-negative integers", param="stop_token_ids")
+        for token_id, bias in (self.logit_bias or {}).items():
+            if (not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0
+                    or not isinstance(bias, (int, float)) or isinstance(bias, bool) or not math.isfinite(bias)):
+                raise InvalidRequestError("logit_bias must map token ids to finite numbers", param="logit_bias")
 
     def _validate_ranges(self) -> None:
         checks = [
@@ -84,7 +95,14 @@ class SamplingParams:
             (0 <= self.min_tokens <= INT32_MAX, "min_tokens", f"min_tokens must be in [0, {INT32_MAX}]"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
              "min_tokens must not exceed max_tokens"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "logprobs must be in [0, 20]"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+             f"logprobs must be in [0, {MAX_LOGPROBS}]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
+             f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]"),
+            (len(self.logit_bias or ()) <= MAX_LOGIT_BIAS, "logit_bias",
+             f"at most {MAX_LOGIT_BIAS} logit_bias entries"),
+            (all(-100 <= b <= 100 for b in (self.logit_bias or {}).values()), "logit_bias",
+             "logit_bias values must be in [-100, 100]"),
             (len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings"),
             (all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop), "stop",
              f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters"),

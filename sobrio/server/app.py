@@ -5,6 +5,7 @@ import dataclasses
 import json
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -20,15 +21,19 @@ from sobrio.engine.client import EngineClient
 from sobrio.engine.outputs import RequestOutput
 from sobrio.engine_args import add_config_args, add_engine_args, config_from_args, engine_kwargs
 from sobrio.errors import ConfigError, EngineOverloadedError, InvalidRequestError, SobrioError, UnknownModelError
-from sobrio.loader.resolve import DEFAULT_MODELS, is_installed
+from sobrio.loader.resolve import ALIASES, DEFAULT_MODELS, check_model_name, is_installed, resolve_model
 from sobrio.sample.params import SamplingParams
+from sobrio.server import responses_api, routes_tokenize
 from sobrio.server.edge import edge_stack, install_openapi
+from sobrio.server.embeddings import install_embedding_routes, select_engine, start_engines_with_embedders
 from sobrio.server.errors import error_response, log_unexpected
 from sobrio.server.limits import check_fanout, check_prompt_tokens
 from sobrio.server.limits import protocol_class as guarded_protocol_class
 from sobrio.server.metrics import ServerMetrics
-from sobrio.server.protocol import ChatCompletionRequest, CompletionRequest, new_id, now
+from sobrio.server.protocol import ChatCompletionRequest, CompletionRequest, ignored_fields, log_ignored, new_id, now
 from sobrio.server.responses import ChoiceState, chat_chunk, completion_chunk, final_response, usage_of
+from sobrio.server.startup import RootPath, StatsLogger, bind_socket, listening_url, served_names
+from sobrio.timing import log_step
 
 logger = logging.getLogger("sobrio.server")
 
@@ -41,7 +46,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if first.get("type") == "json_invalid":
         return "request body is not valid JSON", None
     if first.get("type") == "extra_forbidden":
-        return f"unsupported field {'.'.join(loc)!r}: sobrio does not implement it", param
+        return f"field {'.'.join(loc)!r} is not supported by sobrio", param
     where = ".".join(loc) or "body"
     return f"invalid value for {where!r}: {first.get('msg', 'invalid')}", param
 
@@ -80,19 +85,22 @@ def sobrio_error_response(exc: Exception) -> JSONResponse:
 
 class OpenAIServer:
     def __init__(self, engines: dict[str, EngineClient], limits: LimitsConfig | None = None,
-                 default_max_tokens: int | None = ServerConfig.default_max_tokens):
+                 default_max_tokens: int | None = ServerConfig.default_max_tokens,
+                 metrics_prefix: str = ServerConfig.metrics_prefix):
         assert engines, "at least one model must be served"
         self.engines = engines
         self.limits = limits or LimitsConfig()
         self.default_max_tokens = default_max_tokens or None  # 0: up to the context
-        self.metrics = ServerMetrics(engines)
+        self.metrics = ServerMetrics(engines, metrics_prefix)
+        self.aliases: dict[str, str] = {}  # a model's further --served-model-name -> its main name
+        self.log_requests = True  # --disable-log-requests: False
         for name, engine in engines.items():
             engine.on_output = lambda output, t, name=name: self._on_output(name, output, t)
             engine.on_abort = self.metrics.forget
 
     def _on_output(self, model_name: str, output: RequestOutput, t: float) -> None:
         self.metrics.observe(model_name, output, t)
-        if output.finished:
+        if output.finished and self.log_requests:
             m, c = output.metrics, output.outputs[0]
             ttft = (m.first_token_time or t) - m.arrival_time
             logger.info("request %s seq %d model=%s prompt_tokens=%d cached_tokens=%d completion_tokens=%d "
@@ -100,36 +108,38 @@ class OpenAIServer:
                         len(output.prompt_token_ids), output.num_cached_tokens, len(c.token_ids), ttft,
                         t - m.arrival_time, c.finish_reason)
 
-    def engine_for(self, model: str | None) -> tuple[str, EngineClient]:
-        if model is None or model == "":
-            name = next(iter(self.engines))
-            return name, self.engines[name]
-        if model not in self.engines:
-            raise UnknownModelError(f"model {model!r} is not served here; served: {', '.join(self.engines)}")
-        return model, self.engines[model]
+    def engine_for(self, model: str | None, task: str | None = None) -> tuple[str, EngineClient]:
+        """`task` "generate" or "embed": a model of the other kind is a 400 (None: any model). A further
+        --served-model-name of a model reaches it, and answers carry the name the request used (as vLLM)."""
+        if model in self.aliases:
+            return model, select_engine(self.engines, self.aliases[model], task)[1]
+        return select_engine(self.engines, model, task)
 
     def check_fanout(self, engine: EngineClient, num_prompts: int, n: int) -> None:
         """Prompts and sequences against the limits and the waiting queue, before any tokenizing."""
         waiting = engine.stats()["num_requests_waiting"]
         check_fanout(self.limits, num_prompts, n, waiting, engine.max_num_waiting)
 
-    def params_for(self, params: SamplingParams, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
-        """A request without max_tokens gets the server's default, capped at what the context leaves (vLLM caps
-        at the context); a prompt that leaves nothing is refused by the engine with its own message."""
+    def params_for(self, params: SamplingParams, num_prompt_tokens: int, max_model_len: int,
+                   model_max_tokens: int | None = None) -> SamplingParams:
+        """A request without max_tokens gets the model's default (its generation config's max_new_tokens) or
+        the server's, capped at what the context leaves (vLLM caps at the context); a prompt that leaves
+        nothing is refused by the engine with its own message."""
         room = max_model_len - num_prompt_tokens
-        if params.max_tokens is not None or self.default_max_tokens is None or room <= 0:
+        default = model_max_tokens or self.default_max_tokens
+        if params.max_tokens is not None or default is None or room <= 0:
             return params
-        return dataclasses.replace(params, max_tokens=min(self.default_max_tokens, room))
+        return dataclasses.replace(params, max_tokens=min(default, room))
 
     async def submit(self, engine: EngineClient, base_id: str, prompts: list[list[int]], params: list[SamplingParams],
-                     cache_salt, queue) -> list[str]:
+                     cache_salt, queue, priority: int = 0) -> list[str]:
         """Add one engine request per prompt; on any failure abort those already added and re-raise."""
         ids: list[str] = []
         try:
             for i, (prompt_ids, prompt_params) in enumerate(zip(prompts, params, strict=True)):
                 request_id = f"{base_id}-{i}"
                 await engine.add_request(request_id, None, prompt_params, queue, prompt_token_ids=prompt_ids,
-                                         cache_salt=cache_salt)
+                                         cache_salt=cache_salt, priority=priority)
                 ids.append(request_id)
         except BaseException:
             for request_id in ids:
@@ -139,13 +149,15 @@ class OpenAIServer:
 
 
 def create_app(engines: dict[str, EngineClient], limits: LimitsConfig | None = None,
-               default_max_tokens: int | None = ServerConfig.default_max_tokens) -> FastAPI:
+               default_max_tokens: int | None = ServerConfig.default_max_tokens,
+               metrics_prefix: str = ServerConfig.metrics_prefix) -> FastAPI:
     """The API itself; `edge_stack` wraps it with auth, CORS, limits, request ids and the access log."""
-    server = OpenAIServer(engines, limits, default_max_tokens)
+    server = OpenAIServer(engines, limits, default_max_tokens, metrics_prefix)
     app = FastAPI(title="sobrio", version=sobrio.__version__)
     app.state.server = server
     install_error_handlers(app)
     install_openapi(app)
+    install_embedding_routes(app, server)
 
     @app.get("/health")
     async def health():
@@ -164,13 +176,14 @@ def create_app(engines: dict[str, EngineClient], limits: LimitsConfig | None = N
 
     @app.get("/v1/models")
     async def models():
-        data = [{"id": name, "object": "model", "created": now(), "owned_by": "sobrio",
-                 "max_model_len": engine.max_model_len} for name, engine in server.engines.items()]
+        names = [(name, name) for name in server.engines] + list(server.aliases.items())
+        data = [{"id": name, "object": "model", "created": now(), "owned_by": "sobrio", "root": main,
+                 "max_model_len": server.engines[main].max_model_len} for name, main in names]
         return {"object": "list", "data": data}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        name, engine = server.engine_for(body.model)
+        name, engine = server.engine_for(body.model, "generate")
         params = body.to_sampling_params()
         server.check_fanout(engine, 1, params.n)
         try:
@@ -178,33 +191,40 @@ def create_app(engines: dict[str, EngineClient], limits: LimitsConfig | None = N
         except ValueError as exc:
             raise InvalidRequestError(str(exc), param="messages") from None
         ids = await asyncio.to_thread(engine.input_processor.chat_prompt_ids, messages,
-                                      body.add_generation_prompt)
+                                      body.add_generation_prompt, template_kwargs=body.chat_template_kwargs)
         return await _respond(server, request, body, params, name, engine, [ids], "chat")
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        name, engine = server.engine_for(body.model)
+        name, engine = server.engine_for(body.model, "generate")
         params = body.to_sampling_params()
         prompts = body.prompts()
         server.check_fanout(engine, len(prompts), params.n)
         tokenize = engine.input_processor.tokenize
         ids = await asyncio.to_thread(lambda: [tokenize(p) for p in prompts])
-        return await _respond(server, request, body, params, name, engine, ids, "completion")
+        echo = await asyncio.to_thread(echo_texts, engine, prompts) if body.echo else None
+        return await _respond(server, request, body, params, name, engine, ids, "completion", echo)
 
+    routes_tokenize.register(app, server)  # /tokenize, /detokenize, /v1/models/{id}, /ping
+    responses_api.register(app, server, _collect_unless_disconnected, sobrio_error_response)  # /v1/responses
     return app
 
 
 async def _respond(server: OpenAIServer, request: Request, body, params: SamplingParams, model_name: str,
-                   engine: EngineClient, prompts: list[list[int]], kind: str):
+                   engine: EngineClient, prompts: list[list[int]], kind: str, echo: list[str] | None = None):
     check_prompt_tokens(server.limits, [len(p) for p in prompts], params.n)
     max_model_len = engine.max_model_len
-    per_prompt = [server.params_for(params, len(p), max_model_len) for p in prompts]
+    defaults = getattr(engine, "default_sampling", None) or {}  # --generation-config
+    params = with_model_defaults(params, body, defaults)
+    per_prompt = [server.params_for(params, len(p), max_model_len, defaults.get("max_tokens")) for p in prompts]
     base_id = new_id("chatcmpl" if kind == "chat" else "cmpl")
     request.state.request_id = base_id  # X-Request-Id of the answer, unless the client sent its own
+    log_ignored(ignored_fields(body), base_id)
     queue: asyncio.Queue = asyncio.Queue()
-    request_ids = await server.submit(engine, base_id, prompts, per_prompt, body.cache_salt, queue)
+    request_ids = await server.submit(engine, base_id, prompts, per_prompt, body.cache_salt, queue, body.priority)
     stream = engine.stream_outputs(request_ids, params.n, queue)
-    choices = ChoiceState(request_ids, params.n, params.logprobs)
+    choices = ChoiceState(request_ids, params.n, params.logprobs, echo, params.prompt_logprobs,
+                          engine.input_processor.decode)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         sse = _sse(stream, choices, base_id, model_name, kind, include_usage)
@@ -218,6 +238,17 @@ async def _respond(server: OpenAIServer, request: Request, body, params: Samplin
     for output in outputs:
         choices.add(output)
     return final_response(choices, base_id, model_name, kind)
+
+
+def with_model_defaults(params: SamplingParams, body, defaults: dict) -> SamplingParams:
+    """The model's default sampling parameters (--generation-config) for the fields the request left unset."""
+    unset = {k: v for k, v in defaults.items() if k != "max_tokens" and getattr(body, k, 0) is None}
+    return dataclasses.replace(params, **unset) if unset else params
+
+
+def echo_texts(engine: EngineClient, prompts: list) -> list[str]:
+    """What `echo` puts before each completion: the prompt as sent, or its token ids as text."""
+    return [p if isinstance(p, str) else engine.input_processor.decode(p, "prompt") for p in prompts]
 
 
 async def _collect_unless_disconnected(stream: AsyncIterator[RequestOutput], request: Request):
@@ -277,8 +308,14 @@ async def _sse(stream: AsyncIterator[RequestOutput], choices: ChoiceState, base_
 
 
 def add_serve_parser(sub) -> None:
-    """`sobrio serve`: ServerConfig's flags (with nested limits and CORS), then every engine concern's."""
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    """`sobrio serve [MODEL]`: ServerConfig's flags (with nested limits and CORS), then every engine concern's,
+    then the vLLM flags sobrio refuses; the help ends with the environment variables sobrio reads."""
+    from sobrio.engine_args import ENVIRONMENT, HelpFormatter
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (as `vllm serve`)",
+                           description="Serve models over an OpenAI-compatible HTTP API. The flags are vLLM's; "
+                                       "MODEL and --model may be combined (MODEL is served first).",
+                           epilog=ENVIRONMENT, formatter_class=HelpFormatter)
     add_config_args(serve, ServerConfig)
     add_engine_args(serve, with_model=False)
     serve.set_defaults(func=run_server)
@@ -293,60 +330,80 @@ def _configure_logging(level_name: str) -> None:
 
 
 def _served_models(config: ServerConfig) -> list[str]:
-    """--model, or every installed default alias; more --served-model-name than models is a ConfigError."""
-    models = config.model or [m for m in DEFAULT_MODELS if is_installed(m)]
-    if len(config.served_model_name or []) > len(models):
-        raise ConfigError(f"--served-model-name must be given at most once per model served ({len(models)})",
-                          "--served-model-name")
+    """MODEL, then --model, or every installed default alias; each checked now (an unknown one is a one-line
+    error listing the aliases, before anything loads)."""
+    models = [m for m in [config.model_tag, *(config.model or [])] if m]
+    models = models or [m for m in DEFAULT_MODELS if is_installed(m)]
+    if not models:
+        raise ConfigError("no model to serve: name one (sobrio serve MODEL), or install an alias (sobrio models)")
+    for model in models:
+        check_model_name(model)
     return models
 
 
-def _served_names(config: ServerConfig, models: list[str], clients: list[EngineClient]) -> dict[str, EngineClient]:
-    """Each engine under its --served-model-name, else its alias, else the model's own name."""
-    names = list(config.served_model_name or [])
-    engines = {}
-    for i, (model, engine) in enumerate(zip(models, clients)):
-        engines[names[i] if i < len(names) else (model if model in DEFAULT_MODELS else engine.model_name)] = engine
-    return engines
-
-
 def run_server(args) -> int:
+    """Check the flags and models, bind the port, load every model, then serve; each step logged with its
+    timing. Errors a user can fix raise (the CLI prints one line and exits 2, or 1 for a busy port)."""
+    started = time.monotonic()
     config = config_from_args(args, ServerConfig)
     _configure_logging(config.log_level)
     models = _served_models(config)
+    names = served_names([m if m in ALIASES else resolve_model(m).name for m in models], config.served_model_name)
     configs = [SobrioConfig.from_kwargs(model=model, **engine_kwargs(args)) for model in models]
+    sock = bind_socket(config.host, config.port)  # a busy port fails now, not after loading
     fatal = threading.Event()  # an engine core that keeps dying: exit non-zero for a supervisor
     try:
-        clients = _start_engines(configs, config.engine_process, config.engine_restarts, fatal.set)
+        with log_step(logger, "starting %d model(s): %s", len(models), ", ".join(models)):
+            clients = start_engines_with_embedders(  # embedding models: in this process (server/embeddings.py)
+                configs, lambda generative: _start_engines(generative, config.engine_process,
+                                                           config.engine_restarts, fatal.set))
     except SobrioError as exc:
+        sock.close()
         logger.error("%s", exc)
         return 1
-    engines = _served_names(config, models, clients)
-    app = create_app(engines, config.limits, config.default_max_tokens)
+    engines = {group[0]: client for group, client in zip(names, clients)}
+    app = create_app(engines, config.limits, config.default_max_tokens, config.metrics_prefix)
+    app.state.server.aliases = {alias: group[0] for group in names for alias in group[1:]}
+    app.state.server.log_requests = not config.disable_log_requests
+    stats = None if config.disable_log_stats else StatsLogger(engines)
     asgi, limits_layer = edge_stack(app, config.api_key, config.limits, config.cors)
+    if config.root_path:
+        asgi = RootPath(asgi, config.root_path)
+    url = listening_url(config, sock)
+
+    @app.on_event("startup")
+    async def _listening():
+        logger.info("listening on %s: %s (start-up took %.1fs)", url, ", ".join(
+            " = ".join(group) for group in names), time.monotonic() - started)
+        if stats is not None:
+            stats.start()
 
     @app.on_event("shutdown")
     async def _stop_engines():
+        if stats is not None:
+            stats.stop()
         for engine in engines.values():
             engine.shutdown()
 
-    logger.info("serving %s on http://%s:%d", ", ".join(engines), config.host, config.port)
     server = _uvicorn_server(config, asgi, list(engines.values()))
     limits_layer.count_connections = lambda: len(server.server_state.connections)
     threading.Thread(target=_exit_on_fatal, args=(fatal, server), daemon=True).start()
-    server.run()
+    server.run(sockets=[sock])
     return 1 if fatal.is_set() else 0
 
 
 def _uvicorn_server(config: ServerConfig, asgi, engines: list[EngineClient]):
     """uvicorn with our h11 protocol (header and discard deadlines), no access log (HttpEdge logs, without
-    queries), and a graceful shutdown whose own deadline is a backstop a little after ours: by then every
-    request has had its error answer."""
+    queries), TLS when given a key and certificate, and a graceful shutdown whose own deadline is a backstop
+    a little after ours: by then every request has had its error answer."""
     import uvicorn
 
-    uvicorn_config = uvicorn.Config(asgi, host=config.host, port=config.port, log_level=config.log_level,
+    uvicorn_level = config.uvicorn_log_level or config.log_level
+    uvicorn_config = uvicorn.Config(asgi, host=config.host, port=config.port, log_level=uvicorn_level,
                                     lifespan="on", http=guarded_protocol_class(config.limits), access_log=False,
-                                    timeout_graceful_shutdown=config.shutdown_timeout + 5)
+                                    timeout_graceful_shutdown=config.shutdown_timeout + 5,
+                                    ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile,
+                                    ssl_ca_certs=config.ssl_ca_certs, ssl_cert_reqs=config.ssl_cert_reqs)
     # uvicorn.asgi at trace would log each request's scope, query string included: kept at debug at most.
     logging.getLogger("uvicorn.asgi").setLevel(max(logging.DEBUG, logging.getLogger("uvicorn.asgi").level))
     return _graceful_server_class()(uvicorn_config, engines, config.shutdown_timeout)

@@ -1,92 +1,279 @@
-"""Prometheus metrics, `sobrio:` + vLLM's names, labelled by model_name. Never any request text."""
+"""Prometheus metrics under vLLM's names, labels and buckets (vllm/v1/metrics/loggers.py), with the prefix
+`sobrio:` (default) or `vllm:` (`--metrics-prefix vllm`, for existing vLLM dashboards). Never any request text.
 
+Every family carries vLLM's labels `model_name` and `engine` (always "0": one engine per served model), and
+every series of a served model exists from start-up (zero), not from its first request. vLLM's families that
+need a feature sobrio lacks (speculative decoding, LoRA, KV connectors, multi-modal caches, sleep mode) are
+absent. sobrio's own families keep the `sobrio:` prefix whichever is chosen (`sobrio:request_table_entries`).
+
+Where each value comes from:
+- scrape time, from each engine's `stats()`: the scheduler gauges, the prefix-cache and preemption counters,
+  the engine-step token histogram (`iteration_tokens_total`, counted in the engine core), cache config info;
+- each output of each sequence (`observe`, on the engine's output thread): tokens, latencies, request sizes;
+- each finished embedding request (`observe_embedding`, on the embedding worker).
+"""
+
+import dataclasses
 import threading
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from sobrio.engine.outputs import RequestOutput
+from sobrio.engine.stats import ITERATION_TOKENS_BUCKETS
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                    20.0, 40.0, 80.0)
+METRICS_PREFIXES = ("sobrio", "vllm")
+ENGINE = "0"  # vLLM's `engine` label: the data-parallel rank; sobrio runs one engine per served model
+FINISHED_REASONS = ("stop", "length", "abort", "error")  # vLLM's FinishReason, as its label values
+PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")  # vLLM's PromptTokenStats
+
+# vLLM's buckets
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0, 1920.0, 7680.0)
+N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to max_value."""
+    buckets, exponent = [], 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10 ** exponent
+            if value > max_value:
+                return buckets
+            buckets.append(value)
+        exponent += 1
 
 
 class EngineStatsCollector:
-    """Reads the engines' live state at scrape time (gauges and the cache/preemption counters)."""
+    """Reads the engines' live state at scrape time: gauges, cumulative counters, the step-token histogram
+    (the core keeps its bucket counts) and the cache configuration."""
 
-    def __init__(self, engines: dict, own_tables=lambda: {}):
+    def __init__(self, engines: dict, prefix: str, own_tables=lambda: {}):
         self.engines = engines
+        self.prefix = prefix
         self.own_tables = own_tables  # the server's per-request tables, counted beside the engines'
 
     def collect(self):
-        gauges = {name: GaugeMetricFamily(f"sobrio:{name}", doc, labels=["model_name"]) for name, doc in [
-            ("num_requests_running", "Requests in the running batch"),
-            ("num_requests_waiting", "Requests waiting to be scheduled"),
-            ("kv_cache_usage_perc", "Share of KV cache blocks in use (1 = full)")]}
-        counters = {name: CounterMetricFamily(f"sobrio:{name}", doc, labels=["model_name"]) for name, doc in [
-            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
-            ("prefix_cache_hits", "Prompt tokens found in the prefix cache"),
-            ("num_preemptions", "Requests preempted for lack of KV blocks")]}
+        p, labels = self.prefix, ["model_name", "engine"]
+        gauges = {name: GaugeMetricFamily(f"{p}:{name}", doc, labels=labels) for name, doc in [
+            ("num_requests_running", "Number of requests in model execution batches."),
+            ("num_requests_waiting", "Number of requests waiting to be processed."),
+            ("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")]}
+        counters = {name: CounterMetricFamily(f"{p}:{name}", doc, labels=labels) for name, doc in [
+            ("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."),
+            ("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."),
+            ("num_preemptions", "Cumulative number of preemption from the engine.")]}
+        steps = HistogramMetricFamily(f"{p}:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                      labels=labels)
+        cache_infos = []
         tables = GaugeMetricFamily("sobrio:request_table_entries", "Entries of each per-request table (a "
                                    "request that left one behind shows here once idle)", labels=["model_name", "table"])
         for model_name, engine in self.engines.items():
             stats = engine.stats()
             for name, family in {**gauges, **counters}.items():
-                family.add_metric([model_name], stats[name])
+                family.add_metric([model_name, ENGINE], stats[name])
+            counts, total = stats.get("iteration_tokens") or ([0] * (len(ITERATION_TOKENS_BUCKETS) + 1), 0)
+            cumulative, buckets = 0, []
+            for bound, count in zip([*map(floatToGoString, ITERATION_TOKENS_BUCKETS), "+Inf"], counts):
+                cumulative += count
+                buckets.append((bound, cumulative))
+            steps.add_metric([model_name, ENGINE], buckets, total)
+            info = cache_config_info(engine, stats)
+            if info is not None:
+                cache_infos.append({"model_name": model_name, "engine": ENGINE, **info})
             for table, size in {**stats["tables"], **self.own_tables()}.items():
                 tables.add_metric([model_name, table], size)
         yield from gauges.values()
         yield from counters.values()
+        yield steps
+        if cache_infos:  # one label set for the family: every engine's keys
+            keys = list(dict.fromkeys(k for info in cache_infos for k in info))
+            family = GaugeMetricFamily(f"{p}:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                       labels=keys)
+            for info in cache_infos:
+                family.add_metric([info.get(k, "") for k in keys], 1)
+            yield family
         yield tables
 
 
+def cache_config_info(engine, stats: dict) -> dict[str, str] | None:
+    """vLLM's cache_config_info labels: the cache config's fields as text, and the KV blocks allocated
+    (`num_gpu_blocks`, vLLM's name, though here they are in RAM). None for an engine without a KV cache."""
+    config = getattr(engine, "config", None)
+    if config is None or getattr(engine, "task", "generate") != "generate":
+        return None
+    info = {k: str(v) for k, v in dataclasses.asdict(config.cache_config).items()}
+    info["num_gpu_blocks"] = str(stats.get("num_blocks", ""))
+    return info
+
+
 class ServerMetrics:
-    def __init__(self, engines: dict):
+    def __init__(self, engines: dict, prefix: str = "sobrio"):
+        if prefix not in METRICS_PREFIXES:
+            raise ValueError(f"metrics prefix must be one of {', '.join(METRICS_PREFIXES)}")
         self.registry = CollectorRegistry()
-        self.registry.register(EngineStatsCollector(engines, self.table_sizes))
-        labels = ["model_name"]
+        self.registry.register(EngineStatsCollector(engines, prefix, self.table_sizes))
+        labels = ["model_name", "engine"]
         r = self.registry
-        self.prompt_tokens = Counter("sobrio:prompt_tokens", "Prefill tokens processed", labels, registry=r)
-        self.generation_tokens = Counter("sobrio:generation_tokens", "Tokens generated", labels, registry=r)
-        self.request_success = Counter("sobrio:request_success", "Finished requests", labels + ["finished_reason"],
-                                       registry=r)
-        hist = lambda name, doc: Histogram(f"sobrio:{name}", doc, labels, buckets=_LATENCY_BUCKETS, registry=r)
-        self.ttft = hist("time_to_first_token_seconds", "Time to first token")
-        self.itl = hist("inter_token_latency_seconds", "Time between successive output tokens")
-        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish")
-        self.queue_time = hist("request_queue_time_seconds", "Arrival to first schedule")
+        max_len = max((engine.max_model_len for engine in engines.values()), default=1)
+        token_buckets = build_1_2_5_buckets(max_len)
+
+        def counter(name, doc, extra=()):
+            return Counter(f"{prefix}:{name}", doc, labels + list(extra), registry=r)
+
+        def hist(name, doc, buckets):
+            return Histogram(f"{prefix}:{name}", doc, labels, buckets=buckets, registry=r)
+
+        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
+        self.prompt_tokens_by_source = counter("prompt_tokens_by_source", "Number of prompt tokens by source.",
+                                               ["source"])
+        self.prompt_tokens_cached = counter("prompt_tokens_cached", "Number of cached prompt tokens (local + "
+                                            "external).")
+        self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
+        self.request_success = counter("request_success", "Count of successfully processed requests.",
+                                       ["finished_reason"])
+        self.request_prompt_tokens = hist("request_prompt_tokens", "Number of prefill tokens processed.",
+                                          token_buckets)
+        self.request_generation_tokens = hist("request_generation_tokens", "Number of generation tokens processed.",
+                                              token_buckets)
+        self.request_max_num_generation_tokens = hist(
+            "request_max_num_generation_tokens", "Histogram of maximum number of requested generation tokens.",
+            token_buckets)
+        self.request_params_n = hist("request_params_n", "Histogram of the n request parameter.", N_BUCKETS)
+        self.request_params_max_tokens = hist("request_params_max_tokens",
+                                              "Histogram of the max_tokens request parameter.", token_buckets)
+        self.request_prefill_kv_computed_tokens = hist(
+            "request_prefill_kv_computed_tokens", "Histogram of new KV tokens computed during prefill (excluding "
+            "cached tokens).", token_buckets)
+        self.ttft = hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
+        # vLLM's name for the same until 0.11 (hidden since); many dashboards still read it
+        self.tpot = hist("time_per_output_token_seconds", "Histogram of time per output token in seconds."
+                         "DEPRECATED: Use vllm:inter_token_latency_seconds instead.", ITL_BUCKETS)
+        self.request_tpot = hist("request_time_per_output_token_seconds",
+                                 "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                        REQUEST_LATENCY_BUCKETS)
+        self.queue_time = hist("request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+                               REQUEST_LATENCY_BUCKETS)
+        self.inference_time = hist("request_inference_time_seconds",
+                                   "Histogram of time spent in RUNNING phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.prefill_time = hist("request_prefill_time_seconds",
+                                 "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.decode_time = hist("request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
+                                REQUEST_LATENCY_BUCKETS)
+        for model_name in engines:  # every series from start-up, as vLLM's make_per_engine does
+            for metric in self._per_model():
+                metric.labels(model_name, ENGINE)
+            for reason in FINISHED_REASONS:
+                self.request_success.labels(model_name, ENGINE, reason)
+            for source in PROMPT_TOKEN_SOURCES:
+                self.prompt_tokens_by_source.labels(model_name, ENGINE, source)
         self._last_token_time: dict[tuple[str, int], float] = {}
+        self._parents: dict[str, list[int]] = {}  # request id of n > 1 -> [sequences left, most tokens of one]
         self._lock = threading.Lock()  # observe runs on engine threads, forget on those or the event loop
 
+    def _per_model(self) -> list:
+        return [self.prompt_tokens, self.prompt_tokens_cached, self.generation_tokens, self.request_prompt_tokens,
+                self.request_generation_tokens, self.request_max_num_generation_tokens, self.request_params_n,
+                self.request_params_max_tokens, self.request_prefill_kv_computed_tokens, self.ttft, self.itl,
+                self.tpot, self.request_tpot, self.e2e, self.queue_time, self.inference_time, self.prefill_time,
+                self.decode_time]
+
     def table_sizes(self) -> dict[str, int]:
-        return {"metrics_inter_token": len(self._last_token_time)}
+        return {"metrics_inter_token": len(self._last_token_time), "metrics_parents": len(self._parents)}
 
     def forget(self, request_id: str) -> None:
-        """An aborted request sends no final output: drop its inter-token bookkeeping."""
+        """An aborted request sends no final output: drop its inter-token and n bookkeeping."""
         with self._lock:
             for key in [k for k in self._last_token_time if k[0] == request_id]:
                 del self._last_token_time[key]
+            self._parents.pop(request_id, None)
 
     def observe(self, model_name: str, output: RequestOutput, now: float) -> None:
-        """Called by the engine thread for each output of each sequence."""
-        key = (output.request_id, output.outputs[0].index)
+        """Called by the engine thread for each output of each sequence (monotonic seconds)."""
+        seq = output.outputs[0]
+        key = (output.request_id, seq.index)
         with self._lock:
             last = self._last_token_time.get(key)
             self._last_token_time[key] = now
             if output.finished:
                 self._last_token_time.pop(key, None)
+        labels = (model_name, ENGINE)
         new_tokens = len(output.delta_token_ids)
-        if last is None:
-            self.ttft.labels(model_name).observe(now - output.metrics.arrival_time)
-        elif new_tokens:
-            self.itl.labels(model_name).observe((now - last) / new_tokens)
-        self.generation_tokens.labels(model_name).inc(new_tokens)
-        if not output.finished:
-            return
         m = output.metrics
-        if output.outputs[0].index == 0:
-            self.prompt_tokens.labels(model_name).inc(len(output.prompt_token_ids))
-        self.request_success.labels(model_name, output.outputs[0].finish_reason).inc()
-        self.e2e.labels(model_name).observe(now - m.arrival_time)
+        if last is None:
+            self.ttft.labels(*labels).observe(now - m.arrival_time)
+        elif new_tokens:
+            itl = (now - last) / new_tokens
+            self.itl.labels(*labels).observe(itl)
+            self.tpot.labels(*labels).observe(itl)
+        self.generation_tokens.labels(*labels).inc(new_tokens)
+        if output.finished:
+            self._observe_finished(labels, output, now)
+
+    def _observe_finished(self, labels: tuple[str, str], output: RequestOutput, now: float) -> None:
+        seq, m = output.outputs[0], output.metrics
+        num_prompt, num_cached = len(output.prompt_token_ids), output.num_cached_tokens
+        num_generated = len(seq.token_ids)
+        if seq.index == 0:  # the n sequences share one prompt: counted once
+            self._count_prompt(labels, num_prompt, num_cached)
+        self.request_success.labels(*labels, seq.finish_reason or "stop").inc()
+        end = m.finished_time or now
+        self.e2e.labels(*labels).observe(now - m.arrival_time)
         if m.first_scheduled_time is not None:
-            self.queue_time.labels(model_name).observe(m.first_scheduled_time - m.arrival_time)
+            self.queue_time.labels(*labels).observe(m.first_scheduled_time - m.arrival_time)
+            self.inference_time.labels(*labels).observe(end - m.first_scheduled_time)
+            if m.first_token_time is not None:
+                self.prefill_time.labels(*labels).observe(m.first_token_time - m.first_scheduled_time)
+        if m.first_token_time is not None:
+            self.decode_time.labels(*labels).observe(end - m.first_token_time)
+            if num_generated > 1:
+                self.request_tpot.labels(*labels).observe((end - m.first_token_time) / (num_generated - 1))
+        self.request_prompt_tokens.labels(*labels).observe(num_prompt)
+        self.request_generation_tokens.labels(*labels).observe(num_generated)
+        self.request_prefill_kv_computed_tokens.labels(*labels).observe(num_prompt - num_cached)
+        max_tokens = getattr(m, "max_tokens", None)
+        if max_tokens:
+            self.request_params_max_tokens.labels(*labels).observe(max_tokens)
+        self._observe_parent(labels, output.request_id, getattr(m, "n", 1), num_generated)
+
+    def _count_prompt(self, labels: tuple[str, str], num_prompt: int, num_cached: int) -> None:
+        self.prompt_tokens.labels(*labels).inc(num_prompt)
+        self.prompt_tokens_cached.labels(*labels).inc(num_cached)
+        self.prompt_tokens_by_source.labels(*labels, "local_compute").inc(num_prompt - num_cached)
+        self.prompt_tokens_by_source.labels(*labels, "local_cache_hit").inc(num_cached)
+
+    def _observe_parent(self, labels: tuple[str, str], request_id: str, n: int, num_generated: int) -> None:
+        """`n` and the longest of the n sequences, once the request's last sequence finishes (as vLLM)."""
+        if n > 1:
+            with self._lock:
+                entry = self._parents.setdefault(request_id, [n, 0])
+                entry[0] -= 1
+                entry[1] = max(entry[1], num_generated)
+                if entry[0] > 0:
+                    return
+                del self._parents[request_id]
+                num_generated = entry[1]
+        self.request_params_n.labels(*labels).observe(n)
+        self.request_max_num_generation_tokens.labels(*labels).observe(num_generated)
+
+    def observe_embedding(self, model_name: str, stats) -> None:
+        """A finished embedding request (`EmbeddingRequestStats`): each input counts as one request, as in vLLM,
+        whose pooling requests finish with reason "stop" after their one forward (its prefill)."""
+        labels = (model_name, ENGINE)
+        for num_prompt in stats.num_prompt_tokens:
+            self._count_prompt(labels, num_prompt, 0)
+            self.request_success.labels(*labels, "stop").inc()
+            self.e2e.labels(*labels).observe(stats.finished_time - stats.arrival_time)
+            self.queue_time.labels(*labels).observe(stats.first_scheduled_time - stats.arrival_time)
+            self.inference_time.labels(*labels).observe(stats.finished_time - stats.first_scheduled_time)
+            self.prefill_time.labels(*labels).observe(stats.finished_time - stats.first_scheduled_time)
+            self.request_prompt_tokens.labels(*labels).observe(num_prompt)
+            self.request_prefill_kv_computed_tokens.labels(*labels).observe(num_prompt)

@@ -1,14 +1,29 @@
-"""OpenAI request and response shapes (pydantic). Unknown fields are rejected, never silently ignored."""
+"""OpenAI request and response shapes (pydantic). Unknown fields are rejected, never silently ignored.
 
+OpenAI fields that change nothing sobrio computes (`IGNORED_FIELDS`: storage, metadata, billing tiers, user
+ids, tool options without tools, reasoning effort on models that do not reason) are accepted, and the server
+logs their names (never their values) at DEBUG. Fields that would change the answer and are not implemented
+are refused with a 400 that says "not supported".
+"""
+
+import logging
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from sobrio.errors import InvalidRequestError
+from sobrio.sample import params as sampling
 from sobrio.sample.params import INT32_MAX, MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN, SamplingParams
 
+logger = logging.getLogger("sobrio.server")
+
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Priority = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+# accepted, no effect on what sobrio computes; logged by name at DEBUG (see `ignored_fields`)
+IGNORED_FIELDS = ("store", "metadata", "service_tier", "user", "safety_identifier", "prompt_cache_key",
+                  "parallel_tool_calls", "reasoning_effort", "prediction")
 
 
 class StrictModel(BaseModel):
@@ -21,8 +36,35 @@ class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
+def ignored_fields(body: BaseModel) -> list[str]:
+    """The accepted-but-ignored fields this request set (names only: their values are the user's)."""
+    return [name for name in IGNORED_FIELDS if name in body.model_fields_set]
+
+
+def log_ignored(names: list[str], request_id: str) -> None:
+    """One DEBUG line naming the accepted-but-ignored fields a request set (names only, never values)."""
+    if names:
+        logger.debug("request %s: ignored field(s) %s (no effect in sobrio)", request_id, ", ".join(names))
+
+
+def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI sends token ids as JSON object keys (strings)."""
+    if not bias:
+        return None
+    try:
+        return {int(token): value for token, value in bias.items()}
+    except ValueError:
+        raise InvalidRequestError("logit_bias keys must be token ids", param="logit_bias") from None
+
+
 class ResponseFormat(StrictModel):
-    type: Literal["text"] = "text"  # json_object / json_schema arrive with structured output
+    type: str = "text"  # json_object / json_schema arrive with structured output
+
+    @model_validator(mode="after")
+    def _text_only(self):
+        if self.type != "text":
+            raise ValueError("only the text response_format is supported; structured output is not supported")
+        return self
 
 
 class _SamplingFields(StrictModel):
@@ -36,8 +78,17 @@ class _SamplingFields(StrictModel):
     frequency_penalty: float = 0.0
     stream: bool = False
     stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=sampling.MAX_LOGIT_BIAS)
+    # accepted and ignored (IGNORED_FIELDS)
     user: str | None = Field(default=None, max_length=256)
+    store: bool | None = None
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    safety_identifier: str | None = Field(default=None, max_length=256)
+    prompt_cache_key: str | None = Field(default=None, max_length=1024)
     # sobrio's own (as vLLM's)
+    priority: Priority = 0  # lower first; needs --scheduling-policy priority
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=sampling.MAX_LOGPROBS)
     top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
     min_p: float | None = None
     repetition_penalty: float | None = None
@@ -57,7 +108,14 @@ class _SamplingFields(StrictModel):
             min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids or [],
             ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            prompt_logprobs=self.prompt_logprobs, logit_bias=logit_bias_ids(self.logit_bias),
         )
+
+    @model_validator(mode="after")
+    def _no_streamed_prompt_logprobs(self):
+        if self.stream and self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported with stream=true")  # as vLLM
+        return self
 
 
 class ChatMessage(BaseModel):
@@ -83,9 +141,14 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(default=None, le=INT32_MAX)
     max_completion_tokens: int | None = Field(default=None, le=INT32_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=sampling.MAX_LOGPROBS)  # --max-logprobs bounds it
     response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: variables for the chat template
+    # accepted and ignored (IGNORED_FIELDS): no tools, no reasoning models, predictions only save time
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    prediction: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self):
@@ -101,9 +164,17 @@ class ChatCompletionRequest(_SamplingFields):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, le=INT32_MAX)
-    logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: Literal[False] = False
-    suffix: None = None
+    logprobs: int | None = Field(default=None, ge=0, le=sampling.MAX_LOGPROBS)
+    echo: bool = False  # the prompt before the completion (and, with logprobs, the prompt's logprobs)
+    suffix: str | None = None  # only empty: insertion is not supported
+
+    @model_validator(mode="after")
+    def _echo_logprobs_not_streamed(self):
+        if self.echo and self.logprobs is not None and self.stream:
+            raise ValueError("echo with logprobs is not supported with stream=true")
+        if self.suffix:
+            raise ValueError("suffix (insertion) is not supported")
+        return self
 
     def prompts(self) -> list[str | list[int]]:
         prompt = self.prompt
@@ -116,7 +187,10 @@ class CompletionRequest(_SamplingFields):
         return list(prompt)
 
     def to_sampling_params(self) -> SamplingParams:
-        return self.sampling_params(self.max_tokens, self.logprobs)
+        params = self.sampling_params(self.max_tokens, self.logprobs)
+        if self.echo and self.logprobs is not None and params.prompt_logprobs is None:
+            params.prompt_logprobs = self.logprobs  # vLLM: echo's logprobs cover the prompt too
+        return params
 
 
 class UsageInfo(BaseModel):

@@ -1,5 +1,6 @@
 """Build OpenAI response bodies and stream chunks from engine outputs."""
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sobrio.engine.outputs import Logprob, RequestOutput
@@ -15,18 +16,26 @@ class Choice:
     stop_reason: int | str | None = None
     logprobs: list[dict[int, Logprob]] | None = None
     role_sent: bool = False
+    echo_sent: bool = False
 
 
 class ChoiceState:
     """The choices of one HTTP request: prompt i's sequence j is choice i * n + j."""
 
-    def __init__(self, request_ids: list[str], n: int, top_n: int | None):
+    def __init__(self, request_ids: list[str], n: int, top_n: int | None, echo: list[str] | None = None,
+                 prompt_top_n: int | None = None, decode: Callable[[list[int]], str] | None = None):
+        self.request_ids = request_ids
         self.prompt_index = {rid: i for i, rid in enumerate(request_ids)}
         self.n = n
         self.top_n = top_n
+        self.echo = echo  # completions' echo: each prompt's text, put before its choices' text
+        self.prompt_top_n = prompt_top_n  # prompt_logprobs asked for (or implied by echo with logprobs)
+        self.decode = decode  # token ids to text: the echoed prompt's first token has no logprob entry
         self.choices: dict[int, Choice] = {}
         self.prompt_tokens: dict[str, int] = {}
         self.cached_tokens: dict[str, int] = {}
+        self.prompt_token_ids: dict[str, list[int]] = {}
+        self.prompt_logprobs: dict[str, list[dict[int, Logprob] | None]] = {}
 
     def add(self, output: RequestOutput) -> Choice:
         completion = output.outputs[0]
@@ -37,7 +46,16 @@ class ChoiceState:
         choice.logprobs = completion.logprobs
         self.prompt_tokens[output.request_id] = len(output.prompt_token_ids)
         self.cached_tokens[output.request_id] = output.num_cached_tokens
+        if output.prompt_logprobs is not None:
+            self.prompt_token_ids[output.request_id] = output.prompt_token_ids
+            self.prompt_logprobs[output.request_id] = output.prompt_logprobs
         return choice
+
+    def echo_of(self, choice: Choice) -> str:
+        return self.echo[choice.index // self.n] if self.echo else ""
+
+    def request_of(self, choice: Choice) -> str:
+        return self.request_ids[choice.index // self.n]
 
     def sorted(self) -> list[Choice]:
         return [self.choices[i] for i in sorted(self.choices)]
@@ -64,16 +82,30 @@ def chat_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], top_n
     return {"content": content}
 
 
-def completion_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], top_n: int,
-                        offset: int = 0) -> dict:
-    tokens = [entry[tid].decoded_token or "" for entry, tid in zip(entries, token_ids)]
+def completion_logprobs(entries: list[dict[int, Logprob] | None], token_ids: list[int], top_n: int,
+                        offset: int = 0, decode: Callable[[list[int]], str] | None = None) -> dict:
+    """OpenAI's completion logprobs. An entry of None (an echoed prompt's first token) has no logprob."""
+    tokens = [entry[tid].decoded_token or "" if entry is not None else (decode([tid]) if decode else "")
+              for entry, tid in zip(entries, token_ids)]
     offsets = []
     for token in tokens:
         offsets.append(offset)
         offset += len(token)
-    return {"tokens": tokens, "token_logprobs": [entry[tid].logprob for entry, tid in zip(entries, token_ids)],
-            "top_logprobs": [{lp.decoded_token or "": lp.logprob for lp in _top(entry, top_n)} for entry in entries],
+    return {"tokens": tokens,
+            "token_logprobs": [entry[tid].logprob if entry is not None else None
+                               for entry, tid in zip(entries, token_ids)],
+            "top_logprobs": [{lp.decoded_token or "": lp.logprob for lp in _top(entry, top_n)} if entry is not None
+                             else None for entry in entries],
             "text_offset": offsets}
+
+
+def prompt_logprobs_json(entries: list[dict[int, Logprob] | None] | None) -> list | None:
+    """vLLM's `prompt_logprobs`: per prompt token, None for the first, else {token id: Logprob}."""
+    if entries is None:
+        return None
+    return [None if entry is None else
+            {str(tid): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+             for tid, lp in entry.items()} for entry in entries]
 
 
 def _delta_logprobs(choice: Choice, output: RequestOutput, top_n: int, chat: bool):
@@ -97,7 +129,10 @@ def chat_chunk(state: ChoiceState, choice: Choice, output: RequestOutput, base_i
 
 def completion_chunk(state: ChoiceState, choice: Choice, output: RequestOutput, base_id: str, model: str,
                      created: int) -> dict:
-    body = {"index": choice.index, "text": output.delta_text, "finish_reason": choice.finish_reason,
+    text = output.delta_text
+    if state.echo and not choice.echo_sent:
+        text, choice.echo_sent = state.echo_of(choice) + text, True
+    body = {"index": choice.index, "text": text, "finish_reason": choice.finish_reason,
             "logprobs": _delta_logprobs(choice, output, state.top_n or 0, chat=False)}
     return {"id": base_id, "object": "text_completion", "created": created, "model": model, "choices": [body]}
 
@@ -111,9 +146,26 @@ def final_response(state: ChoiceState, base_id: str, model: str, kind: str) -> d
             choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
                             "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         else:
-            logprobs = completion_logprobs(c.logprobs, c.token_ids, top_n) if c.logprobs is not None else None
-            choices.append({"index": c.index, "text": c.text, "logprobs": logprobs,
-                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            choices.append(_completion_choice(state, c, top_n))
     obj = "chat.completion" if kind == "chat" else "text_completion"
-    return {"id": base_id, "object": obj, "created": now(), "model": model, "choices": choices,
+    body = {"id": base_id, "object": obj, "created": now(), "model": model, "choices": choices,
             "usage": usage_of(state).model_dump()}
+    if kind == "chat" and state.prompt_top_n is not None:  # vLLM puts a chat's at the top
+        body["prompt_logprobs"] = prompt_logprobs_json(state.prompt_logprobs.get(state.request_ids[0]))
+    return body
+
+
+def _completion_choice(state: ChoiceState, c: Choice, top_n: int) -> dict:
+    rid = state.request_of(c)
+    prompt_lps = state.prompt_logprobs.get(rid)
+    logprobs = None
+    if c.logprobs is not None and state.echo and prompt_lps is not None:  # vLLM: the prompt's, then the output's
+        logprobs = completion_logprobs(prompt_lps + c.logprobs, state.prompt_token_ids[rid] + c.token_ids, top_n,
+                                       decode=state.decode)
+    elif c.logprobs is not None:
+        logprobs = completion_logprobs(c.logprobs, c.token_ids, top_n, offset=len(state.echo_of(c)))
+    choice = {"index": c.index, "text": state.echo_of(c) + c.text, "logprobs": logprobs,
+              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+    if state.prompt_top_n is not None:
+        choice["prompt_logprobs"] = prompt_logprobs_json(prompt_lps)
+    return choice

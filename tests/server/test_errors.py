@@ -31,7 +31,7 @@ def _assert_error(resp: httpx.Response, status: int, param: str | None = None) -
     ({"model": SMOL, "prompt": ""}, "prompt"),
     ({"model": SMOL, "prompt": "word " * 2000}, "prompt"),
     ({"model": SMOL, "prompt": "hi", "max_tokens": 5000}, "max_tokens"),
-    ({"model": SMOL, "prompt": "hi", "logit_bias": {"1": 2}}, "logit_bias"),
+    ({"model": SMOL, "prompt": "hi", "logit_bias": {"1": 200}}, "logit_bias"),
     ({"model": SMOL, "prompt": 123}, "prompt"),
     ({"model": SMOL}, "prompt"),
 ])

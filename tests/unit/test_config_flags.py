@@ -28,12 +28,16 @@ from sobrio.errors import ConfigError, SobrioError
 FLAGS = ["--dtype", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len", "--block-size",
          "--kv-cache-memory", "--enable-prefix-caching", "--max-num-waiting", "--batch-invariant",
          "--long-prefill-token-threshold", "--max-num-partial-prefills", "--max-long-partial-prefills",
-         "--tensor-parallel-size", "--data-parallel-size"]
+         "--tensor-parallel-size", "--data-parallel-size", "--pipeline-parallel-size", "--scheduling-policy",
+         "--tokenizer", "--chat-template", "--generation-config", "--override-generation-config", "--max-logprobs",
+         "--seed", "--enforce-eager", "--trust-remote-code", "--gpu-memory-utilization", "--enable-chunked-prefill"]
 SERVE_FLAGS = ["--model", "--served-model-name", "--host", "--port", "--api-key", "--log-level",
                "--default-max-tokens", "--shutdown-timeout", "--engine-process", "--engine-restarts",
                "--max-body-bytes", "--max-prompts-per-request", "--max-seqs-per-request", "--max-request-tokens",
                "--header-timeout", "--body-timeout", "--limit-concurrency", "--allowed-origins", "--allowed-methods",
-               "--allowed-headers", "--allow-credentials"]
+               "--allowed-headers", "--allow-credentials", "--config", "--root-path", "--ssl-keyfile",
+               "--ssl-certfile", "--ssl-ca-certs", "--ssl-cert-reqs", "--uvicorn-log-level", "--disable-log-requests",
+               "--enable-log-requests", "--disable-log-stats"]
 CONCERNS = [ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, ServerConfig, LimitsConfig, CorsConfig]
 
 
@@ -73,7 +77,11 @@ def test_serve_has_every_server_and_engine_flag_each_with_its_default_in_help():
     for action in parser._actions[1:]:  # after -h; None or [] defaults are explained in the help itself
         if action.default not in (None, []):
             assert action.help.endswith("(default: %(default)s)"), action.option_strings
-    assert "port to listen on (default: 8000)" in parser.format_help()
+    help_text = parser.format_help()
+    assert "port to listen on (checked before any model loads) (default: 8000)" in " ".join(help_text.split())
+    epilog = help_text.split("\nenvironment variables:\n")[1]  # the environment variables sobrio reads
+    for variable in ("SOBRIO_CACHE", "SOBRIO_DISABLE_CPP", "XDG_CACHE_HOME", "CXX", "GOMP_SPINCOUNT"):
+        assert variable in epilog
     args = parser.parse_args([])
     assert config_from_args(args, ServerConfig) == ServerConfig()
     assert SobrioConfig.from_kwargs(**engine_kwargs(args)) == SobrioConfig()
@@ -127,9 +135,9 @@ def test_an_unknown_keyword_is_named():
         SobrioConfig.from_kwargs(port=80)
 
 
-@pytest.mark.parametrize("name", ["tensor_parallel_size", "data_parallel_size"])
+@pytest.mark.parametrize("name", ["tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"])
 def test_parallel_sizes_above_one_are_not_supported_yet(name):
-    with pytest.raises(ConfigError, match="not supported yet") as exc:
+    with pytest.raises(ConfigError, match="sobrio does not support --.*=2 yet") as exc:
         SobrioConfig.from_kwargs(**{name: 2})
     assert exc.value.option == "--" + name.replace("_", "-")
 
@@ -210,3 +218,206 @@ def test_serve_with_a_bad_flag_exits_2_without_a_traceback():
 def test_serve_with_a_bad_server_flag_exits_2(capsys):
     assert cli.main(["serve", "--model", "smollm2-135m", "--port", "0"]) == 2
     assert "sobrio serve: error: --port must be in [1, 65535], got 0" in capsys.readouterr().err
+
+
+# ---- vLLM's command line (issue 11): positional model, --config, refused features, one-line errors ----
+
+def serve_args(argv: list[str], config_file: str | None = None) -> argparse.Namespace:
+    from sobrio.engine_args import apply_config_file
+
+    parser = serve_parser()
+    if config_file is not None:
+        apply_config_file(parser, config_file)
+    return parser.parse_args(argv)
+
+
+def test_serve_takes_the_model_positionally_and_with_model_too():
+    from sobrio.server.app import _served_models
+
+    config = config_from_args(serve_args(["smollm2-135m", "--port", "9000"]), ServerConfig)
+    assert (config.model_tag, config.model, config.port) == ("smollm2-135m", None, 9000)
+    both = config_from_args(serve_args(["smollm2-135m", "--model", "gemma3-270m"]), ServerConfig)
+    assert _served_models(both) == ["smollm2-135m", "gemma3-270m"]  # MODEL first, then --model
+
+
+def test_served_model_names_one_model_takes_them_all_several_take_one_each():
+    from sobrio.server.startup import served_names
+
+    assert served_names(["m"], ["a", "b"]) == [["a", "b"]]
+    assert served_names(["m", "n"], ["a"]) == [["a"], ["n"]]
+    assert served_names(["m", "n"], None) == [["m"], ["n"]]
+    with pytest.raises(ConfigError, match="3 names for 2 models"):
+        served_names(["m", "n"], ["a", "b", "c"])
+    with pytest.raises(ConfigError, match="'a' is served twice"):
+        served_names(["m", "n"], ["a", "a"])
+    args = serve_args(["m", "--served-model-name", "a", "b", "--served-model-name", "c"])  # vLLM's nargs form too
+    assert args.served_model_name == ["a", "b", "c"]
+
+
+def test_config_file_sets_defaults_and_the_command_line_wins(tmp_path):
+    path = tmp_path / "serve.yaml"
+    path.write_text("model: smollm2-135m\nmax-model-len: 512\nkv_cache_memory: 67108864\nport: 9000\n"
+                    "served-model-name: [a, b]\nallowed-origins: ['*']\nenable-prefix-caching: false\n"
+                    "override-generation-config: {temperature: 0.5}\n")
+    args = serve_args(["--port", "9100", "--served-model-name", "c"], str(path))
+    config = config_from_args(args, ServerConfig)
+    engine = SobrioConfig.from_kwargs(model="m", **engine_kwargs(args))
+    assert (config.model_tag, config.port, config.served_model_name) == ("smollm2-135m", 9100, ["c"])
+    assert config.cors.allowed_origins == ["*"]
+    assert (engine.model_config.max_model_len, engine.cache_config.kv_cache_memory) == (512, 64 << 20)
+    assert engine.cache_config.enable_prefix_caching is False
+    assert engine.model_config.override_generation_config == {"temperature": 0.5}
+    assert config_from_args(serve_args(["gemma3-270m"], str(path)), ServerConfig).model_tag == "gemma3-270m"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("max-model-lenn: 512\n", "unknown flag 'max-model-lenn'; did you mean 'max-model-len'?"),
+    ("port: eighty\n", "port: invalid int value: 'eighty'"),
+    ("dtype: int8\n", "dtype: 'int8' is not one of auto"),
+    ("enable-prefix-caching: maybe\n", "enable-prefix-caching: expected true or false"),
+    ("- a\n- b\n", "expected a mapping of flag names to values"),
+    ("port: [1\n", "not valid YAML"),
+])
+def test_a_bad_config_file_exits_2_naming_the_key(tmp_path, capsys, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["serve", "--config", str(path)])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [["--quantization", "awq"], ["--speculative-config", '{"method": "ngram"}'],
+                                   ["--enable-lora"], ["--pipeline-parallel-size", "2"],
+                                   ["--tensor-parallel-size", "2"], ["--kv-transfer-config", "{}"],
+                                   ["--lora-modules", "a=/x", "b=/y"], ["--enable-auto-tool-choice"],
+                                   ["--no-enable-chunked-prefill"]])
+def test_a_flag_for_a_missing_feature_exits_2_saying_so(flags, capsys):
+    assert cli.main(["serve", "smollm2-135m", *flags]) == 2
+    err = capsys.readouterr().err
+    assert f"sobrio serve: error: sobrio does not support {flags[0]}" in err and "unrecognized" not in err
+
+
+def test_no_op_values_of_vllm_flags_are_accepted():
+    args = serve_args(["m", "--tensor-parallel-size", "1", "--quantization", "", "--enforce-eager",
+                       "--enable-chunked-prefill", "--trust-remote-code", "--gpu-memory-utilization", "0.9",
+                       "--kv-cache-dtype", "auto", "--disable-log-requests", "--disable-log-stats",
+                       "--uvicorn-log-level", "warning"])
+    with pytest.raises(ConfigError, match="does not support --quantization"):  # "" is a value, not the default
+        SobrioConfig.from_kwargs(**engine_kwargs(args))
+    args.quantization = None
+    SobrioConfig.from_kwargs(**engine_kwargs(args))
+    config = config_from_args(args, ServerConfig)
+    assert (config.disable_log_requests, config.disable_log_stats, config.uvicorn_log_level) == (True, True,
+                                                                                                "warning")
+    with pytest.raises(ConfigError, match="does not support --quantization yet"):  # offline, vLLM's keyword
+        SobrioConfig.from_kwargs(quantization="awq")
+
+
+def test_an_unknown_model_is_one_line_listing_the_aliases(capsys):
+    assert cli.main(["serve", "no-such-model"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "unknown model 'no-such-model': not an alias (smollm2-135m, gemma3-270m" in err
+
+
+def test_a_busy_port_fails_before_any_model_loads(capsys, monkeypatch):
+    import socket
+
+    import sobrio.engine.async_llm as async_llm
+
+    def no_loading(*_, **__):
+        raise AssertionError("a model loaded although the port is busy")
+
+    monkeypatch.setattr(async_llm, "load_model_files", no_loading)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert cli.main(["serve", "smollm2-135m", "--port", str(port)]) == 1
+    err = capsys.readouterr().err
+    assert f"sobrio serve: error: cannot listen on 127.0.0.1:{port}: Address already in use" in err
+
+
+def test_chat_template_is_a_file_or_inline_and_is_compiled_at_start(tmp_path):
+    from sobrio.loader.templates import load_chat_template
+
+    path = tmp_path / "t.jinja"
+    path.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert load_chat_template(str(path)) == path.read_text()
+    assert load_chat_template("{{ messages[0].content }}\\n") == "{{ messages[0].content }}\n"  # escapes decoded
+    with pytest.raises(ConfigError, match="looks like a file path, but there is no such file"):
+        ModelConfig(chat_template="missing.jinja")
+    with pytest.raises(ConfigError, match="not a valid Jinja template"):
+        ModelConfig(chat_template="{% for m in messages %}")
+
+
+def test_generation_config_defaults_come_from_the_model_unless_vllm(tmp_path):
+    from gguf import GGUFWriter
+
+    from sobrio.loader.generation import default_sampling
+
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.6, "top_p": 0.95, "top_k": 20, '
+                                                     '"do_sample": true, "max_new_tokens": 64}')
+    assert default_sampling("auto", tmp_path, None) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20,
+                                                        "max_tokens": 64}
+    assert default_sampling("vllm", tmp_path, None) == {}
+    assert default_sampling("auto", tmp_path, None, {"temperature": 0.2})["temperature"] == 0.2
+    writer = GGUFWriter(str(tmp_path / "m.gguf"), "llama")  # a GGUF's general.sampling.* keys (llama.cpp's)
+    writer.add_float32("general.sampling.temp", 0.7)
+    writer.add_int32("general.sampling.top_k", 40)
+    writer.add_array("tokenizer.ggml.tokens", ["a", "bb", "ccc"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    assert default_sampling("auto", tmp_path, tmp_path / "m.gguf") == {"temperature": 0.7, "top_k": 40}
+    with pytest.raises(ConfigError, match="unknown sampling parameter 'temp'"):
+        ModelConfig(override_generation_config={"temp": 0.5})
+    with pytest.raises(ConfigError, match="--generation-config must be auto, vllm or a folder"):
+        ModelConfig(generation_config="nowhere")
+
+
+def test_max_logprobs_caps_what_a_request_may_ask():
+    from sobrio.engine.input import InputProcessor
+    from sobrio.errors import InvalidRequestError
+    from sobrio.sample.params import SamplingParams
+
+    class Vocab:
+        def get_vocab(self):
+            return {str(i): i for i in range(100)}
+
+    InputProcessor(Vocab(), 64, 100, max_logprobs=20).validate_params(SamplingParams(logprobs=20), None)
+    with pytest.raises(InvalidRequestError, match="at most 5 \\(--max-logprobs\\)"):
+        InputProcessor(Vocab(), 64, 100, max_logprobs=5).validate_params(SamplingParams(logprobs=6), None)
+    InputProcessor(Vocab(), 64, 100, max_logprobs=-1).validate_params(SamplingParams(logprobs=100), None)
+
+
+def test_unseeded_requests_get_seeds_from_the_engine_seed_and_their_number():
+    from sobrio.engine.llm_engine import derived_seed
+
+    assert derived_seed(7, 1) == derived_seed(7, 1)
+    assert len({derived_seed(7, 1), derived_seed(7, 2), derived_seed(8, 1)}) == 3
+    assert 0 <= derived_seed(7, 1) < 2**63
+
+
+def test_model_defaults_fill_only_the_fields_a_request_left_unset():
+    from sobrio.sample.params import SamplingParams
+    from sobrio.server.app import with_model_defaults
+    from sobrio.server.protocol import CompletionRequest
+
+    defaults = {"temperature": 0.6, "top_k": 20, "max_tokens": 64}
+    unset = CompletionRequest(prompt="x")
+    params = with_model_defaults(unset.to_sampling_params(), unset, defaults)
+    assert (params.temperature, params.top_k, params.max_tokens) == (0.6, 20, 16)  # max_tokens: the server's
+    chosen = CompletionRequest(prompt="x", temperature=0.0)
+    params = with_model_defaults(chosen.to_sampling_params(), chosen, defaults)
+    assert (params.temperature, params.top_k) == (0.0, 20)
+    assert with_model_defaults(SamplingParams(), unset, {}) == SamplingParams()
+
+
+def test_tokenizer_and_chat_template_flags_replace_the_models_own():
+    from sobrio.loader.load import load_model_files
+
+    files = load_model_files(ModelConfig(model="gemma3-270m", tokenizer="smollm2-135m", chat_template="{{ 'X' }}"))
+    assert len(files.tokenizer) < 60_000 < files.config.vocab_size  # SmolLM2's vocabulary, Gemma's config
+    assert files.tokenizer.chat_template == "{{ 'X' }}" and files.default_sampling == {}

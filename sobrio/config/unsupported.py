@@ -1,0 +1,38 @@
+"""vLLM flags for features sobrio lacks. They parse, so a vLLM script fails with "sobrio does not support --X yet"
+(exit 2) instead of argparse's "unrecognized arguments"; a value equal to the default (a no-op) is accepted.
+
+`SobrioConfig.from_kwargs` checks them too, so `LLM(model, quantization="awq")` says the same. The config
+holds nothing once checked: it never crosses to an engine core.
+"""
+
+from dataclasses import dataclass
+
+from sobrio.config.fields import Checked, unsupported
+
+
+@dataclass(frozen=True)
+class UnsupportedConfig(Checked):
+    """vLLM flags sobrio recognizes but does not support yet: any value but the default is refused (exit 2)."""
+
+    quantization: str | None = unsupported(None, "quantized kernels (a GGUF's weights are dequantized at load; "
+                                                 "serve the .gguf itself)")
+    kv_cache_dtype: str = unsupported("auto", "a KV-cache dtype other than the model's (auto)")
+    load_format: str = unsupported("auto", "weight formats other than safetensors and GGUF (auto)")
+    revision: str | None = unsupported(None, "model revisions (models resolve offline, from local files)")
+    speculative_config: str | None = unsupported(None, "speculative decoding")
+    enable_lora: bool = unsupported(False, "LoRA adapters")
+    lora_modules: list[str] | None = unsupported(None, "LoRA adapters", nargs="+")
+    enable_expert_parallel: bool = unsupported(False, "expert parallelism (no mixture-of-experts models)")
+    distributed_executor_backend: str | None = unsupported(None, "distributed executors (one machine, one process "
+                                                                 "per model)")
+    kv_transfer_config: str | None = unsupported(None, "disaggregated prefill (KV-cache transfer)")
+    kv_events_config: str | None = unsupported(None, "KV-cache events")
+    cpu_offload_gb: float = unsupported(0.0, "weight offloading (the weights are in CPU memory already)")
+    enable_sleep_mode: bool = unsupported(False, "sleep mode")
+    limit_mm_per_prompt: str | None = unsupported(None, "multimodal inputs")
+    enable_auto_tool_choice: bool = unsupported(False, "tool calling")
+    tool_call_parser: str | None = unsupported(None, "tool calling")
+    reasoning_parser: str | None = unsupported(None, "reasoning parsers")
+
+    def __post_init__(self) -> None:
+        self._refuse_unsupported()

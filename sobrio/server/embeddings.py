@@ -1,0 +1,143 @@
+"""`POST /v1/embeddings` (OpenAI's shape, with vLLM's `truncate_prompt_tokens` and `add_special_tokens`), and
+starting the embedding models a server serves beside its generative ones.
+
+An embedding model is an `EmbeddingClient` (sobrio/engine/embedding.py) in the server's engine table, beside
+the generative `EngineClient`s: `/v1/models`, `/health` and `/metrics` list it like any model; chat and
+completions on it are a 400, as embeddings on a generative model are.
+"""
+
+import asyncio
+import base64
+import time
+from collections.abc import Callable
+from typing import Literal
+
+import numpy as np
+from fastapi import FastAPI, Request, Response
+from pydantic import Field
+
+from sobrio.engine.embedding import EmbeddingClient, EmbeddingEngine, is_embedding_client
+from sobrio.errors import InvalidRequestError, UnknownModelError
+from sobrio.loader.resolve import is_embedding_model
+from sobrio.server.limits import check_prompt_tokens
+from sobrio.server.protocol import StrictModel, new_id, now
+
+MAX_INPUTS = 2048  # OpenAI's bound on inputs per request
+
+
+class EmbeddingRequest(StrictModel):
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = Field(default=None, max_length=256)  # accepted, no effect
+    # vLLM's
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    add_special_tokens: bool = True
+
+    def inputs(self) -> list[str | list[int]]:
+        value = self.input
+        if isinstance(value, str):
+            return [value]
+        if value and all(isinstance(t, int) for t in value):
+            return [list(value)]  # one input as token ids
+        return list(value)
+
+
+def select_engine(engines: dict, model: str | None, task: str | None = None) -> tuple[str, object]:
+    """The served model `model` (None: the first of `task`); a model of the other kind is a 400 naming the API
+    it lacks, as vLLM answers. `task`: "generate", "embed" or None (either)."""
+    if not model:
+        for name, engine in engines.items():
+            if task is None or _task_of(engine) == task:
+                return name, engine
+        raise InvalidRequestError(f"no model served here supports the {_API[task]} API", param="model")
+    if model not in engines:
+        raise UnknownModelError(f"model {model!r} is not served here; served: {', '.join(engines)}")
+    engine = engines[model]
+    if task is not None and _task_of(engine) != task:
+        raise InvalidRequestError(f"model {model!r} does not support the {_API[task]} API "
+                                  f"(it is {'an embedding' if task == 'generate' else 'a generative'} model)",
+                                  param="model")
+    return model, engine
+
+
+_API = {"generate": "Chat Completions and Completions", "embed": "Embeddings"}
+
+
+def _task_of(engine) -> str:
+    return "embed" if is_embedding_client(engine) else "generate"
+
+
+def install_embedding_routes(app: FastAPI, server) -> None:
+    """Register /v1/embeddings and route the embedding engines' finished requests to /metrics."""
+    for name, engine in server.engines.items():
+        if is_embedding_client(engine):
+            engine.on_finished = lambda stats, name=name: server.metrics.observe_embedding(name, stats)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request):
+        arrival = time.monotonic()
+        name, engine = select_engine(server.engines, body.model, "embed")
+        request_id = new_id("embd")
+        request.state.request_id = request_id
+        inputs = body.inputs()
+        if len(inputs) > MAX_INPUTS:
+            raise InvalidRequestError(f"input has {len(inputs)} items; at most {MAX_INPUTS}", param="input")
+        if body.dimensions is not None and body.dimensions != engine.dimensions:
+            raise InvalidRequestError(f"dimensions={body.dimensions} is not supported: model {name!r} has "
+                                      f"{engine.dimensions} dimensions and no shorter (matryoshka) form",
+                                      param="dimensions")
+        rows = await asyncio.to_thread(engine.tokenize_inputs, inputs, body.truncate_prompt_tokens,
+                                       body.add_special_tokens)
+        check_prompt_tokens(server.limits, [len(r) for r in rows], 1)
+        vectors = await _unless_disconnected(engine.embed(rows, arrival), request)
+        if vectors is None:
+            return Response(status_code=499)
+        num_tokens = sum(len(r) for r in rows)
+        return {"id": request_id, "object": "list", "created": now(), "model": name,
+                "data": [{"object": "embedding", "index": i, "embedding": _encode(v, body.encoding_format)}
+                         for i, v in enumerate(vectors)],
+                "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
+
+
+def _encode(vector: np.ndarray, encoding_format: str):
+    if encoding_format == "base64":  # little-endian float32, as OpenAI's (and its client decodes)
+        return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
+    return vector.tolist()
+
+
+async def _unless_disconnected(work, request: Request):
+    """The result of `work`, or None if the client hangs up first (its rows still queued are then skipped)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_wait_for_disconnect(request.receive))
+    try:
+        await asyncio.wait([task, gone], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, gone):
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(task, gone, return_exceptions=True)
+    return None if task.cancelled() else task.result()
+
+
+async def _wait_for_disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def start_engines_with_embedders(configs: list, start_generative: Callable[[list], list]) -> list:
+    """Start every model: embedding models as `EmbeddingEngine`s in this process (they load in about a second),
+    the rest through `start_generative` (the server's own start-up); the result keeps the configs' order."""
+    embed = [is_embedding_model(c.model_config.model) for c in configs]
+    embedders: list[EmbeddingClient] = []
+    try:
+        for config in (c for c, e in zip(configs, embed) if e):
+            embedders.append(EmbeddingEngine.from_config(config))
+        others = iter(start_generative([c for c, e in zip(configs, embed) if not e]) if not all(embed) else [])
+    except BaseException:
+        for engine in embedders:
+            engine.shutdown()
+        raise
+    started = iter(embedders)
+    return [next(started) if e else next(others) for e in embed]

@@ -34,7 +34,9 @@ BASE=http://127.0.0.1:$PORT
 LOG=$(mktemp -t sobrio-clients-server.XXXXXX.log)
 SERVER_PID=
 
+CLIENT_PID=
 stop_server() {
+  if [ -n "$CLIENT_PID" ]; then kill -TERM "$CLIENT_PID" 2>/dev/null; wait "$CLIENT_PID" 2>/dev/null; fi
   if [ -n "$SERVER_PID" ] && kill -0 "$SERVER_PID" 2>/dev/null; then
     kill -TERM "$SERVER_PID" 2>/dev/null
     for _ in $(seq 1 60); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 0.5; done
@@ -77,8 +79,13 @@ run_client() {  # NAME COMMAND...
   local name=$1; shift
   local out rc start=$SECONDS
   out=$(mktemp)
-  timeout "$CLIENT_TIMEOUT" "$@" >"$out" 2>&1
+  # In the background, so that a signal to this script is handled at once (wait is interruptible), not
+  # after the client ends.
+  timeout "$CLIENT_TIMEOUT" "$@" >"$out" 2>&1 &
+  CLIENT_PID=$!
+  wait "$CLIENT_PID"
   rc=$?
+  CLIENT_PID=
   sed "s/^/  [$name] /" "$out"
   rm -f "$out"
   if [ $rc = 0 ]; then

@@ -15,7 +15,7 @@ if "OMP_WAIT_POLICY" not in os.environ:
 from sobrio.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from sobrio.errors import InvalidRequestError, SobrioError, UnknownModelError
 from sobrio.llm import LLM
-from sobrio.sample.params import SamplingParams
+from sobrio.sample.params import SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "LLM",
@@ -25,6 +25,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "SobrioError",
+    "StructuredOutputsParams",
     "UnknownModelError",
 ]
 __version__ = "0.1.0"

@@ -16,9 +16,11 @@ from sobrio.engine.request import Request, RequestStatus
 from sobrio.engine.sampling import build_sampling_metadata
 from sobrio.engine.scheduler import Scheduler, SchedulerOutput
 from sobrio.engine.stats import StepTokenCounts
-from sobrio.loader.load import LoadedModelFiles
+from sobrio.loader.load import LoadedModelFiles, load_tokenizer
 from sobrio.sample.params import SamplingParams
 from sobrio.sample.sampler import SampledToken, Sampler
+from sobrio.structured.backend import GrammarCompiler
+from sobrio.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -81,23 +83,44 @@ class EngineCore:
         self.sampler = Sampler()
         self.step_tokens = StepTokenCounts()  # /metrics: iteration_tokens_total
         self.deferred: dict[str, _Deferred] = {}  # first request id -> siblings not yet scheduled
+        # structured output: grammars compile on a worker thread (the tokenizer is read at the first one)
+        self.structured = StructuredOutputManager(GrammarCompiler(lambda: load_tokenizer(files, config.model_config)))
 
     # ---- requests in ----
     def add_request(self, creq: EngineCoreRequest) -> None:
         req = Request(creq.request_id, list(creq.prompt_token_ids), creq.sampling_params, creq.max_tokens,
                       creq.eos_token_ids, creq.cache_salt, creq.arrival_time or time.monotonic(),
                       priority=creq.priority)
-        first = self.scheduler.requests.get(creq.after_prompt_of or "")
+        if creq.sampling_params.structured_outputs is not None:  # scheduled once its grammar has compiled
+            self.structured.submit(req, creq.after_prompt_of)
+            return
+        self._admit(req, creq.after_prompt_of)
+
+    def _admit(self, req: Request, after_prompt_of: str | None) -> None:
+        first = self.scheduler.requests.get(after_prompt_of or "")
         if first is not None and self.config.cache_config.enable_prefix_caching and not self._prompt_done(first):
             self.deferred.setdefault(first.request_id, _Deferred(first)).siblings.append(req)
             return
         self.scheduler.add_request(req)
+
+    def _admit_compiled(self) -> list[EngineCoreOutput]:
+        """Hand the requests whose grammar is ready to the scheduler; fail those whose grammar did not compile
+        (the front checked it, so this is rare)."""
+        if not self.structured.has_pending():
+            return []
+        ready, failed = self.structured.ready()
+        for req, after_prompt_of in ready:
+            self._admit(req, after_prompt_of)
+        for req in failed:
+            req.status, req.finished_time = RequestStatus.FINISHED_ERROR, time.monotonic()
+        return [self._output(req, [], None) for req in failed]
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             for group in self.deferred.values():
                 group.siblings = [r for r in group.siblings if r.request_id != request_id]
             self.scheduler.abort(request_id)
+            self.structured.free(request_id)
         self._release_siblings()
 
     def purge_cache_salt(self, salt: str) -> int:
@@ -106,7 +129,7 @@ class EngineCore:
         return self.scheduler.kv.purge(salt)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self.deferred)
+        return self.scheduler.has_unfinished() or bool(self.deferred) or self.structured.has_pending()
 
     @staticmethod
     def _prompt_done(req: Request) -> bool:
@@ -122,14 +145,17 @@ class EngineCore:
     # ---- one step ----
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, execute, sample, update: an output per request that advanced, finished or failed."""
+        outputs = self._admit_compiled()
         out = self.scheduler.schedule()
         if out.is_empty():
             self._release_siblings()
-            return []
+            if self.structured.has_pending() and not outputs:
+                self.structured.wait(0.01)  # nothing to compute but grammars: do not spin
+            return outputs
         self.step_tokens.observe(sum(n for _, n in out.scheduled))
         failed: list[Request] = []
         sampled = self._execute_isolating_failures(out, failed)
-        outputs = [self._fail(req) for req in failed]
+        outputs += [self._fail(req) for req in failed]
         self.scheduler.update_after_step(out)
         now = time.monotonic()
         outputs += [self._append(req, token, now) for req, token in sampled]
@@ -140,7 +166,9 @@ class EngineCore:
         sampling = [r for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens]
         prompt_logprobs: dict[str, list] = {}
         logits = self.executor.execute(out, prompt_logprobs)
-        sampled = list(zip(sampling, self.sampler(logits, build_sampling_metadata(sampling))))
+        meta = build_sampling_metadata(sampling)
+        meta.allowed_token_mask = self.structured.allowed_token_mask(sampling, logits.shape[-1])
+        sampled = list(zip(sampling, self.sampler(logits, meta)))
         for req, _ in out.scheduled:  # only once the whole step succeeded: a retried step adds nothing twice
             self._add_prompt_logprobs(req, prompt_logprobs.get(req.request_id))
         return sampled
@@ -177,12 +205,15 @@ class EngineCore:
 
     def _fail(self, req: Request) -> EngineCoreOutput:
         self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+        self.structured.free(req.request_id)
         return self._output(req, [], None)
 
     def _append(self, req: Request, token: SampledToken, now: float) -> EngineCoreOutput:
         if req.first_token_time is None:
             req.first_token_time = now
         self.scheduler.append_token(req, token.token_id)
+        if self.structured.is_constrained(req.request_id):
+            self._advance_grammar(req, token.token_id)
         logprobs = None
         if token.logprob is not None:
             logprobs = [TokenLogprob(token.logprob, token.rank, token.top_logprobs or [])]
@@ -190,6 +221,16 @@ class EngineCore:
         if req.prompt_logprobs is not None and not req.prompt_logprobs_sent:
             output.prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
         return output
+
+    def _advance_grammar(self, req: Request, token_id: int) -> None:
+        """The grammar takes the token; a complete grammar finishes the request ("stop", as EOS would)."""
+        if not req.status.finished:
+            verdict = self.structured.accept(req, token_id)
+            if verdict is not None:
+                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED if verdict == "stop"
+                                      else RequestStatus.FINISHED_ERROR)
+        if req.status.finished:
+            self.structured.free(req.request_id)
 
     @staticmethod
     def _output(req: Request, new_token_ids: list[int], logprobs: list[TokenLogprob] | None) -> EngineCoreOutput:
@@ -204,7 +245,7 @@ class EngineCore:
         sched = self.scheduler
         return {"core_deferred": sum(1 + len(g.siblings) for g in self.deferred.values()),
                 "scheduler_requests": len(sched.requests), "scheduler_waiting": len(sched.waiting),
-                "scheduler_running": len(sched.running)}
+                "scheduler_running": len(sched.running), **self.structured.table_sizes()}
 
     def stats(self) -> dict:
         pool = self.scheduler.pool

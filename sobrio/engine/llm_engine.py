@@ -18,6 +18,7 @@ from sobrio.engine.outputs import CompletionOutput, Logprob, RequestMetrics, Req
 from sobrio.errors import EngineOverloadedError, InvalidRequestError
 from sobrio.loader.load import LoadedModelFiles, load_model_files
 from sobrio.sample.params import SamplingParams
+from sobrio.structured.backend import validate as validate_structured
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +100,8 @@ class LLMEngine:
             raise InvalidRequestError("sampling params must be a SamplingParams")
         self._check_priority(priority)
         self.input_processor.validate_params(params, cache_salt)
+        if params.structured_outputs is not None:  # a bad schema, regex or grammar: refused before queuing
+            validate_structured(params.structured_outputs)
         ids = self.input_processor.tokenize(prompt_token_ids if prompt_token_ids is not None else prompt)
         max_tokens = self.input_processor.resolve_max_tokens(len(ids), params)
         text_prompt = prompt if isinstance(prompt, str) else None

@@ -54,6 +54,14 @@ def load_model_files(model: str | ModelConfig, tokenizer: bool = True) -> Loaded
     return LoadedModelFiles(source, folder, config, tok, sampling)
 
 
+def load_tokenizer(files: LoadedModelFiles, mc: ModelConfig):
+    """The model's tokenizer (`--tokenizer`'s if set): the one already loaded, or read now (an engine core,
+    which loads none at start, reads it at its first structured-output request)."""
+    if files.tokenizer is not None:
+        return files.tokenizer
+    return _tokenizer(files.folder) if mc.tokenizer is None else _tokenizer_of(mc.tokenizer)
+
+
 def _prepared(source: ModelSource) -> Path:
     if not source.is_gguf:
         return source.path

@@ -5,6 +5,7 @@ types (a 2^64 `top_k` overflowed the tensor that holds it, a 2^70 `seed` the gen
 finite, token ids non-negative (the vocabulary bound is checked where the vocabulary is known).
 """
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -18,6 +19,61 @@ MAX_STOP_STRING_CHARS = 512
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024  # entries; OpenAI allows -100..100 per token
 MAX_LOGPROBS = 1 << 20  # a bound on the type only: the engine refuses more than --max-logprobs (default 20)
+
+
+MAX_GRAMMAR_CHARS = 1 << 20  # a schema, regex or grammar; the body limit (4 MiB) bounds it too
+MAX_CHOICES = 1024
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain the output (vLLM's names): exactly one of a JSON schema (`json`, a dict or its JSON text),
+    a `regex`, a `choice` of strings, a Lark (or GBNF) `grammar`, or `json_object` (any JSON object).
+
+    Checked for shape here; the schema, regex or grammar itself is checked by the front before queuing
+    (`sobrio.structured.backend.validate`), and compiled by the engine core."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise InvalidRequestError("structured output takes exactly one of json, regex, choice, grammar, "
+                                      f"json_object; got {', '.join(given) or 'none'}", param="structured_outputs")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise InvalidRequestError("structured output json must be a JSON schema (an object or its text)",
+                                      param="structured_outputs")
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise InvalidRequestError(f"structured output {name} must be a string", param="structured_outputs")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice or len(self.choice) > MAX_CHOICES
+                    or not all(isinstance(c, str) for c in self.choice)):
+                raise InvalidRequestError(f"structured output choice must be 1 to {MAX_CHOICES} strings",
+                                          param="structured_outputs")
+            object.__setattr__(self, "choice", list(self.choice))
+        if len(self.spec[1]) > MAX_GRAMMAR_CHARS:
+            raise InvalidRequestError(f"structured output spec is longer than {MAX_GRAMMAR_CHARS} characters",
+                                      param="structured_outputs")
+
+    @property
+    def spec(self) -> tuple[str, str]:
+        """(kind, text): a hashable key of what constrains the output (the compile cache's key)."""
+        if self.json is not None:
+            text = self.json if isinstance(self.json, str) else json.dumps(self.json)  # key order is output order
+            return "json", text
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", json.dumps(self.choice)
+        if self.grammar is not None:
+            return "grammar", self.grammar
+        return "json_object", ""
 
 
 @dataclass
@@ -41,6 +97,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None  # JSON schema, regex, choice or grammar
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -52,6 +109,9 @@ class SamplingParams:
         if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
             raise InvalidRequestError("logit_bias must map token ids to numbers", param="logit_bias")
         self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise InvalidRequestError("structured_outputs must be a StructuredOutputsParams",
+                                      param="structured_outputs")
         if self.top_k == -1:
             self.top_k = 0
         self._validate_types()

@@ -15,7 +15,14 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sobrio.errors import InvalidRequestError
 from sobrio.sample import params as sampling
-from sobrio.sample.params import INT32_MAX, MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN, SamplingParams
+from sobrio.sample.params import (
+    INT32_MAX,
+    MAX_STOP_TOKEN_IDS,
+    SEED_MAX,
+    SEED_MIN,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 logger = logging.getLogger("sobrio.server")
 
@@ -57,14 +64,45 @@ def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float] | None:
         raise InvalidRequestError("logit_bias keys must be token ids", param="logit_bias") from None
 
 
+class JsonSchemaFormat(StrictModel):
+    """OpenAI's `response_format.json_schema`: the schema is enforced while decoding, `strict` or not."""
+
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")  # `schema` would shadow pydantic's
+    strict: bool | None = None
+
+
 class ResponseFormat(StrictModel):
-    type: str = "text"  # json_object / json_schema arrive with structured output
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: JsonSchemaFormat | None = None
 
     @model_validator(mode="after")
-    def _text_only(self):
-        if self.type != "text":
-            raise ValueError("only the text response_format is supported; structured output is not supported")
+    def _schema_with_json_schema(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and only with it")
         return self
+
+    def structured(self) -> StructuredOutputsParams | None:
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.type == "json_schema":
+            return StructuredOutputsParams(json=self.json_schema.json_schema)
+        return None
+
+
+class StructuredOutputs(StrictModel):
+    """vLLM's `structured_outputs` request field: one of a JSON schema, a regex, a choice, a Lark/GBNF grammar."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def params(self) -> StructuredOutputsParams:
+        return StructuredOutputsParams(json=self.json_, regex=self.regex, choice=self.choice, grammar=self.grammar,
+                                       json_object=bool(self.json_object))
 
 
 class _SamplingFields(StrictModel):
@@ -98,6 +136,16 @@ class _SamplingFields(StrictModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
+    # structured output: OpenAI's response_format, or vLLM's structured_outputs (not both)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+    def structured(self) -> StructuredOutputsParams | None:
+        from_format = self.response_format.structured() if self.response_format else None
+        if from_format is not None and self.structured_outputs is not None:
+            raise InvalidRequestError("give response_format or structured_outputs, not both",
+                                      param="structured_outputs")
+        return self.structured_outputs.params() if self.structured_outputs else from_format
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
@@ -109,6 +157,7 @@ class _SamplingFields(StrictModel):
             ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             prompt_logprobs=self.prompt_logprobs, logit_bias=logit_bias_ids(self.logit_bias),
+            structured_outputs=self.structured(),
         )
 
     @model_validator(mode="after")
@@ -142,7 +191,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=sampling.MAX_LOGPROBS)  # --max-logprobs bounds it
-    response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: variables for the chat template
     # accepted and ignored (IGNORED_FIELDS): no tools, no reasoning models, predictions only save time

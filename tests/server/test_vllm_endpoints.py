@@ -1,13 +1,16 @@
 """vLLM's and OpenAI's other endpoints and request fields, against one small server: /tokenize and
 /detokenize, /v1/models/{id}, /ping, /v1/responses (through the official client), OpenAI error bodies for
 unknown routes, ignored and refused fields, X-Request-Id, chat_template_kwargs, priority, logit_bias, echo and
-prompt_logprobs."""
+prompt_logprobs; structured output (response_format, structured_outputs, bad specs as 400s)."""
 
+import json
 import math
+from typing import Literal
 
 import httpx
 import pytest
 from openai import NotFoundError, OpenAI
+from pydantic import BaseModel
 
 from sobrio.engine.input import InputProcessor
 from sobrio.errors import InvalidRequestError
@@ -166,7 +169,6 @@ def test_ignored_fields_are_accepted_and_logged_by_name(srv):
 
 
 @pytest.mark.parametrize("path,body", [
-    ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_object"}}),
     ("/v1/chat/completions", {"messages": MESSAGES, "functions": []}),
     ("/v1/completions", {"prompt": "x", "suffix": "y"}),
     ("/v1/completions", {"prompt": "x", "best_of": 2}),
@@ -216,3 +218,38 @@ def test_priority_logit_bias_echo_and_prompt_logprobs(srv, client, tokenizer):
     assert all(len(entry) in (2, 3) for entry in scored[1:])  # the prompt's token and the top 2
     chat = _post(srv, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1, "prompt_logprobs": 0}).json()
     assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+
+
+def test_structured_output_over_http(srv, client):
+    """response_format json_schema through the official client (chat), vLLM's structured_outputs on completions,
+    and bad specs as 400s that name the problem; the server keeps serving."""
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
+                                               "count": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["colour", "count"], "additionalProperties": False}
+    reply = client.chat.completions.create(
+        model=SMOL, messages=MESSAGES, max_tokens=40, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "pick", "schema": schema, "strict": True}})
+    value = json.loads(reply.choices[0].message.content)
+    assert reply.choices[0].finish_reason == "stop"
+    assert value["colour"] in ("red", "green", "blue") and 0 <= value["count"] <= 9
+    assert set(value) == set(schema["required"])
+
+    class Pick(BaseModel):
+        colour: Literal["red", "green", "blue"]
+        count: int
+
+    parsed = client.chat.completions.parse(model=SMOL, messages=MESSAGES, max_tokens=40, temperature=0,
+                                           response_format=Pick).choices[0].message.parsed
+    assert isinstance(parsed, Pick)
+    choice = _post(srv, "/v1/completions", {"prompt": "Is the sky blue?", "max_tokens": 5, "seed": 1,
+                                            "structured_outputs": {"choice": ["yes", "no"]}}).json()
+    assert choice["choices"][0]["text"] in ("yes", "no")
+    bad = [("/v1/chat/completions", {"messages": MESSAGES, "response_format": {
+                "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}}, "foo"),
+           ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "(ab"}}, "unclosed group"),
+           ("/v1/completions", {"prompt": "x", "structured_outputs": {"grammar": "start: nope"}}, "nope"),
+           ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"},
+                                "structured_outputs": {"regex": "a"}}, "not both")]
+    for path, body, word in bad:
+        assert word in _error(_post(srv, path, body), 400)["message"]
+    assert _post(srv, "/v1/completions", {"prompt": "x", "max_tokens": 1}).status_code == 200

@@ -74,7 +74,7 @@ def test_kill_9_of_the_core_fails_streams_fast_then_serving_resumes():
         [new_pid] = core_pids(srv.proc.pid)
         assert new_pid != pid
         resp = httpx.post(f"{srv.base_url}/v1/completions", timeout=60,
-                          json={"model": SMOL, "prompt": "Still here?", "max_tokens": 4})
+                          json={"model": SMOL, "prompt": "Still here?", "max_tokens": 4, "ignore_eos": True})
         assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 4
         assert wait_until(lambda: srv.metric("kv_cache_usage_perc", SMOL) == 0, 10)
         assert srv.stop() == 0

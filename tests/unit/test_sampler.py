@@ -76,7 +76,7 @@ def test_logprobs_report_rank_and_top_n():
 
 
 @pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(max_tokens=-3), dict(top_p=0.0), dict(top_p=1.5),
-                                 dict(temperature=-1), dict(n=0), dict(top_k=-2), dict(logprobs=50)])
+                                 dict(temperature=-1), dict(n=0), dict(top_k=-2), dict(logprobs=-1)])
 def test_bad_params_raise_typed_errors(bad):
     with pytest.raises(InvalidRequestError) as err:
         SamplingParams(**bad)

@@ -33,9 +33,9 @@ def main() -> None:
     forward = []
     execute = engine.runner.execute
 
-    def timed(out):
+    def timed(*args):
         start = time.perf_counter()
-        result = execute(out)
+        result = execute(*args)
         forward.append(time.perf_counter() - start)
         return result
 

@@ -24,6 +24,7 @@ from sobrio.errors import ConfigError, EngineOverloadedError, InvalidRequestErro
 from sobrio.loader.resolve import ALIASES, DEFAULT_MODELS, check_model_name, is_installed, resolve_model
 from sobrio.sample.params import SamplingParams
 from sobrio.server import responses_api, routes_tokenize
+from sobrio.server.disconnect import unless_disconnected
 from sobrio.server.edge import edge_stack, install_openapi
 from sobrio.server.embeddings import install_embedding_routes, select_engine, start_engines_with_embedders
 from sobrio.server.errors import error_response, log_unexpected
@@ -252,31 +253,15 @@ def echo_texts(engine: EngineClient, prompts: list) -> list[str]:
 
 
 async def _collect_unless_disconnected(stream: AsyncIterator[RequestOutput], request: Request):
-    """Gather a non-streamed request's outputs; if the client goes away first, abort it (None).
-
-    The disconnect is ASGI's `http.disconnect`, awaited as it comes (no polling), so the abort reaches the
-    engine before its next step. (Polling `request.is_disconnected()` under Starlette's BaseHTTPMiddleware
-    never saw it: that middleware's receive wrapper loses the message in a cancelled scope.)"""
-    collect = asyncio.ensure_future(_collect(stream))
-    gone = asyncio.ensure_future(_wait_for_disconnect(request.receive))
+    """Gather a non-streamed request's outputs; if the client goes away first, abort it (None)."""
     try:
-        await asyncio.wait([collect, gone], return_when=asyncio.FIRST_COMPLETED)
+        return await unless_disconnected(_collect(stream), request)
     finally:
-        for task in (collect, gone):
-            if not task.done():
-                task.cancel()
-        await asyncio.gather(collect, gone, return_exceptions=True)
         await stream.aclose()  # aborts whatever is unfinished
-    return None if collect.cancelled() else collect.result()
 
 
 async def _collect(stream: AsyncIterator[RequestOutput]) -> list[RequestOutput]:
     return [o async for o in stream]
-
-
-async def _wait_for_disconnect(receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 async def _sse(stream: AsyncIterator[RequestOutput], choices: ChoiceState, base_id: str, model_name: str,

@@ -19,6 +19,7 @@ from pydantic import Field
 from sobrio.engine.embedding import EmbeddingClient, EmbeddingEngine, is_embedding_client
 from sobrio.errors import InvalidRequestError, UnknownModelError
 from sobrio.loader.resolve import is_embedding_model
+from sobrio.server.disconnect import unless_disconnected
 from sobrio.server.limits import check_prompt_tokens
 from sobrio.server.protocol import StrictModel, new_id, now
 
@@ -91,7 +92,7 @@ def install_embedding_routes(app: FastAPI, server) -> None:
         rows = await asyncio.to_thread(engine.tokenize_inputs, inputs, body.truncate_prompt_tokens,
                                        body.add_special_tokens)
         check_prompt_tokens(server.limits, [len(r) for r in rows], 1)
-        vectors = await _unless_disconnected(engine.embed(rows, arrival), request)
+        vectors = await unless_disconnected(engine.embed(rows, arrival), request)
         if vectors is None:
             return Response(status_code=499)
         num_tokens = sum(len(r) for r in rows)
@@ -105,25 +106,6 @@ def _encode(vector: np.ndarray, encoding_format: str):
     if encoding_format == "base64":  # little-endian float32, as OpenAI's (and its client decodes)
         return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
     return vector.tolist()
-
-
-async def _unless_disconnected(work, request: Request):
-    """The result of `work`, or None if the client hangs up first (its rows still queued are then skipped)."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_wait_for_disconnect(request.receive))
-    try:
-        await asyncio.wait([task, gone], return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in (task, gone):
-            if not t.done():
-                t.cancel()
-        await asyncio.gather(task, gone, return_exceptions=True)
-    return None if task.cancelled() else task.result()
-
-
-async def _wait_for_disconnect(receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 def start_engines_with_embedders(configs: list, start_generative: Callable[[list], list]) -> list:

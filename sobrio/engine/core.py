@@ -169,7 +169,8 @@ class EngineCore:
         meta = build_sampling_metadata(sampling)
         meta.allowed_token_mask = self.structured.allowed_token_mask(sampling, logits.shape[-1])
         sampled = list(zip(sampling, self.sampler(logits, meta)))
-        for req, _ in out.scheduled:  # only once the whole step succeeded: a retried step adds nothing twice
+        # Only once the whole step succeeded: a retried step adds nothing twice. Most steps have none.
+        for req, _ in out.scheduled if prompt_logprobs else ():
             self._add_prompt_logprobs(req, prompt_logprobs.get(req.request_id))
         return sampled
 

@@ -312,8 +312,10 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
 }  // namespace
 
 void register_cpu_ops(pybind11::module& m);  // cpu_ops.cpp
+void register_amx_ops(pybind11::module& m);  // amx_linear.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
   register_cpu_ops(m);
+  register_amx_ops(m);
 }

@@ -25,3 +25,10 @@ def invariant_linear_available() -> bool:
     """Whether the batch-invariant matmul was built (it needs AVX-512)."""
     ops = cpu_ops()
     return ops is not None and ops.invariant_linear_supported()
+
+
+@functools.cache
+def amx_available() -> bool:
+    """Whether the AMX matmul was built (Intel AMX-BF16) and the kernel grants this process the tiles."""
+    ops = cpu_ops()
+    return ops is not None and ops.amx_supported()

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 from sobrio.layers.attention import AttentionMetadata, BatchedDecodeAttention, ReferenceAttention
 from sobrio.layers.cpu_ops import cpu_ops
-from sobrio.layers.linear import Linear, linear, pack_weight
+from sobrio.layers.linear import Linear, amx_pack_weight, linear, pack_weight
 from sobrio.layers.norm import RMSNorm
 from sobrio.layers.rotary import RotaryEmbedding
 from sobrio.models.weights import PackedLinear
@@ -114,6 +114,7 @@ class CausalLM(torch.nn.Module):
             self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
         self.packed_lm_head: torch.Tensor | None = None
+        self.amx_lm_head: torch.Tensor | None = None
 
     def prepack(self) -> None:
         """Choose every matmul (oneDNN's packed weights, or the batch-invariant kernel); call once the
@@ -122,6 +123,7 @@ class CausalLM(torch.nn.Module):
             if isinstance(module, Linear):
                 module.prepack(self.batch_invariant)
         self.packed_lm_head = None if self.batch_invariant else pack_weight(self.lm_head_weight())
+        self.amx_lm_head = None if self.batch_invariant else amx_pack_weight(self.lm_head_weight())
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -131,7 +133,7 @@ class CausalLM(torch.nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = linear(hidden, self.lm_head_weight(), packed=self.packed_lm_head,
-                        batch_invariant=self.batch_invariant).float()
+                        batch_invariant=self.batch_invariant, amx_packed=self.amx_lm_head).float()
         if self.final_logit_softcapping:
             logits = self._softcap(logits, self.final_logit_softcapping)
         return logits

@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sobrio.layers.cpu_ops import cpu_ops, gemv_available
+from sobrio.layers.cpu_ops import amx_available, cpu_ops, gemv_available
+from sobrio.layers.linear import amx_pack_weight
 from sobrio.layers.norm import GemmaRMSNorm, RMSNorm
 from sobrio.models.llama import GatedMLP
 
@@ -29,6 +30,29 @@ def test_gemv_equals_linear(rows: int, k: int):
     expected = F.linear(x.float(), w.float(), bias.float())
     torch.testing.assert_close(cpu_ops().gemv_bf16(x, w, bias).float(), expected, atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(cpu_ops().gemv_bf16(x, w).float(), expected - bias.float(), atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.skipif(not amx_available(), reason="needs Intel AMX-BF16")
+@pytest.mark.parametrize("rows", [5, 16, 31, 32, 33, 64, 100])  # partial tiles, one and several 32-row blocks
+@pytest.mark.parametrize("n,k", [(32, 32), (960, 576), (576, 1536)])
+def test_amx_linear_equals_linear(rows: int, n: int, k: int):
+    gen = torch.Generator().manual_seed(rows * n + k)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    w = (torch.randn(n, k, generator=gen) * 0.1).bfloat16()
+    bias = torch.randn(n, generator=gen).bfloat16()
+    packed = amx_pack_weight(w)
+    expected = F.linear(x.float(), w.float())
+    torch.testing.assert_close(cpu_ops().amx_linear(x, packed, n).float(), expected, atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(cpu_ops().amx_linear(x, packed, n, bias).float(), expected + bias.float(),
+                               atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.skipif(not amx_available(), reason="needs Intel AMX-BF16")
+def test_amx_pack_refuses_shapes_off_its_blocks():
+    assert amx_pack_weight(torch.zeros(48, 64, dtype=torch.bfloat16)) is None  # 48 outputs: not whole blocks
+    assert amx_pack_weight(torch.zeros(64, 64)) is None  # float32
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        cpu_ops().amx_pack_weight(torch.zeros(48, 64, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

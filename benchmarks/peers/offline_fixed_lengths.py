@@ -6,6 +6,9 @@ at most 32 running at once, greedy; 8 requests first as a warm-up.
     VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0-1 \\
       .peers/vllm/bin/python benchmarks/peers/offline_fixed_lengths.py vllm PREPARED_FOLDER
 
+`--one-at-a-time` (last argument): 8 requests, one running at a time, as the serving workloads' batch-1
+run, so HTTP's cost over the engine shows as a ratio.
+
 PREPARED_FOLDER: the dense safetensors folder sobrio prepares from the GGUF (vllm_server.sh prints how
 to find it). Measured 2026-11-30, Xeon with AMX, 2 cores: sobrio 530 and 558 tok/s, vLLM 578 tok/s
 (with its torch.compile cache warm; a first vLLM run, compiling inside the timed part, gave 396).
@@ -16,11 +19,13 @@ import sys
 import time
 
 NUM, PROMPT_LEN, OUTPUT_LEN, MAX_SEQS = 128, 80, 128, 32
+if sys.argv[-1] == "--one-at-a-time":
+    NUM, MAX_SEQS = 8, 1
 
 
 def prompts() -> list[list[int]]:
     rng = random.Random(5)
-    return [[rng.randrange(200, 28000) for _ in range(PROMPT_LEN)] for _ in range(NUM)]
+    return [[rng.randrange(200, 28000) for _ in range(PROMPT_LEN)] for _ in range(NUM + 8)]  # 8 to warm up
 
 
 def run_sobrio() -> float:
@@ -44,13 +49,13 @@ def run_vllm(folder: str) -> float:
 
 
 def timed(generate, requests) -> float:
-    generate(requests[:8])
+    generate(requests[:8])  # other prompts than the timed ones: no prefix-cache hit
     start = time.perf_counter()
-    generate(requests)
+    generate(requests[8:])
     return NUM * OUTPUT_LEN / (time.perf_counter() - start)
 
 
 if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
-    engine = sys.argv[1] if len(sys.argv) > 1 else "sobrio"
+    engine = sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith("--") else "sobrio"
     rate = run_sobrio() if engine == "sobrio" else run_vllm(sys.argv[2])
     print(f"{engine} offline {NUM} x ({PROMPT_LEN} in, {OUTPUT_LEN} out), {MAX_SEQS} at once: {rate:.1f} output tok/s")

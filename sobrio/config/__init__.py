@@ -9,6 +9,8 @@
   max_num_waiting (the waiting queue the scheduler drains), and the prefill policy
   (long_prefill_token_threshold, max_num_partial_prefills, max_long_partial_prefills);
   enable_chunked_prefill is accepted for vLLM's scripts (always on).
+- `StructuredOutputsConfig` (structured.py): the grammar compile timeout and fast-forward (forced tokens
+  emitted without sampling).
 - `ParallelConfig` (parallel.py): num_threads; tensor_parallel_size, pipeline_parallel_size and
   data_parallel_size accept only 1 until they are built.
 - `UnsupportedConfig` (unsupported.py): vLLM flags for features sobrio lacks (`--quantization`,
@@ -33,7 +35,9 @@ from sobrio.config.parallel import ParallelConfig
 from sobrio.config.scheduler import SchedulerConfig
 from sobrio.config.server import LOG_LEVELS, CorsConfig, LimitsConfig, ServerConfig
 from sobrio.config.sobrio import SobrioConfig
+from sobrio.config.structured import StructuredOutputsConfig
 from sobrio.config.unsupported import UnsupportedConfig
 
 __all__ = ["ATTENTION_BACKENDS", "DTYPES", "LOG_LEVELS", "CacheConfig", "CorsConfig", "LimitsConfig",
-           "ModelConfig", "ParallelConfig", "SchedulerConfig", "ServerConfig", "SobrioConfig", "UnsupportedConfig"]
+           "ModelConfig", "ParallelConfig", "SchedulerConfig", "ServerConfig", "SobrioConfig",
+           "StructuredOutputsConfig", "UnsupportedConfig"]

@@ -22,7 +22,7 @@ from sobrio.config import ServerConfig, SobrioConfig
 from sobrio.engine.core_process import CoreProcess, EngineDeadError
 from sobrio.engine.llm_engine import LLMEngine
 from sobrio.engine.outputs import RequestOutput
-from sobrio.errors import SobrioError
+from sobrio.errors import InvalidRequestError, SobrioError
 from sobrio.loader.load import load_model_files
 from sobrio.sample.params import SamplingParams
 
@@ -101,6 +101,8 @@ class _ClientBase:
                     raise item
                 remaining -= item.finished
                 if item.outputs[0].finish_reason == "error":
+                    if item.error is not None:  # its grammar: the request's fault
+                        raise InvalidRequestError(item.error, param="structured_outputs")
                     raise EngineStepError("the engine failed while computing this request")
                 yield item
         finally:

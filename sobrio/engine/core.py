@@ -10,6 +10,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from sobrio.config import SobrioConfig
 from sobrio.engine.executor import Executor
 from sobrio.engine.request import Request, RequestStatus
@@ -60,6 +62,7 @@ class EngineCoreOutput:
     finished_time: float | None = None
     # prompt_logprobs: once, with the first token; entry k is for prompt token k + 1 (token 0 has none)
     prompt_logprobs: list[TokenLogprob] | None = None
+    error: str | None = None  # "error" by the request's own fault (its grammar): what its client is told (400)
 
     @property
     def finished(self) -> bool:
@@ -84,7 +87,10 @@ class EngineCore:
         self.step_tokens = StepTokenCounts()  # /metrics: iteration_tokens_total
         self.deferred: dict[str, _Deferred] = {}  # first request id -> siblings not yet scheduled
         # structured output: grammars compile on a worker thread (the tokenizer is read at the first one)
-        self.structured = StructuredOutputManager(GrammarCompiler(lambda: load_tokenizer(files, config.model_config)))
+        structured = config.structured_outputs_config
+        self.structured = StructuredOutputManager(GrammarCompiler(lambda: load_tokenizer(files, config.model_config)),
+                                                  structured.structured_outputs_compile_timeout)
+        self.fast_forward = structured.structured_outputs_fast_forward
 
     # ---- requests in ----
     def add_request(self, creq: EngineCoreRequest) -> None:
@@ -104,16 +110,23 @@ class EngineCore:
         self.scheduler.add_request(req)
 
     def _admit_compiled(self) -> list[EngineCoreOutput]:
-        """Hand the requests whose grammar is ready to the scheduler; fail those whose grammar did not compile
-        (the front checked it, so this is rare)."""
+        """Hand the requests whose grammar is ready to the scheduler, after the tokens it forces from the start
+        (they join the prompt's forward); fail those whose grammar did not compile in time or at all (the
+        front checked it, so this is rare)."""
         if not self.structured.has_pending():
             return []
         ready, failed = self.structured.ready()
+        outputs = []
         for req, after_prompt_of in ready:
-            self._admit(req, after_prompt_of)
-        for req in failed:
-            req.status, req.finished_time = RequestStatus.FINISHED_ERROR, time.monotonic()
-        return [self._output(req, [], None) for req in failed]
+            forced = self._fast_forward(req)
+            if forced:  # its first token time stays that of its first sampled token (after the prompt's forward)
+                outputs.append(self._output(req, forced, None))
+            if not req.status.finished:
+                self._admit(req, after_prompt_of)
+        for req, error in failed:
+            req.status, req.finished_time, req.error = RequestStatus.FINISHED_ERROR, time.monotonic(), error
+            outputs.append(self._output(req, [], None))
+        return outputs
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -213,15 +226,47 @@ class EngineCore:
         if req.first_token_time is None:
             req.first_token_time = now
         self.scheduler.append_token(req, token.token_id)
+        forced = []
         if self.structured.is_constrained(req.request_id):
             self._advance_grammar(req, token.token_id)
+            forced = self._fast_forward(req)
+        req.num_forced_tokens = len(forced)
         logprobs = None
         if token.logprob is not None:
             logprobs = [TokenLogprob(token.logprob, token.rank, token.top_logprobs or [])]
-        output = self._output(req, [token.token_id], logprobs)
+        output = self._output(req, [token.token_id, *forced], logprobs)
         if req.prompt_logprobs is not None and not req.prompt_logprobs_sent:
             output.prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
         return output
+
+    def _fast_forward(self, req: Request) -> list[int]:
+        """Append the tokens the grammar forces next (the only one its mask allows, one after another) without
+        sampling them: token-by-token decoding could pick nothing else, so the output is the same, and the
+        next step computes them in one forward. Not for a request that wants logprobs (a forced token's would
+        need the forward that has not run yet), nor for EOS or stop tokens (the sampler's rules decide those)."""
+        if not self.fast_forward or req.sampling_params.logprobs is not None:
+            return []
+        forced = []
+        while not req.status.finished and (token := self._forced_token(req)) is not None:
+            self._skip_draw(req)
+            self.scheduler.append_token(req, token)
+            self._advance_grammar(req, token)
+            forced.append(token)
+        self.structured.num_forced_tokens += len(forced)
+        return forced
+
+    def _forced_token(self, req: Request) -> int | None:
+        token = self.structured.forced_token(req)
+        if token is None or token in req.eos_token_ids or token in req.sampling_params.stop_token_ids:
+            return None
+        return token
+
+    @staticmethod
+    def _skip_draw(req: Request) -> None:
+        """The uniform the sampler would have drawn for a forced token, drawn anyway: a seeded request samples
+        the same tokens after it as token by token."""
+        if req.generator is not None and not req.sampling_params.greedy:
+            torch.rand(1, generator=req.generator)
 
     def _advance_grammar(self, req: Request, token_id: int) -> None:
         """The grammar takes the token; a complete grammar finishes the request ("stop", as EOS would)."""
@@ -238,7 +283,7 @@ class EngineCore:
         stop_reason = req.stop_reason if isinstance(req.stop_reason, int) else None
         return EngineCoreOutput(req.request_id, new_token_ids, logprobs, req.finish_reason, stop_reason,
                                 req.num_cached_tokens, req.num_preemptions, req.first_scheduled_time,
-                                req.first_token_time, req.finished_time)
+                                req.first_token_time, req.finished_time, error=req.error)
 
     # ---- introspection ----
     def table_sizes(self) -> dict[str, int]:
@@ -254,4 +299,5 @@ class EngineCore:
                 "num_requests_waiting": len(self.scheduler.waiting), "kv_cache_usage_perc": pool.usage(),
                 "prefix_cache_queries": pool.queries, "prefix_cache_hits": pool.hits,
                 "num_preemptions": self.scheduler.num_preemptions, "tables": self.table_sizes(),
-                "iteration_tokens": self.step_tokens.snapshot(), "num_blocks": pool.num_blocks}
+                "iteration_tokens": self.step_tokens.snapshot(), "num_blocks": pool.num_blocks,
+                "structured_outputs": self.structured.stats()}

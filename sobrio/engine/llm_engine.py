@@ -55,6 +55,7 @@ class _Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    error: str | None = None  # finish_reason "error" by the request's own fault: why
 
 
 class LLMEngine:
@@ -179,7 +180,7 @@ class LLMEngine:
             if seq is None:  # finished here already (a stop string, a failed sibling): late tokens are dropped
                 continue
             if out.finish_reason == "error":
-                outputs += self._fail(seq.parent_id)
+                outputs += self._fail(seq.parent_id, out.error)
             else:
                 outputs.append(self._advance(seq, out))
         return outputs
@@ -202,15 +203,16 @@ class LLMEngine:
             seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
         return self._make_output(seq, out)
 
-    def _fail(self, parent_id: str) -> list[RequestOutput]:
-        """One sequence failed in the core: the whole request fails (finish_reason "error"), siblings too."""
+    def _fail(self, parent_id: str, error: str | None = None) -> list[RequestOutput]:
+        """One sequence failed in the core: the whole request fails (finish_reason "error"), siblings too;
+        `error`: why, when it was the request's own fault."""
         child_ids = self.children.get(parent_id, [])
         self.core.abort_requests(child_ids)
         outputs = []
         for child_id in child_ids:
             seq = self.sequences.get(child_id)
             if seq is not None:
-                seq.finish_reason = "error"
+                seq.finish_reason, seq.error = "error", error
                 outputs.append(self._make_output(seq, None))
         return outputs
 
@@ -234,7 +236,7 @@ class LLMEngine:
                                  len(self.children.get(seq.parent_id, ())) or 1, seq.params.max_tokens)
         result = RequestOutput(seq.parent_id, seq.prompt, seq.prompt_token_ids, [completion], finished, metrics,
                                out.num_cached_tokens if out else 0, seq.detok.delta(finished), delta_ids,
-                               seq.prompt_logprobs)
+                               seq.prompt_logprobs, seq.error)
         if finished:
             self._forget(seq)
         return result

@@ -49,3 +49,6 @@ class RequestOutput:
     delta_token_ids: list[int] = field(default_factory=list)
     # prompt_logprobs (vLLM's): entry k for prompt token k (None for the first), with the top n
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # finish_reason "error" by the request's own fault (a grammar that failed to compile in time or at all):
+    # what its client is told (HTTP 400); None for an engine failure (500)
+    error: str | None = None

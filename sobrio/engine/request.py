@@ -49,6 +49,9 @@ class Request:
     priority: int = 0  # --scheduling-policy priority: lower first, then earlier arrival
     prompt_logprobs: list | None = None  # prompt_logprobs: entry k is for prompt token k + 1 (core.TokenLogprob)
     prompt_logprobs_sent: bool = False
+    # fast-forward: tokens the grammar forced after the last sampled one; the next step computes them with it
+    num_forced_tokens: int = 0
+    error: str | None = None  # why it failed, when it was its own fault (its grammar): a 400 at the front
 
     def __post_init__(self) -> None:
         if self.sampling_params.seed is not None:

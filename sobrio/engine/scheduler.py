@@ -1,6 +1,7 @@
 """Continuous batching: each step fills a token budget with decode tokens first, then prompt chunks.
 
-Running requests are served oldest first, one token each if decoding, a chunk if still prefilling.
+Running requests are served oldest first, one token each if decoding (a few when structured output forced
+tokens after the sampled one), a chunk if still prefilling.
 When the KV cache cannot hold a step, the newest running request is preempted: its blocks are freed and
 it goes back to the head of the waiting queue, to be recomputed (mostly from the prefix cache) later.
 A step that carries decodes also obeys `PrefillSlots`: its prompt work is bounded, so a long prompt does
@@ -35,8 +36,10 @@ class SchedulerOutput:
 
 
 def is_decode(req: Request) -> bool:
-    """One token left past the first output: the step feeds back the token sampled last step."""
-    return bool(req.output_token_ids) and req.num_tokens - req.num_computed_tokens == 1
+    """Past the first output, with only the last step's tokens left: the step feeds back the token sampled
+    last step and those its grammar forced after it (fast-forward), all in one query, outside the prefill
+    slots. A preempted request recomputes everything, a prompt's worth: not a decode."""
+    return bool(req.output_token_ids) and req.num_tokens - req.num_computed_tokens <= 1 + req.num_forced_tokens
 
 
 @dataclass
@@ -121,7 +124,7 @@ class Scheduler:
             remaining = req.num_tokens - req.num_computed_tokens
             assert remaining > 0, "a running request has nothing to compute"
             prompt = not is_decode(req)
-            num_new = slots.grant(remaining, min(remaining, budget)) if prompt else 1
+            num_new = slots.grant(remaining, min(remaining, budget)) if prompt else min(remaining, budget)
             if num_new == 0:
                 i += 1
                 continue

@@ -11,7 +11,10 @@ Two backends:
 - `BatchedDecodeAttention`: the same for prompt chunks, but all decoding sequences (one query each) in
   one padded gather and two batched matmuls per layer: for 64 decoding sequences on this CPU, several
   times faster than 64 SDPA calls (whose bf16 GQA path is slow).
-- `CppPagedAttention`: decode through a small C++ operator that reads the paged cache in place.
+- `CppPagedAttention`: decode through a small C++ operator that reads the paged cache in place, and so
+  every row of a sequence with a short query (up to `SHORT_QUERY` rows: a decode with the tokens structured
+  output forced after it, a short chunk), each row as a decode query of its own: gathering a whole context
+  and its GQA copies for a few rows cost several times the kernel's in-place read.
   `benchmarks/attention_backends.py` times the three.
 - `BatchInvariantAttention` (`--batch-invariant`): every query row, prompt or decode, through that operator
   as a row of its own, so a row's result does not depend on the batch, the chunking or the prefix cache.
@@ -23,6 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from sobrio.kv.cache import KVCache
+
+SHORT_QUERY = 16  # CppPagedAttention: sequences with at most this many query rows attend row by row
 
 
 @dataclass
@@ -81,6 +86,20 @@ class AttentionMetadata:
             if window is not None:
                 mask &= positions > ctx.unsqueeze(1) - 1 - window
             self._cache[key] = (slots.view(len(ctx), -1)[:, :length].contiguous(), mask.view(len(ctx), 1, 1, length))
+        return self._cache[key]
+
+    def short_query_rows(self, limit: int):
+        """The sequences with at most `limit` query rows, each row as the decode kernel sees a single-query
+        sequence: (their indices, their rows in the batch, each row's block table and context length), or None
+        when there are none."""
+        key = ("short", limit)
+        if key not in self._cache:
+            seqs = [i for i in range(self.num_seqs) if self.query_len(i) <= limit]
+            self._cache[key] = None
+            if seqs:
+                tables, lens = self.query_rows()
+                rows = torch.cat([torch.arange(self.query_start_loc[i], self.query_start_loc[i + 1]) for i in seqs])
+                self._cache[key] = (seqs, rows, tables[rows], lens[rows])
         return self._cache[key]
 
     def query_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -217,11 +236,30 @@ class CppPagedAttention(BatchedDecodeAttention):
         self.ops = load()
         assert self.ops is not None, "the C++ operators did not build; use the batched backend"
 
-    def decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+        self.write_cache(k, v, meta)
+        decode = meta.decode_seqs()
+        if decode is not None and len(decode[0]) == meta.num_seqs:  # a pure decode step (most): no scatter
+            return self.decode(q, meta).view(q.shape[0], -1)
+        short = meta.short_query_rows(SHORT_QUERY)
+        out = torch.empty_like(q)
+        done = set()
+        if short is not None:
+            seqs, rows, tables, lens = short
+            out[rows] = self.rows(q[rows], meta, tables, lens)
+            done = set(seqs)
+        self.attend_each(q, k, v, meta, [i for i in range(meta.num_seqs) if i not in done], out)
+        return out.view(q.shape[0], -1)
+
+    def rows(self, q: torch.Tensor, meta: AttentionMetadata, tables: torch.Tensor, lens: torch.Tensor):
+        """Each query row over its first `lens` positions (its own included, already written)."""
         key_cache, value_cache = self.caches(meta)
+        return self.ops.paged_decode_attention(q.contiguous(), key_cache, value_cache, tables, lens,
+                                               meta.block_size, self.scale, self.sliding_window or 0)
+
+    def decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         _, _, tables, ctx = meta.decode_seqs()
-        return self.ops.paged_decode_attention(q.contiguous(), key_cache, value_cache, tables, ctx,
-                                             meta.block_size, self.scale, self.sliding_window or 0)
+        return self.rows(q, meta, tables, ctx)
 
 
 class BatchInvariantAttention(ReferenceAttention):

@@ -8,7 +8,9 @@ absent. sobrio's own families keep the `sobrio:` prefix whichever is chosen (`so
 
 Where each value comes from:
 - scrape time, from each engine's `stats()`: the scheduler gauges, the prefix-cache and preemption counters,
-  the engine-step token histogram (`iteration_tokens_total`, counted in the engine core), cache config info;
+  the engine-step token histogram (`iteration_tokens_total`, counted in the engine core), cache config info,
+  structured output (`sobrio:structured_output_*`: requests, forced tokens, grammar cache hits and misses,
+  grammar compile time, all counted in the engine core);
 - each output of each sequence (`observe`, on the engine's output thread): tokens, latencies, request sizes;
 - each finished embedding request (`observe_embedding`, on the embedding worker).
 """
@@ -22,6 +24,7 @@ from prometheus_client.utils import floatToGoString
 
 from sobrio.engine.outputs import RequestOutput
 from sobrio.engine.stats import ITERATION_TOKENS_BUCKETS
+from sobrio.structured.backend import COMPILE_SECONDS_BUCKETS
 
 METRICS_PREFIXES = ("sobrio", "vllm")
 ENGINE = "0"  # vLLM's `engine` label: the data-parallel rank; sobrio runs one engine per served model
@@ -71,19 +74,17 @@ class EngineStatsCollector:
             ("num_preemptions", "Cumulative number of preemption from the engine.")]}
         steps = HistogramMetricFamily(f"{p}:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
                                       labels=labels)
-        cache_infos = []
+        cache_infos, generating = [], []
         tables = GaugeMetricFamily("sobrio:request_table_entries", "Entries of each per-request table (a "
                                    "request that left one behind shows here once idle)", labels=["model_name", "table"])
         for model_name, engine in self.engines.items():
             stats = engine.stats()
+            if getattr(engine, "task", "generate") == "generate":
+                generating.append((model_name, stats))
             for name, family in {**gauges, **counters}.items():
                 family.add_metric([model_name, ENGINE], stats[name])
             counts, total = stats.get("iteration_tokens") or ([0] * (len(ITERATION_TOKENS_BUCKETS) + 1), 0)
-            cumulative, buckets = 0, []
-            for bound, count in zip([*map(floatToGoString, ITERATION_TOKENS_BUCKETS), "+Inf"], counts):
-                cumulative += count
-                buckets.append((bound, cumulative))
-            steps.add_metric([model_name, ENGINE], buckets, total)
+            steps.add_metric([model_name, ENGINE], cumulative_buckets(ITERATION_TOKENS_BUCKETS, counts), total)
             info = cache_config_info(engine, stats)
             if info is not None:
                 cache_infos.append({"model_name": model_name, "engine": ENGINE, **info})
@@ -92,6 +93,7 @@ class EngineStatsCollector:
         yield from gauges.values()
         yield from counters.values()
         yield steps
+        yield from structured_output_families(generating)
         if cache_infos:  # one label set for the family: every engine's keys
             keys = list(dict.fromkeys(k for info in cache_infos for k in info))
             family = GaugeMetricFamily(f"{p}:cache_config_info", "Information of the LLMEngine CacheConfig",
@@ -100,6 +102,41 @@ class EngineStatsCollector:
                 family.add_metric([info.get(k, "") for k in keys], 1)
             yield family
         yield tables
+
+
+def cumulative_buckets(bounds: tuple[float, ...], counts: list[int]) -> list[tuple[str, int]]:
+    """Per-bucket counts (the last past the largest bound) -> Prometheus' cumulative (le, count) pairs."""
+    cumulative, buckets = 0, []
+    for bound, count in zip([*map(floatToGoString, bounds), "+Inf"], counts):
+        cumulative += count
+        buckets.append((bound, cumulative))
+    return buckets
+
+
+STRUCTURED_COUNTERS = (
+    ("requests", "requests", "Requests with structured output (a JSON schema, regex, choice or grammar)."),
+    ("forced_tokens", "forced_tokens", "Output tokens a grammar forced, emitted without sampling (fast-forward)."),
+    ("grammar_cache_hits", "cache_hits", "Grammar compiles served by the compiled-grammar cache."),
+    ("grammar_cache_misses", "cache_misses", "Grammar compiles not in the compiled-grammar cache (compiled)."))
+
+
+def structured_output_families(generating: list[tuple[str, dict]]):
+    """sobrio's structured-output families (`sobrio:` whatever the prefix: vLLM has none): counters, and the
+    histogram of grammar compile times, from each generating model's core stats (zero before any)."""
+    labels = ["model_name", "engine"]
+    counters = {key: CounterMetricFamily(f"sobrio:structured_output_{name}", doc, labels=labels)
+                for name, key, doc in STRUCTURED_COUNTERS}
+    compile_time = HistogramMetricFamily("sobrio:structured_output_grammar_compile_seconds",
+                                         "Time to compile a grammar against the tokenizer (cache misses).",
+                                         labels=labels)
+    for model_name, all_stats in generating:
+        stats = all_stats.get("structured_outputs") or {}
+        for key, family in counters.items():
+            family.add_metric([model_name, ENGINE], stats.get(key, 0))
+        counts, total = stats.get("compile_seconds") or ([0] * (len(COMPILE_SECONDS_BUCKETS) + 1), 0.0)
+        compile_time.add_metric([model_name, ENGINE], cumulative_buckets(COMPILE_SECONDS_BUCKETS, counts), total)
+    yield from counters.values()
+    yield compile_time
 
 
 def cache_config_info(engine, stats: dict) -> dict[str, str] | None:

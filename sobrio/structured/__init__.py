@@ -2,6 +2,7 @@
 
 `backend.py` turns a request's `StructuredOutputsParams` into an llguidance grammar, checks it (the front,
 before queuing) and compiles it against the tokenizer (the engine core, on a worker thread, cached by
-spec); `manager.py` holds each request's matcher in the core, fills the step's token bitmask and
-advances the matchers on every accepted token.
+spec); `manager.py` holds each request's matcher in the core, bounds each compile's time, fills the step's
+token bitmask, advances the matchers on every accepted token, and finds the tokens a grammar forces (the
+only one its mask allows), which the core appends without sampling (fast-forward).
 """

@@ -20,6 +20,7 @@ from sobrio.config import (
     SchedulerConfig,
     ServerConfig,
     SobrioConfig,
+    StructuredOutputsConfig,
 )
 from sobrio.config.fields import default_of, is_flag
 from sobrio.engine_args import add_config_args, add_engine_args, config_from_args, engine_flag_fields, engine_kwargs
@@ -30,7 +31,8 @@ FLAGS = ["--dtype", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-l
          "--long-prefill-token-threshold", "--max-num-partial-prefills", "--max-long-partial-prefills",
          "--tensor-parallel-size", "--data-parallel-size", "--pipeline-parallel-size", "--scheduling-policy",
          "--tokenizer", "--chat-template", "--generation-config", "--override-generation-config", "--max-logprobs",
-         "--seed", "--enforce-eager", "--trust-remote-code", "--gpu-memory-utilization", "--enable-chunked-prefill"]
+         "--seed", "--enforce-eager", "--trust-remote-code", "--gpu-memory-utilization", "--enable-chunked-prefill",
+         "--structured-outputs-fast-forward", "--structured-outputs-compile-timeout"]
 SERVE_FLAGS = ["--model", "--served-model-name", "--host", "--port", "--api-key", "--log-level",
                "--default-max-tokens", "--shutdown-timeout", "--engine-process", "--engine-restarts",
                "--max-body-bytes", "--max-prompts-per-request", "--max-seqs-per-request", "--max-request-tokens",
@@ -38,7 +40,8 @@ SERVE_FLAGS = ["--model", "--served-model-name", "--host", "--port", "--api-key"
                "--allowed-headers", "--allow-credentials", "--config", "--root-path", "--ssl-keyfile",
                "--ssl-certfile", "--ssl-ca-certs", "--ssl-cert-reqs", "--uvicorn-log-level", "--disable-log-requests",
                "--enable-log-requests", "--disable-log-stats"]
-CONCERNS = [ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, ServerConfig, LimitsConfig, CorsConfig]
+CONCERNS = [ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, StructuredOutputsConfig, ServerConfig,
+            LimitsConfig, CorsConfig]
 
 
 def parse(argv: list[str], with_model: bool = True) -> argparse.Namespace:

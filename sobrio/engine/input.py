@@ -77,10 +77,11 @@ class InputProcessor:
 
     def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True,
                         chat_template: str | None = None, template_kwargs: dict | None = None,
-                        add_special_tokens: bool = False) -> list[int]:
+                        add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
         """Apply the model's chat template (or the one given) and tokenize the result. `template_kwargs` (vLLM's
         `chat_template_kwargs`) become variables of the template; as in vLLM they may set
-        `add_generation_prompt`, but not the other arguments of `apply_chat_template`."""
+        `add_generation_prompt`, but not the other arguments of `apply_chat_template`. `tools`: OpenAI tool
+        definitions, for a template that describes tools itself (server/tools.py decides)."""
         template_kwargs = dict(template_kwargs or {})
         reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(template_kwargs))
         if reserved:
@@ -99,7 +100,7 @@ class InputProcessor:
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=False,
-                **template_kwargs,
+                tools=tools, **template_kwargs,
             )
         except Exception as exc:  # jinja errors: the template rejected the conversation's shape
             raise InvalidRequestError(f"chat template failed: {type(exc).__name__}", param="messages") from None

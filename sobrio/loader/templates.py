@@ -1,5 +1,6 @@
 """`--chat-template`: a file or an inline Jinja template, read and compiled once, at start-up (vLLM's rules)."""
 
+from functools import lru_cache
 from pathlib import Path
 
 from sobrio.errors import ConfigError
@@ -36,3 +37,18 @@ def _compile(text: str) -> None:
     except TemplateSyntaxError as exc:
         raise ConfigError(f"--chat-template is not a valid Jinja template: {exc.message} (line {exc.lineno})",
                           "--chat-template") from None
+
+
+@lru_cache(maxsize=16)
+def template_describes_tools(text: str | None) -> bool:
+    """Whether a chat template reads the `tools` variable (as Qwen's and Hermes' do): then the server
+    passes OpenAI tools to it; otherwise (SmolLM2, Gemma 3) it writes its own system prompt (server/tools.py)."""
+    if not isinstance(text, str):
+        return False
+    from jinja2 import TemplateSyntaxError, meta
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        return "tools" in meta.find_undeclared_variables(ImmutableSandboxedEnvironment().parse(text))
+    except TemplateSyntaxError:
+        return False

@@ -23,7 +23,7 @@ from sobrio.engine_args import add_config_args, add_engine_args, config_from_arg
 from sobrio.errors import ConfigError, EngineOverloadedError, InvalidRequestError, SobrioError, UnknownModelError
 from sobrio.loader.resolve import ALIASES, DEFAULT_MODELS, check_model_name, is_installed, resolve_model
 from sobrio.sample.params import SamplingParams
-from sobrio.server import responses_api, routes_tokenize
+from sobrio.server import responses_api, routes_tokenize, tools
 from sobrio.server.disconnect import unless_disconnected
 from sobrio.server.edge import edge_stack, install_openapi
 from sobrio.server.embeddings import install_embedding_routes, select_engine, start_engines_with_embedders
@@ -185,15 +185,19 @@ def create_app(engines: dict[str, EngineClient], limits: LimitsConfig | None = N
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         name, engine = server.engine_for(body.model, "generate")
-        params = body.to_sampling_params()
+        tool_plan = tools.plan(body.tools, body.tool_choice, body.parallel_tool_calls)
+        params = tools.with_tool_grammar(body.to_sampling_params(), tool_plan)
         server.check_fanout(engine, 1, params.n)
         try:
             messages = [m.template_dict() for m in body.messages]
         except ValueError as exc:
             raise InvalidRequestError(str(exc), param="messages") from None
-        ids = await asyncio.to_thread(engine.input_processor.chat_prompt_ids, messages,
-                                      body.add_generation_prompt, template_kwargs=body.chat_template_kwargs)
-        return await _respond(server, request, body, params, name, engine, [ids], "chat")
+        template = getattr(engine.input_processor.tokenizer, "chat_template", None)
+        messages, template_tools = tools.prompt(messages, body.tools, tool_plan, template)
+        ids = await asyncio.to_thread(engine.input_processor.chat_prompt_ids, messages, body.add_generation_prompt,
+                                      template_kwargs=body.chat_template_kwargs, tools=template_tools)
+        return await _respond(server, request, body, params, name, engine, [ids], "chat",
+                              tool_calls=tool_plan is not None)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -212,7 +216,8 @@ def create_app(engines: dict[str, EngineClient], limits: LimitsConfig | None = N
 
 
 async def _respond(server: OpenAIServer, request: Request, body, params: SamplingParams, model_name: str,
-                   engine: EngineClient, prompts: list[list[int]], kind: str, echo: list[str] | None = None):
+                   engine: EngineClient, prompts: list[list[int]], kind: str, echo: list[str] | None = None,
+                   tool_calls: bool = False):
     check_prompt_tokens(server.limits, [len(p) for p in prompts], params.n)
     max_model_len = engine.max_model_len
     defaults = getattr(engine, "default_sampling", None) or {}  # --generation-config
@@ -226,6 +231,7 @@ async def _respond(server: OpenAIServer, request: Request, body, params: Samplin
     stream = engine.stream_outputs(request_ids, params.n, queue)
     choices = ChoiceState(request_ids, params.n, params.logprobs, echo, params.prompt_logprobs,
                           engine.input_processor.decode)
+    choices.tool_calls = tool_calls
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         sse = _sse(stream, choices, base_id, model_name, kind, include_usage)

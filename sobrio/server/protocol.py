@@ -23,6 +23,7 @@ from sobrio.sample.params import (
     SamplingParams,
     StructuredOutputsParams,
 )
+from sobrio.server.tools import MAX_TOOLS, ToolCallIn, ToolChoice, ToolDefinition
 
 logger = logging.getLogger("sobrio.server")
 
@@ -44,8 +45,11 @@ class StreamOptions(StrictModel):
 
 
 def ignored_fields(body: BaseModel) -> list[str]:
-    """The accepted-but-ignored fields this request set (names only: their values are the user's)."""
-    return [name for name in IGNORED_FIELDS if name in body.model_fields_set]
+    """The accepted-but-ignored fields this request set (names only: their values are the user's);
+    `parallel_tool_calls` counts only without tools."""
+    with_tools = bool(getattr(body, "tools", None))
+    return [name for name in IGNORED_FIELDS if name in body.model_fields_set
+            and not (with_tools and name == "parallel_tool_calls")]
 
 
 def log_ignored(names: list[str], request_id: str) -> None:
@@ -168,9 +172,11 @@ class _SamplingFields(StrictModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: passed to the chat template
+    model_config = ConfigDict(extra="allow")  # name, ...: passed to the chat template
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's calls (its content may be null)
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def template_dict(self) -> dict:
         content = self.content
@@ -182,7 +188,12 @@ class ChatMessage(BaseModel):
                 texts.append(part["text"])
             content = "".join(texts)
         role = "system" if self.role == "developer" else self.role
-        return {**(self.model_extra or {}), "role": role, "content": content or ""}
+        message = {**(self.model_extra or {}), "role": role, "content": content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -193,8 +204,11 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=sampling.MAX_LOGPROBS)  # --max-logprobs bounds it
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: variables for the chat template
-    # accepted and ignored (IGNORED_FIELDS): no tools, no reasoning models, predictions only save time
+    # tool calling (server/tools.py); parallel_tool_calls is ignored (IGNORED_FIELDS) without tools
+    tools: list[ToolDefinition] | None = Field(default=None, min_length=1, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # accepted and ignored (IGNORED_FIELDS): no reasoning models, predictions only save time
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     prediction: dict[str, Any] | None = None
 

@@ -4,6 +4,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sobrio.engine.outputs import Logprob, RequestOutput
+from sobrio.server import tools
 from sobrio.server.protocol import UsageInfo, now
 
 
@@ -17,6 +18,7 @@ class Choice:
     logprobs: list[dict[int, Logprob]] | None = None
     role_sent: bool = False
     echo_sent: bool = False
+    tool_parser: tools.ToolCallParser | None = None  # a stream's, when the answer may hold tool calls
 
 
 class ChoiceState:
@@ -36,6 +38,7 @@ class ChoiceState:
         self.cached_tokens: dict[str, int] = {}
         self.prompt_token_ids: dict[str, list[int]] = {}
         self.prompt_logprobs: dict[str, list[dict[int, Logprob] | None]] = {}
+        self.tool_calls = False  # chat with tools: the answers are parsed for tool calls (server/tools.py)
 
     def add(self, output: RequestOutput) -> Choice:
         completion = output.outputs[0]
@@ -118,11 +121,17 @@ def _delta_logprobs(choice: Choice, output: RequestOutput, top_n: int, chat: boo
 
 def chat_chunk(state: ChoiceState, choice: Choice, output: RequestOutput, base_id: str, model: str,
                created: int) -> dict:
-    delta: dict = {"content": output.delta_text}
+    finish_reason = choice.finish_reason
+    if state.tool_calls:
+        choice.tool_parser = choice.tool_parser or tools.ToolCallParser()
+        delta = tools.stream_delta(choice.tool_parser, output.delta_text, finish_reason is not None)
+        finish_reason = tools.finish_reason(finish_reason, choice.tool_parser.all_complete)
+    else:
+        delta = {"content": output.delta_text}
     if not choice.role_sent:
         delta["role"] = "assistant"
         choice.role_sent = True
-    body = {"index": choice.index, "delta": delta, "finish_reason": choice.finish_reason,
+    body = {"index": choice.index, "delta": delta, "finish_reason": finish_reason,
             "logprobs": _delta_logprobs(choice, output, state.top_n or 0, chat=True)}
     return {"id": base_id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [body]}
 
@@ -143,8 +152,12 @@ def final_response(state: ChoiceState, base_id: str, model: str, kind: str) -> d
     for c in state.sorted():
         if kind == "chat":
             logprobs = chat_logprobs(c.logprobs, c.token_ids, top_n) if c.logprobs is not None else None
-            choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                            "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            message, complete = {"role": "assistant", "content": c.text}, False
+            if state.tool_calls:
+                message, complete = tools.message(c.text)
+            choices.append({"index": c.index, "message": message, "logprobs": logprobs,
+                            "finish_reason": tools.finish_reason(c.finish_reason, complete),
+                            "stop_reason": c.stop_reason})
         else:
             choices.append(_completion_choice(state, c, top_n))
     obj = "chat.completion" if kind == "chat" else "text_completion"

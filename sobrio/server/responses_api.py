@@ -7,7 +7,9 @@ response.output_text.delta..., response.output_text.done, response.content_part.
 response.output_item.done, response.completed), as `event: <type>` / `data: <json>` pairs with a
 `sequence_number`; like vLLM, a response cut by `max_output_tokens` ends with response.completed whose
 status is "incomplete". Nothing is stored: `store` is accepted and ignored, `previous_response_id` is
-refused. Tools, structured output, background runs and logprobs are refused as not supported.
+refused. Structured output is `text.format` (`{"type": "json_schema", "name", "schema", "strict"}` or
+`{"type": "json_object"}`), enforced while decoding exactly as chat's `response_format`, and echoed in the
+response's `text`. Tools, background runs and logprobs are refused as not supported.
 """
 
 import asyncio
@@ -21,7 +23,7 @@ from pydantic import Field, field_validator, model_validator
 
 from sobrio.engine.outputs import RequestOutput
 from sobrio.errors import InvalidRequestError, SobrioError
-from sobrio.sample.params import INT32_MAX, MAX_LOGIT_BIAS, SamplingParams
+from sobrio.sample.params import INT32_MAX, MAX_LOGIT_BIAS, SamplingParams, StructuredOutputsParams
 from sobrio.server.errors import log_unexpected
 from sobrio.server.limits import check_prompt_tokens
 from sobrio.server.protocol import Priority, StrictModel, log_ignored, logit_bias_ids, new_id, now
@@ -46,14 +48,39 @@ class InputMessage(StrictModel):
 
 
 class TextFormat(StrictModel):
-    type: str = "text"  # json_schema / json_object arrive with structured output
+    """OpenAI's `text.format`: plain text, any JSON object, or JSON that validates against `schema` (enforced
+    while decoding, `strict` or not, as chat's `response_format`)."""
 
-    @field_validator("type")
-    @classmethod
-    def _text_only(cls, value: str) -> str:
-        if value != "text":
-            raise ValueError("only the text format is supported; structured output is not supported")
-        return value
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = Field(default=None, max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")  # `schema` would shadow pydantic's
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_json_schema(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("text.format of type json_schema needs a schema")
+        given = [name for name, field in (("name", "name"), ("description", "description"),
+                                          ("schema", "json_schema"), ("strict", "strict"))
+                 if getattr(self, field) is not None]
+        if self.type != "json_schema" and given:
+            raise ValueError(f"text.format of type {self.type} takes no {', '.join(given)}")
+        return self
+
+    def structured(self) -> StructuredOutputsParams | None:
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.type == "json_schema":
+            return StructuredOutputsParams(json=self.json_schema)
+        return None
+
+    def echo(self) -> dict:
+        """As OpenAI's response repeats it."""
+        if self.type != "json_schema":
+            return {"type": self.type}
+        return {"type": "json_schema", "name": self.name or "response", "description": self.description,
+                "schema": self.json_schema, "strict": self.strict}
 
 
 class TextConfig(StrictModel):
@@ -154,7 +181,13 @@ class ResponsesRequest(StrictModel):
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, min_p=self.min_p or 0.0,
             repetition_penalty=self.repetition_penalty or 1.0, max_tokens=self.max_output_tokens,
-            logit_bias=logit_bias_ids(self.logit_bias))
+            logit_bias=logit_bias_ids(self.logit_bias), structured_outputs=self.structured())
+
+    def structured(self) -> StructuredOutputsParams | None:
+        return self.text.format.structured() if self.text and self.text.format else None
+
+    def text_echo(self) -> dict:
+        return {"format": self.text.format.echo() if self.text and self.text.format else {"type": "text"}}
 
 
 def _usage(state: ChoiceState) -> dict:
@@ -197,7 +230,7 @@ class _Reply:
             "max_output_tokens": b.max_output_tokens, "max_tool_calls": None, "model": self.model_name,
             "output": output, "parallel_tool_calls": b.parallel_tool_calls is not False,
             "previous_response_id": None, "reasoning": None, "service_tier": "default", "store": False,
-            "temperature": 1.0 if b.temperature is None else b.temperature, "text": {"format": {"type": "text"}},
+            "temperature": 1.0 if b.temperature is None else b.temperature, "text": b.text_echo(),
             "tool_choice": b.tool_choice if isinstance(b.tool_choice, str) else "auto", "tools": [],
             "top_logprobs": 0, "top_p": 1.0 if b.top_p is None else b.top_p, "truncation": "disabled",
             "usage": _usage(state) if state is not None else None, "user": b.user, "metadata": b.metadata or {},
@@ -223,7 +256,13 @@ def register(app: FastAPI, server, collect: Callable, error_response: Callable) 
         request.state.request_id = reply.id
         log_ignored(body.ignored_fields(), reply.id)
         queue: asyncio.Queue = asyncio.Queue()
-        request_ids = await server.submit(engine, reply.id, [ids], [params], body.cache_salt, queue, body.priority)
+        try:
+            request_ids = await server.submit(engine, reply.id, [ids], [params], body.cache_salt, queue,
+                                              body.priority)
+        except InvalidRequestError as exc:  # a bad schema: name the field this API gave it in
+            if exc.param != "structured_outputs":
+                raise
+            raise InvalidRequestError(str(exc), param="text.format") from None
         stream = engine.stream_outputs(request_ids, 1, queue)
         state = ChoiceState(request_ids, 1, None)
         if body.stream:

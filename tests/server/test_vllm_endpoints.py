@@ -10,7 +10,7 @@ from typing import Literal
 import httpx
 import pytest
 from openai import NotFoundError, OpenAI
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from sobrio.engine.input import InputProcessor
 from sobrio.errors import InvalidRequestError
@@ -131,7 +131,6 @@ def test_responses_round_trip(client):
 @pytest.mark.parametrize("body", [
     {"tools": [{"type": "function", "name": "f", "parameters": {}}]},
     {"previous_response_id": "resp_1"},
-    {"text": {"format": {"type": "json_object"}}},
     {"background": True},
     {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
     {"conversation": "conv_1"},
@@ -139,6 +138,52 @@ def test_responses_round_trip(client):
 def test_responses_refuse_what_they_cannot_honour(srv, body):
     error = _error(_post(srv, "/v1/responses", {"model": SMOL, "input": "hi", **body}), 400)
     assert "not supported" in error["message"]
+
+
+def test_responses_text_format_is_enforced(srv, client):
+    """`text.format` json_schema and json_object through the official client, sampled, streamed and parsed: the
+    output validates and the format is echoed; a bad schema is a 400 naming text.format."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 12},
+                                               "rank": {"type": "integer", "minimum": 1, "maximum": 99},
+                                               "sunny": {"type": "boolean"}},
+              "required": ["city", "rank", "sunny"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "name": "city", "schema": schema, "strict": True}
+
+    def check(value: dict) -> None:
+        assert set(value) == {"city", "rank", "sunny"} and 1 <= len(value["city"]) <= 12
+        assert type(value["rank"]) is int and 1 <= value["rank"] <= 99 and type(value["sunny"]) is bool
+
+    kwargs = dict(model=SMOL, input="Name a city as JSON.", max_output_tokens=60, temperature=1.0,
+                  text={"format": fmt})
+    resp = client.responses.create(**kwargs)
+    assert resp.status == "completed", resp.status
+    check(json.loads(resp.output_text))
+    assert resp.text.format.type == "json_schema" and resp.text.format.name == "city"
+    assert resp.text.format.schema_ == schema
+    events = list(client.responses.create(stream=True, **kwargs))
+    check(json.loads("".join(e.delta for e in events if e.type == "response.output_text.delta")))
+    assert events[-1].type == "response.completed" and events[-1].response.text.format.type == "json_schema"
+
+    class Weather(BaseModel):
+        city: str = Field(max_length=12)
+        sky: Literal["sunny", "cloudy", "rainy"]
+        celsius: int = Field(ge=-40, le=50)
+
+    parsed = client.responses.parse(model=SMOL, input="The weather today:", max_output_tokens=60, temperature=0,
+                                    text_format=Weather)
+    assert isinstance(parsed.output_parsed, Weather)
+    anything = client.responses.create(model=SMOL, input='Reply with {"ok": true}', max_output_tokens=60,
+                                       temperature=0, text={"format": {"type": "json_object"}})
+    assert isinstance(json.loads(anything.output_text), dict) and anything.text.format.type == "json_object"
+
+    bad = [({"type": "json_schema", "name": "x", "schema": {"type": "foo"}}, "foo", "text.format"),
+           ({"type": "json_schema", "name": "x"}, "schema", "text"),
+           ({"type": "json_object", "schema": schema}, "schema", "text"),
+           ({"type": "xml"}, "type", "text")]
+    for body, word, param in bad:
+        error = _error(_post(srv, "/v1/responses", {"model": SMOL, "input": "hi", "text": {"format": body}}), 400)
+        assert word in error["message"] and error["param"] == param, error
+    assert _post(srv, "/v1/responses", {"input": "x", "max_output_tokens": 1}).status_code == 200
 
 
 def test_unknown_routes_and_methods_get_openai_errors(srv):

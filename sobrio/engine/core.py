@@ -180,7 +180,7 @@ class EngineCore:
         prompt_logprobs: dict[str, list] = {}
         logits = self.executor.execute(out, prompt_logprobs)
         meta = build_sampling_metadata(sampling)
-        meta.allowed_token_mask = self.structured.allowed_token_mask(sampling, logits.shape[-1])
+        meta.allowed_tokens = self.structured.allowed_tokens(sampling)
         sampled = list(zip(sampling, self.sampler(logits, meta)))
         # Only once the whole step succeeded: a retried step adds nothing twice. Most steps have none.
         for req, _ in out.scheduled if prompt_logprobs else ():

@@ -1,7 +1,7 @@
 """What the sampler needs for one step, one row per sampling request: plain values, no engine objects.
 
 The engine builds it from its requests (`sobrio.engine.sampling.build_sampling_metadata`); the sampler
-knows nothing of requests, schedulers or processes. Structured output fills `allowed_token_mask`;
+knows nothing of requests, schedulers or processes. Structured output fills `allowed_tokens`;
 other per-step logit rewrites hang in `logits_processors`.
 """
 
@@ -11,6 +11,15 @@ from dataclasses import dataclass, field
 import torch
 
 LogitsProcessor = Callable[[torch.Tensor], torch.Tensor]  # [B, V] float32 logits in, same shape out
+
+
+@dataclass
+class TokenBitmask:
+    """The tokens structured output allows in some rows of a step, as llguidance packs them: bit t % 32 of
+    `bits[i, t // 32]` allows token t in row `rows[i]`. Tokens past the last word are not allowed there."""
+
+    rows: torch.Tensor  # int64 [R]
+    bits: torch.Tensor  # int32 [R, ceil(vocab / 32)]
 
 
 @dataclass
@@ -27,7 +36,7 @@ class SamplingMetadata:
     output_token_ids: list[list[int]]
     banned_token_ids: list[list[int]]  # forbidden this step (EOS and stop tokens before min_tokens)
     num_logprobs: list[int | None]  # top-n log-probabilities to return; None: none
-    allowed_token_mask: torch.Tensor | None = None  # [B, V] bool: False rows' tokens are forbidden
+    allowed_tokens: "TokenBitmask | None" = None  # structured output's rows: what their grammar allows
     logit_bias: list[dict[int, float] | None] = field(default_factory=list)  # per row (or empty: none at all)
     logits_processors: list[LogitsProcessor] = field(default_factory=list)
 

@@ -7,8 +7,9 @@ seed, so its tokens do not depend on what else is in the batch.
 from dataclasses import dataclass
 
 import torch
+from llguidance.torch import apply_token_bitmask_inplace
 
-from sobrio.sample.metadata import SamplingMetadata
+from sobrio.sample.metadata import SamplingMetadata, TokenBitmask
 
 
 @dataclass
@@ -45,13 +46,22 @@ def apply_logit_bias(logits: torch.Tensor, meta: SamplingMetadata) -> None:
                                                                                   dtype=logits.dtype)
 
 
+def apply_token_bitmask(logits: torch.Tensor, allowed: TokenBitmask) -> None:
+    """-inf wherever a constrained row's bitmask forbids, in place: llguidance's kernel reads the packed bits
+    (0.2 ms for 32 rows of a 49k vocabulary, where unpacking them to a bool mask and `masked_fill_` took 4 ms).
+    Only the constrained rows: the others keep every token of the model's vocabulary."""
+    constrained = logits[allowed.rows]
+    apply_token_bitmask_inplace(constrained, allowed.bits[:, :(logits.shape[-1] + 31) // 32])
+    logits[allowed.rows] = constrained
+
+
 def apply_masks(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """Banned tokens (min_tokens), the allowed-token mask (structured output), then logits processors."""
     for row, banned in enumerate(meta.banned_token_ids):
         if banned:
             logits[row, banned] = float("-inf")
-    if meta.allowed_token_mask is not None:
-        logits.masked_fill_(~meta.allowed_token_mask, float("-inf"))
+    if meta.allowed_tokens is not None:
+        apply_token_bitmask(logits, meta.allowed_tokens)
     for processor in meta.logits_processors:
         logits = processor(logits)
     return logits

@@ -4,7 +4,7 @@ A structured request is not handed to the scheduler until its grammar has compil
 at the start of each step): it waits beside the scheduler, never inside a step. A compile that runs past the
 timeout fails its request (a 400 at the front), and the requests queued behind it move to a fresh worker.
 Each step, the rows that sample and have a matcher get one int32 bitmask row each (`[rows, ceil(vocab/32)]`,
-filled by llguidance's threads), unpacked into `SamplingMetadata.allowed_token_mask`. A matcher advances only
+filled by llguidance's threads), handed to the sampler as `SamplingMetadata.allowed_tokens`. A matcher advances only
 on a token the core appends (`accept`), so a retried step or a preempted request that recomputes its tokens
 never advances it twice; it is freed when its request finishes or is aborted.
 
@@ -23,20 +23,12 @@ from llguidance.torch import fill_next_token_bitmask, fill_next_token_bitmask_pa
 
 from sobrio.engine.request import Request
 from sobrio.errors import InvalidRequestError
+from sobrio.sample.metadata import TokenBitmask
 from sobrio.structured.backend import CompileJob, GrammarCompiler, failure_message
 
 logger = logging.getLogger(__name__)
 
-_BITS = torch.arange(32, dtype=torch.int32)
 DEFAULT_COMPILE_TIMEOUT = 10.0  # seconds (--structured-outputs-compile-timeout)
-
-
-def unpack_bitmask(bitmask: torch.Tensor, width: int) -> torch.Tensor:
-    """int32 [R, W] (bit j of word w: token 32w + j) -> bool [R, width]; tokens past 32W are not allowed."""
-    bits = ((bitmask.unsqueeze(-1) >> _BITS) & 1).bool().reshape(bitmask.shape[0], -1)
-    if bits.shape[1] >= width:
-        return bits[:, :width]
-    return torch.cat([bits, bits.new_zeros(bits.shape[0], width - bits.shape[1])], dim=1)
 
 
 def sole_token(row: torch.Tensor) -> int | None:
@@ -116,19 +108,14 @@ class StructuredOutputManager:
         return failed
 
     # ---- each step ----
-    def allowed_token_mask(self, reqs: list[Request], vocab_size: int) -> torch.Tensor | None:
-        """bool [len(reqs), vocab_size]: each constrained row's allowed tokens; other rows all True. None when
-        no row is constrained."""
+    def allowed_tokens(self, reqs: list[Request]) -> TokenBitmask | None:
+        """The constrained rows of `reqs` and their bitmasks; None when no row is constrained. Bits past the
+        tokenizer's vocabulary are never set, so the model's padding ids are never allowed."""
         rows = [(i, r.request_id) for i, r in enumerate(reqs) if r.request_id in self.matchers]
         if not rows:
             return None
         bitmask = self._bitmask([request_id for _, request_id in rows])
-        mask = torch.ones(len(reqs), vocab_size, dtype=torch.bool)
-        allowed = unpack_bitmask(bitmask, min(vocab_size, self.compiler.vocab_size))
-        index = torch.tensor([i for i, _ in rows])
-        mask[index, :allowed.shape[1]] = allowed
-        mask[index, allowed.shape[1]:] = False  # the model's vocabulary past the tokenizer's
-        return mask
+        return TokenBitmask(torch.tensor([i for i, _ in rows]), bitmask)
 
     def _bitmask(self, request_ids: list[str]) -> torch.Tensor:
         """int32 [len(request_ids), W]: the masks computed ahead, and the others filled in parallel."""

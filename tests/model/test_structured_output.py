@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from sobrio import InvalidRequestError, SamplingParams, StructuredOutputsParams
+from sobrio.sample.metadata import TokenBitmask
+from sobrio.sample.sampler import apply_token_bitmask
 from sobrio.structured.backend import GrammarCompiler
-from sobrio.structured.manager import StructuredOutputManager, unpack_bitmask
+from sobrio.structured.manager import StructuredOutputManager
 
 PERSON = {
     "type": "object",
@@ -155,14 +157,14 @@ def test_mask_allows_eos_only_when_the_grammar_accepts(smollm2):
     assert len(ready) == 1 and not failed
     vocab = 49152 + 64  # a model vocabulary wider than the tokenizer's: the extra ids are never allowed
     other = SimpleNamespace(request_id="other")
-    mask = manager.allowed_token_mask([other, Req, other], vocab)  # rows 0 and 2 are unconstrained
+    mask = allowed_mask(manager, [other, Req, other], vocab)  # rows 0 and 2 are unconstrained
     assert mask.shape == (3, vocab) and mask[0].all() and mask[2].all()
     assert not mask[1, eos] and not mask[1, 49152:].any()
     allowed = mask[1].nonzero().flatten().tolist()
     assert all(tokenizer.decode([t]) in ("a", "ab", "abc") for t in allowed)
     a, b = tokenizer.convert_tokens_to_ids("a"), tokenizer.convert_tokens_to_ids("b")
     assert manager.accept(Req, a) is None and manager.accept(Req, b) is None  # "ab": accepting, "c" may follow
-    allowed = manager.allowed_token_mask([Req], vocab)[0].nonzero().flatten().tolist()
+    allowed = allowed_mask(manager, [Req], vocab)[0].nonzero().flatten().tolist()
     assert eos in allowed and all(t == eos or tokenizer.decode([t]) == "c" for t in allowed)
     assert manager.accept(Req, tokenizer.convert_tokens_to_ids("c")) == "stop"
     manager.free("r")
@@ -170,10 +172,18 @@ def test_mask_allows_eos_only_when_the_grammar_accepts(smollm2):
     manager.shutdown()
 
 
-def test_unpack_bitmask():
-    bitmask = torch.tensor([[0b101, -1], [0, -(1 << 31)]], dtype=torch.int32)  # bit 31: the sign
-    bits = unpack_bitmask(bitmask, 70)
-    assert bits.shape == (2, 70) and not bits[:, 64:].any()
-    assert bits[0].nonzero().flatten().tolist() == [0, 2, *range(32, 64)]
-    assert bits[1].nonzero().flatten().tolist() == [63]
-    assert unpack_bitmask(bitmask, 40).shape == (2, 40)
+def allowed_mask(manager: StructuredOutputManager, reqs: list, vocab: int) -> torch.Tensor:
+    """bool [len(reqs), vocab]: what the sampler leaves finite once the step's bitmasks are applied."""
+    logits = torch.zeros(len(reqs), vocab)
+    apply_token_bitmask(logits, manager.allowed_tokens(reqs))
+    return logits != float("-inf")
+
+
+def test_bitmask_applies_to_its_rows_only():
+    bits = torch.tensor([[0b101, -1], [0, -(1 << 31)]], dtype=torch.int32)  # bit 31: the sign
+    logits = torch.zeros(3, 70)
+    apply_token_bitmask(logits, TokenBitmask(torch.tensor([2, 0]), bits))
+    allowed = logits != float("-inf")
+    assert allowed[2].nonzero().flatten().tolist() == [0, 2, *range(32, 64)]  # past 64: no word, not allowed
+    assert allowed[0].nonzero().flatten().tolist() == [63]
+    assert allowed[1].all()  # an unconstrained row keeps the whole vocabulary

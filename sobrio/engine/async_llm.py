@@ -37,6 +37,11 @@ class EngineUnavailableError(SobrioError):
     """The engine is restarting or stopping (HTTP 503)."""
 
 
+def _put_all(deliveries: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue, output in deliveries:
+        queue.put_nowait(output)
+
+
 class _ClientBase:
     """Request routing shared by both clients: queues, streaming, aborts, failing what is in flight."""
 
@@ -146,14 +151,19 @@ class _ClientBase:
         return stats
 
     def _deliver_all(self, outputs: list[RequestOutput]) -> None:
+        """One wake-up of each event loop per step, not one per request: each `call_soon_threadsafe` writes
+        to the loop's self-pipe, and 32 of them a step cost the API process (and the core's cores) more."""
         now = time.monotonic()
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for output in outputs:
             if self.on_output is not None:
                 self.on_output(output, now)
             target = self._queues.get(output.request_id)
             if target is not None:
                 loop, queue = target
-                loop.call_soon_threadsafe(queue.put_nowait, output)
+                by_loop.setdefault(loop, []).append((queue, output))
+        for loop, deliveries in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, deliveries)
 
     def _fail_all(self, error: Exception, abort_in_core: bool = True) -> None:
         """Every request in flight gets `error`; the front forgets them (the caller holds the lock)."""

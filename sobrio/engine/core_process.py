@@ -13,10 +13,12 @@ import multiprocessing
 import os
 import pickle
 import shutil
+import socket
 import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import zmq
 
@@ -27,6 +29,7 @@ from sobrio.errors import SobrioError
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 500  # an idle core wakes this often to notice a parent that died
+STALE_FOLDER_AGE_S = 60.0  # a socket folder younger than this may belong to a start under way
 
 
 class EngineDeadError(SobrioError):
@@ -134,11 +137,40 @@ class CoreInfo:
     pid: int
 
 
+def sweep_stale_socket_folders(root: str | None = None) -> int:
+    """Remove the `sobrio-core-*` socket folders nothing listens on any more: an API process and its core
+    both killed outright (SIGKILL, the OOM killer) leave theirs behind. Returns how many went."""
+    removed = 0
+    for folder in Path(root or tempfile.gettempdir()).glob("sobrio-core-*"):
+        try:
+            young = time.time() - folder.stat().st_mtime < STALE_FOLDER_AGE_S
+        except OSError:
+            continue
+        if not young and not _listening(folder / "in"):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed += 1
+    return removed
+
+
+def _listening(path: Path) -> bool:
+    """Whether a process accepts on this Unix socket; when unsure (another user's folder), say yes."""
+    with socket.socket(socket.AF_UNIX) as probe:
+        try:
+            probe.connect(str(path))
+        except (FileNotFoundError, ConnectionRefusedError):
+            return False
+        except OSError:
+            return True
+    return True
+
+
 class CoreProcess:
     """Starts the engine-core process and speaks to it; the front calls it like an in-process core."""
 
     def __init__(self, config: SobrioConfig, startup_timeout: float = 600.0):
         self.config = config
+        if removed := sweep_stale_socket_folders():
+            logger.info("removed %d socket folder(s) left by killed sobrio processes", removed)
         self._folder = tempfile.mkdtemp(prefix="sobrio-core-")  # 0700: only this user reaches the sockets
         self._ctx = zmq.Context()
         self._inputs = self._ctx.socket(zmq.PUSH)
@@ -238,7 +270,7 @@ class CoreProcess:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(5)
-        for socket in (self._inputs, self._outputs):
-            socket.close(linger=0)
+        for zmq_socket in (self._inputs, self._outputs):
+            zmq_socket.close(linger=0)
         self._ctx.term()
         shutil.rmtree(self._folder, ignore_errors=True)

@@ -185,3 +185,30 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "gone"
+
+
+def test_stale_socket_folders_are_swept_and_live_ones_kept(tmp_path):
+    """Both processes SIGKILLed leave a socket folder behind; the next start removes it, never a live one."""
+    import socket
+
+    from sobrio.engine.core_process import STALE_FOLDER_AGE_S, sweep_stale_socket_folders
+
+    old = time.time() - 2 * STALE_FOLDER_AGE_S
+    folders = {name: tmp_path / f"sobrio-core-{name}" for name in ("dead", "live", "young", "empty")}
+    for folder in folders.values():
+        folder.mkdir()
+    listeners = []
+    for name in ("dead", "live", "young"):
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind(str(folders[name] / "in"))
+        listener.listen(1)
+        listeners.append(listener)
+    listeners[0].close()  # "dead": its socket file stays, nothing accepts
+    listeners[2].close()  # "young" is as dead, but may be a start under way
+    for name in ("dead", "live", "empty"):
+        os.utime(folders[name], (old, old))
+    try:
+        assert sweep_stale_socket_folders(str(tmp_path)) == 2
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["sobrio-core-live", "sobrio-core-young"]
+    finally:
+        listeners[1].close()

@@ -242,6 +242,15 @@ bool decode_fast_bf16(const torch::Tensor&, const torch::Tensor&, const torch::T
 }
 #endif
 
+// Each 64-byte line of [p, p + bytes) towards L1 (level 0) or L2 (level 1).
+inline void prefetch_bytes(const void* p, int64_t bytes, int level) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) {
+    if (level == 0) __builtin_prefetch(c + off, 0, 3);
+    else __builtin_prefetch(c + off, 0, 2);
+  }
+}
+
 template <typename T>
 void decode_kernel(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                    const torch::Tensor& block_tables, const torch::Tensor& context_lens, torch::Tensor& out,
@@ -271,14 +280,22 @@ void decode_kernel(const torch::Tensor& query, const torch::Tensor& key_cache, c
         load_row(q + (b * heads + kh * group + g) * dim, qf.data() + g * dim, dim);
         for (int64_t i = 0; i < dim; ++i) qf[g * dim + i] *= static_cast<float>(scale);
       }
-      for (int64_t t = start; t < ctx; ++t)
+      // Scattered rows: fetch each key row 4 ahead, and its value row into L2 for the second pass.
+      const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(T));
+      for (int64_t t = start; t < ctx; ++t) {
+        if (t + 4 < ctx) {
+          prefetch_bytes(row_of(kc, t + 4), row_bytes, 0);
+          prefetch_bytes(row_of(vc, t + 4), row_bytes, 1);
+        }
         score_row(qf.data(), row_of(kc, t), row.data(), scores.data() + (t - start), group, n, dim);
+      }
       for (int64_t g = 0; g < group; ++g) {
         float* s = scores.data() + g * n;
         denom[g] = exp_and_sum(s, n, *std::max_element(s, s + n));
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = start; t < ctx; ++t) {
+        if (t + 4 < ctx) prefetch_bytes(row_of(vc, t + 4), row_bytes, 0);
         load_row(row_of(vc, t), row.data(), dim);
         for (int64_t g = 0; g < group; ++g) axpy(scores[g * n + (t - start)], row.data(), acc.data() + g * dim, dim);
       }

@@ -5,8 +5,9 @@
 // The weight is packed once at load into the tile layout, 16 output columns by 32 inputs a tile, each
 // tile 1 KB with pairs of inputs side by side (what TDPBF16PS reads), the tiles of 16 output columns
 // one after another along K. A step then reads the weight as two sequential streams per block of 32
-// columns, prefetched ahead, and every tile product is 16x16x32 at once. x is copied to a zero-padded
-// buffer of whole 16-row tiles, so one tile configuration serves every shape.
+// columns, prefetched ahead, and every tile product is 16x16x32 at once. x is read in blocks of 32 rows
+// (copied to a zero-padded buffer when its rows are not whole blocks), so one tile configuration serves
+// every shape.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -111,9 +112,10 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::
   auto y = torch::empty({M, N}, x.options());
 #if defined(SOBRIO_AMX)
   if (M == 0) return y;
+  // Whole 32-row blocks of x: a decode batch of 32 or 64 is read in place, others are padded with zeros.
   const int64_t rows_padded = (M + 2 * kTileRows - 1) / (2 * kTileRows) * (2 * kTileRows);
-  auto xpad = torch::zeros({rows_padded, K}, x.options());
-  xpad.narrow(0, 0, M).copy_(x);
+  torch::Tensor xpad = x.is_contiguous() && rows_padded == M ? x : torch::zeros({rows_padded, K}, x.options());
+  if (!xpad.is_same(x)) xpad.narrow(0, 0, M).copy_(x);
   const auto* xp = xpad.data_ptr<c10::BFloat16>();
   const auto* wp = packed.data_ptr<c10::BFloat16>();
   torch::Tensor bc = bias.has_value() ? bias->contiguous() : torch::Tensor();

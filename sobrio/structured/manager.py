@@ -21,6 +21,7 @@ import torch
 from llguidance import LLExecutor, LLMatcher
 from llguidance.torch import fill_next_token_bitmask, fill_next_token_bitmask_par
 
+from sobrio.config.structured import StructuredOutputsConfig
 from sobrio.engine.request import Request
 from sobrio.errors import InvalidRequestError
 from sobrio.sample.metadata import TokenBitmask
@@ -28,7 +29,7 @@ from sobrio.structured.backend import CompileJob, GrammarCompiler, failure_messa
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_COMPILE_TIMEOUT = 10.0  # seconds (--structured-outputs-compile-timeout)
+DEFAULT_COMPILE_TIMEOUT = StructuredOutputsConfig.structured_outputs_compile_timeout  # the flag's default
 
 
 def sole_token(row: torch.Tensor) -> int | None:
@@ -119,7 +120,7 @@ class StructuredOutputManager:
 
     def _bitmask(self, request_ids: list[str]) -> torch.Tensor:
         """int32 [len(request_ids), W]: the masks computed ahead, and the others filled in parallel."""
-        bitmask = torch.full((len(request_ids), (self.compiler.vocab_size + 31) // 32), -1, dtype=torch.int32)
+        bitmask = self._allow_all(len(request_ids))
         todo = []
         for k, request_id in enumerate(request_ids):
             ahead = self.next_masks.get(request_id)
@@ -133,6 +134,10 @@ class StructuredOutputManager:
             fill_next_token_bitmask_par(self._executor, todo, bitmask)
         return bitmask
 
+    def _allow_all(self, rows: int) -> torch.Tensor:
+        """int32 bitmask rows of the tokenizer's width, every bit set (llguidance fills them in)."""
+        return torch.full((rows, (self.compiler.vocab_size + 31) // 32), -1, dtype=torch.int32)
+
     def forced_token(self, req: Request) -> int | None:
         """The one token the grammar allows next, if it allows exactly one (None otherwise, or when complete).
         The mask computed for this is kept for the step that samples."""
@@ -141,7 +146,7 @@ class StructuredOutputManager:
             return None
         row = self.next_masks.get(req.request_id)
         if row is None:
-            row = torch.full((1, (self.compiler.vocab_size + 31) // 32), -1, dtype=torch.int32)
+            row = self._allow_all(1)
             fill_next_token_bitmask(matcher, row)
             row = self.next_masks[req.request_id] = row[0]
         return None if matcher.is_error() else sole_token(row)

@@ -100,3 +100,11 @@ def server():
     with serving("--dtype", "float32", "--kv-cache-memory", str(256 << 20), "--max-model-len", "1024",
                  "--log-level", "debug") as srv:
         yield srv
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """SmolLM2's tokenizer, the model SMALL serves (to count and decode tokens beside the server)."""
+    from sobrio.loader.load import load_model_files
+
+    return load_model_files(SMALL[1]).tokenizer

@@ -39,13 +39,6 @@ def client(server):
     return OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from sobrio.loader.load import load_model_files
-
-    return load_model_files(SMOL).tokenizer
-
-
 def assert_valid_call(call, names=tuple(SCHEMAS)) -> dict:
     assert call.type == "function" and call.id.startswith("call_") and call.function.name in names
     arguments = json.loads(call.function.arguments)

@@ -33,13 +33,6 @@ def client(srv):
     return OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused", max_retries=0)
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from sobrio.loader.load import load_model_files
-
-    return load_model_files(SMOL).tokenizer
-
-
 def _post(srv, path: str, body: dict, **kwargs) -> httpx.Response:
     return httpx.post(f"{srv.base_url}{path}", json=body, timeout=60, **kwargs)
 

@@ -1,6 +1,7 @@
 """`sobrio bench serve`: load an OpenAI-compatible server with timed, streamed requests; report SLO metrics."""
 
 import asyncio
+import dataclasses
 import functools
 import json
 import time
@@ -35,6 +36,9 @@ def add_serve_args(parser) -> None:
     parser.add_argument("--goodput", nargs="*", default=[], help="SLOs as ttft:MS tpot:MS e2el:MS")
     parser.add_argument("--percentiles", default="50,90,95,99")
     parser.add_argument("--result-json", default=None)
+    parser.add_argument("--save-detailed", action="store_true",
+                        help="also write each request's start, prompt and output tokens, TTFT, ITLs and error "
+                             "into --result-json (vLLM's flag)")
     parser.add_argument("--plot", default=None, help="PNG path for latency CDFs and tokens/s over time")
     parser.add_argument("--no-progress", action="store_true")
 
@@ -164,6 +168,8 @@ def cmd_bench_serve(args) -> int:
                     "num_prompts": len(samples), "request_rate": args.request_rate,
                     "max_concurrency": args.max_concurrency, "burstiness": args.burstiness})
     print_summary(summary, percentiles)
+    if args.save_detailed:
+        summary["requests"] = [dataclasses.asdict(r) for r in results]
     if args.result_json:
         with open(args.result_json, "w") as f:
             json.dump(summary, f, indent=2, default=str)

@@ -13,9 +13,9 @@ class SchedulerConfig(Checked):
     max_num_seqs: int = flag(64, "requests running at once")
     max_num_batched_tokens: int = flag(2048, "tokens one step computes")
     max_num_waiting: int = flag(4096, "admission bound: past it a request is refused (HTTP 429)")
-    long_prefill_token_threshold: int = flag(256, "in a step with decodes, a prompt gets at most this many tokens "
+    long_prefill_token_threshold: int = flag(512, "in a step with decodes, a prompt gets at most this many tokens "
                                                   "(0: no cap)")
-    max_num_partial_prefills: int = flag(2, "in a step with decodes, at most this many prompts get tokens")
+    max_num_partial_prefills: int = flag(1, "in a step with decodes, at most this many prompts get tokens")
     max_long_partial_prefills: int = flag(1, "of those, at most this many have more than the threshold left")
     scheduling_policy: str = flag("fcfs", "order of the waiting queue: fcfs (arrival), or priority (a request's "
                                           "`priority`, lower first, then arrival; lowest is preempted first)",

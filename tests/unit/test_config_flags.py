@@ -213,7 +213,7 @@ def test_serve_with_a_bad_flag_exits_2_without_a_traceback():
     proc = subprocess.run([sys.executable, "-m", "sobrio.cli", "serve", "--model", "smollm2-135m",
                            "--max-long-partial-prefills", "3"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
-    assert "sobrio serve: error: --max-long-partial-prefills must be in [1, --max-num-partial-prefills=2], got 3" \
+    assert "sobrio serve: error: --max-long-partial-prefills must be in [1, --max-num-partial-prefills=1], got 3" \
         in proc.stderr
     assert "Traceback" not in proc.stderr
 

@@ -19,11 +19,11 @@ from sobrio.engine.request import Request
 from sobrio.engine.scheduler import Scheduler, is_decode
 from sobrio.sample.params import SamplingParams
 
-# Step times (ms) measured on the 2-core Intel AMX host of issue 10's session, OMP_NUM_THREADS=1, min of 3:
-# rows D=1,16,40; columns P=0,32,64,128,256,448
-MEASURED = {1: [40.8, 64.3, 73.4, 89.5, 138.5, 212.2], 16: [81.2, 97.9, 112.9, 129.2, 169.9, 258.0],
-            40: [137.6, 160.8, 174.7, 197.9, 251.2, 369.9]}
-PS = [0, 32, 64, 128, 256, 448]
+# Step times (ms) measured on the 2-core Intel AMX host of issue 10's second session, 2 threads, min of 3
+# (a D-decode step, contexts ~200, plus one P-token prompt): rows D=1,16,32; columns P=0,64,128,256,448
+MEASURED = {1: [19.0, 37.8, 48.0, 81.0, 125.3], 16: [25.6, 44.7, 54.0, 83.0, 123.5],
+            32: [33.4, 56.4, 64.6, 90.2, 134.7]}
+PS = [0, 64, 128, 256, 448]
 X = [[1, d, p, d * p, p > 0] for d in MEASURED for p in PS]
 Y = [t for d in MEASURED for t in MEASURED[d]]
 COEF = np.linalg.lstsq(np.array(X, float), np.array(Y), rcond=None)[0]
@@ -76,15 +76,16 @@ def run(policy: dict, rate: float, num: int, seed: int, max_num_batched_tokens: 
                 itl50=q(itl, 50), itl99=q(itl, 99), step_max=max(s[2] for s in steps) * 1000)
 
 
-POLICIES = {
-    "off": dict(long_prefill_token_threshold=0, max_num_partial_prefills=64, max_long_partial_prefills=64),
-    "512/1/1": dict(long_prefill_token_threshold=512, max_num_partial_prefills=1, max_long_partial_prefills=1),
-    "256/2/1": dict(long_prefill_token_threshold=256, max_num_partial_prefills=2, max_long_partial_prefills=1),
-    "256/1/1": dict(long_prefill_token_threshold=256, max_num_partial_prefills=1, max_long_partial_prefills=1),
-    "128/2/1": dict(long_prefill_token_threshold=128, max_num_partial_prefills=2, max_long_partial_prefills=1),
-    "384/1/1": dict(long_prefill_token_threshold=384, max_num_partial_prefills=1, max_long_partial_prefills=1),
-    "64/2/1": dict(long_prefill_token_threshold=64, max_num_partial_prefills=2, max_long_partial_prefills=1),
-}
+def policy(threshold: int, partial: int, long: int, tokens: int = 0) -> dict:
+    return dict(long_prefill_token_threshold=threshold, max_num_partial_prefills=partial,
+                max_long_partial_prefills=long, max_prompt_tokens_with_decodes=tokens)
+
+
+POLICIES = {"off": policy(0, 64, 64), "512/1/1": policy(512, 1, 1), "256/2/1": policy(256, 2, 1),
+            "512/8/1/512": policy(512, 8, 1, 512), "512/8/1/768": policy(512, 8, 1, 768),
+            "256/8/1/512": policy(256, 8, 1, 512), "512/2/1": policy(512, 2, 1), "64/2/1": policy(64, 2, 1)}
+
+
 def main() -> None:
     num, rates, seeds = int(sys.argv[1]), [float(r) for r in sys.argv[2].split(",")], range(int(sys.argv[3]))
     print("fit a, D, P, D*P, P>0:", np.round(COEF, 4))

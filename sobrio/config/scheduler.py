@@ -15,8 +15,10 @@ class SchedulerConfig(Checked):
     max_num_waiting: int = flag(4096, "admission bound: past it a request is refused (HTTP 429)")
     long_prefill_token_threshold: int = flag(512, "in a step with decodes, a prompt gets at most this many tokens "
                                                   "(0: no cap)")
-    max_num_partial_prefills: int = flag(1, "in a step with decodes, at most this many prompts get tokens")
+    max_num_partial_prefills: int = flag(8, "in a step with decodes, at most this many prompts get tokens")
     max_long_partial_prefills: int = flag(1, "of those, at most this many have more than the threshold left")
+    max_prompt_tokens_with_decodes: int = flag(512, "in a step with decodes, the prompts together get at most this "
+                                                    "many tokens (Sarathi-Serve's token budget; 0: no cap)")
     scheduling_policy: str = flag("fcfs", "order of the waiting queue: fcfs (arrival), or priority (a request's "
                                           "`priority`, lower first, then arrival; lowest is preempted first)",
                                   choices=("fcfs", "priority"))
@@ -30,7 +32,8 @@ class SchedulerConfig(Checked):
             raise ConfigError("sobrio does not support --no-enable-chunked-prefill: prefill is always chunked",
                               "--enable-chunked-prefill")
         self._at_least(1, "max_num_seqs", "max_num_batched_tokens", "max_num_waiting", "max_num_partial_prefills")
-        self._require("long_prefill_token_threshold", self.long_prefill_token_threshold >= 0, ">= 0 (0: no cap)")
+        for name in ("long_prefill_token_threshold", "max_prompt_tokens_with_decodes"):
+            self._require(name, getattr(self, name) >= 0, ">= 0 (0: no cap)")
         self._require("max_long_partial_prefills",
                       1 <= self.max_long_partial_prefills <= self.max_num_partial_prefills,
                       f"in [1, --max-num-partial-prefills={self.max_num_partial_prefills}]")

@@ -44,25 +44,27 @@ def is_decode(req: Request) -> bool:
 
 @dataclass
 class PrefillSlots:
-    """The prompt work a step that carries decodes may still take (vLLM's partial-prefill policy).
+    """The prompt work a step that carries decodes may still take (vLLM's partial-prefill policy, plus
+    Sarathi-Serve's token budget).
 
     Every decode waits for its whole step, so each prompt token in that step delays the next token of
     every running request. Such a step gives a prompt at most `threshold` tokens, gives tokens to
     at most `prefills` prompts, and at most `long` of those have more than `threshold` tokens left (so a
-    short prompt can start beside a long one). Its prompt tokens are thus at most prefills * threshold.
+    short prompt can start beside a long one); all its prompts together get at most `tokens`.
     A step without decodes delays no one's next token: it only obeys the token budget.
     """
 
     threshold: int  # 0: no cap, and no prompt is long
     prefills: int
     long: int
+    tokens: int
 
     @classmethod
     def for_step(cls, config: SchedulerConfig, carries_decodes: bool) -> "PrefillSlots":
         if not carries_decodes:
-            return cls(0, sys.maxsize, sys.maxsize)
+            return cls(0, sys.maxsize, sys.maxsize, sys.maxsize)
         return cls(config.long_prefill_token_threshold, config.max_num_partial_prefills,
-                   config.max_long_partial_prefills)
+                   config.max_long_partial_prefills, config.max_prompt_tokens_with_decodes or sys.maxsize)
 
     def is_long(self, remaining: int) -> bool:
         return 0 < self.threshold < remaining
@@ -71,13 +73,15 @@ class PrefillSlots:
         """Tokens a prompt with `remaining` left may compute now, of `num_new` that fit the budget; 0: none."""
         if self.prefills == 0 or (self.is_long(remaining) and self.long == 0):
             return 0
+        num_new = min(num_new, self.tokens)
         return min(num_new, self.threshold) if self.threshold else num_new
 
-    def take(self, remaining: int) -> None:
+    def take(self, remaining: int, num_new: int) -> None:
         """A prompt got its chunk: one slot fewer (and one long slot fewer if it is long)."""
-        assert self.prefills > 0 and not (self.is_long(remaining) and self.long == 0)
+        assert self.prefills > 0 and not (self.is_long(remaining) and self.long == 0) and num_new <= self.tokens
         self.prefills -= 1
         self.long -= self.is_long(remaining)
+        self.tokens -= num_new
 
 
 class Scheduler:
@@ -135,7 +139,7 @@ class Scheduler:
                 if victim is req:
                     return budget
             if prompt:
-                slots.take(remaining)
+                slots.take(remaining, num_new)
             out.scheduled.append((req, num_new))
             budget -= num_new
             i += 1
@@ -157,7 +161,8 @@ class Scheduler:
         in_prefill = {h for r in self.running for h in self.kv.uncomputed_hashes(r)}
         deferred: list[Request] = []
         max_num_seqs = self.scheduler_config.max_num_seqs
-        while self.waiting and budget > 0 and slots.prefills > 0 and len(self.running) < max_num_seqs:
+        while (self.waiting and budget > 0 and slots.prefills > 0 and slots.tokens > 0
+               and len(self.running) < max_num_seqs):
             req = self.waiting[0]
             if not req.block_table and not req.wants_prompt_logprobs:
                 self.kv.apply_prefix_hits(req)
@@ -173,7 +178,7 @@ class Scheduler:
                 self._reset(req)  # give its prefix hits back until it can really start
                 break
             self.waiting.popleft()
-            slots.take(remaining)
+            slots.take(remaining, num_new)
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
                 req.num_cached_tokens = req.num_computed_tokens

@@ -10,8 +10,10 @@ from tests.conftest import engine_kwargs
 from tests.model.reference import mixed_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
-OFF = dict(long_prefill_token_threshold=0, max_num_partial_prefills=64, max_long_partial_prefills=64)
-TIGHT = dict(long_prefill_token_threshold=32, max_num_partial_prefills=2, max_long_partial_prefills=1)
+OFF = dict(long_prefill_token_threshold=0, max_num_partial_prefills=64, max_long_partial_prefills=64,
+           max_prompt_tokens_with_decodes=0)
+TIGHT = dict(long_prefill_token_threshold=32, max_num_partial_prefills=2, max_long_partial_prefills=1,
+             max_prompt_tokens_with_decodes=48)
 
 
 @pytest.fixture(scope="module")

@@ -38,16 +38,19 @@ ops = st.lists(st.tuples(st.sampled_from(["add", "step", "step", "abort"]), st.i
                min_size=1, max_size=80)
 
 
-# (long_prefill_token_threshold, max_num_partial_prefills, max_long_partial_prefills); 0: no cap
+# (long_prefill_token_threshold, max_num_partial_prefills, max_long_partial_prefills,
+#  max_prompt_tokens_with_decodes); 0: no cap
 policies = st.integers(1, 4).flatmap(lambda partial: st.tuples(
-    st.sampled_from([0, 1, 3, 4, 8, 13, 16, 32, 40]), st.just(partial), st.integers(1, partial)))
+    st.sampled_from([0, 1, 3, 4, 8, 13, 16, 32, 40]), st.just(partial), st.integers(1, partial),
+    st.sampled_from([0, 5, 24, 64])))
 
 
-def policy_config(policy: tuple[int, int, int], **kwargs) -> SobrioConfig:
+def policy_config(policy: tuple[int, int, int, int], **kwargs) -> SobrioConfig:
     """A small-block config with one draw of `policies` as its prefill policy."""
-    threshold, partial, long = policy
+    threshold, partial, long, tokens = policy
     return SobrioConfig.from_kwargs(block_size=8, long_prefill_token_threshold=threshold,
-                                    max_num_partial_prefills=partial, max_long_partial_prefills=long, **kwargs)
+                                    max_num_partial_prefills=partial, max_long_partial_prefills=long,
+                                    max_prompt_tokens_with_decodes=tokens, **kwargs)
 
 
 @settings(max_examples=60, deadline=None)

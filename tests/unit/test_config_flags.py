@@ -29,7 +29,8 @@ from sobrio.errors import ConfigError, SobrioError
 FLAGS = ["--dtype", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len", "--block-size",
          "--kv-cache-memory", "--enable-prefix-caching", "--max-num-waiting", "--batch-invariant",
          "--long-prefill-token-threshold", "--max-num-partial-prefills", "--max-long-partial-prefills",
-         "--tensor-parallel-size", "--data-parallel-size", "--pipeline-parallel-size", "--scheduling-policy",
+         "--max-prompt-tokens-with-decodes", "--tensor-parallel-size", "--data-parallel-size",
+         "--pipeline-parallel-size", "--scheduling-policy",
          "--tokenizer", "--chat-template", "--generation-config", "--override-generation-config", "--max-logprobs",
          "--seed", "--enforce-eager", "--trust-remote-code", "--gpu-memory-utilization", "--enable-chunked-prefill",
          "--structured-outputs-fast-forward", "--structured-outputs-compile-timeout"]
@@ -211,9 +212,9 @@ def test_a_bad_flag_exits_2_with_its_message(command, capsys):
 
 def test_serve_with_a_bad_flag_exits_2_without_a_traceback():
     proc = subprocess.run([sys.executable, "-m", "sobrio.cli", "serve", "--model", "smollm2-135m",
-                           "--max-long-partial-prefills", "3"], capture_output=True, text=True, timeout=120)
+                           "--max-long-partial-prefills", "9"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
-    assert "sobrio serve: error: --max-long-partial-prefills must be in [1, --max-num-partial-prefills=1], got 3" \
+    assert "sobrio serve: error: --max-long-partial-prefills must be in [1, --max-num-partial-prefills=8], got 9" \
         in proc.stderr
     assert "Traceback" not in proc.stderr
 

@@ -28,6 +28,8 @@ def check_policy(config: SchedulerConfig, out: SchedulerOutput, decoding: set[st
     prompts = [(req, n) for req, n in out.scheduled if req.request_id not in decoding]
     assert len(prompts) <= config.max_num_partial_prefills
     assert sum(0 < threshold < remaining[req.request_id] for req, _ in prompts) <= config.max_long_partial_prefills
+    if config.max_prompt_tokens_with_decodes:
+        assert sum(n for _, n in prompts) <= config.max_prompt_tokens_with_decodes
     if threshold:
         assert all(n <= threshold for _, n in prompts)
         assert sum(n for _, n in prompts) <= config.max_num_partial_prefills * threshold
@@ -59,7 +61,6 @@ def drain(sched: Scheduler, rng: random.Random, max_steps: int = 5000) -> int:
        arrivals=st.lists(st.tuples(st.integers(0, 6), st.integers(1, 60), st.integers(1, 12)), min_size=1,
                          max_size=24))
 def test_random_policies_bound_decode_steps_and_drain(policy, budget, num_blocks, prefix_caching, arrivals):
-    threshold, partial, long = policy
     config = policy_config(policy, max_num_seqs=6, max_num_batched_tokens=budget, enable_prefix_caching=prefix_caching)
     sched = Scheduler(config, num_blocks)
     rng = random.Random(0)
@@ -120,16 +121,26 @@ def test_partial_prefills_bound_how_many_prompts_advance():
     assert seen[3] == {"decoder": 1, "a": 1, "b": 32}  # a decodes; b starts once a's prompt is done
 
 
+def test_prompts_share_the_token_cap_of_a_step_with_decodes():
+    sched, rng = decoding_scheduler(long_prefill_token_threshold=64, max_num_partial_prefills=4,
+                                    max_long_partial_prefills=2, max_prompt_tokens_with_decodes=80)
+    for request_id, length in [("a", 50), ("b", 50), ("c", 50)]:
+        sched.add_request(make_request(request_id, length, 2, rng))
+    assert chunks(policy_step(sched, rng)) == {"decoder": 1, "a": 50, "b": 30}
+    assert [r.request_id for r in sched.waiting] == ["c"]  # no tokens left for it: it waits, holding nothing
+    assert not sched.waiting[0].block_table
+
+
 def test_no_threshold_leaves_chunks_to_the_budget():
     sched, rng = decoding_scheduler(long_prefill_token_threshold=0, max_num_partial_prefills=8,
-                                    max_long_partial_prefills=8)
+                                    max_long_partial_prefills=8, max_prompt_tokens_with_decodes=0)
     sched.add_request(make_request("long", 600, 2, rng))
     assert chunks(policy_step(sched, rng)) == {"decoder": 1, "long": 511}
 
 
 @pytest.mark.parametrize("policy", [dict(long_prefill_token_threshold=-1), dict(max_num_partial_prefills=0),
                                     dict(max_num_partial_prefills=2, max_long_partial_prefills=3),
-                                    dict(max_long_partial_prefills=0)])
+                                    dict(max_long_partial_prefills=0), dict(max_prompt_tokens_with_decodes=-1)])
 def test_bad_policy_values_raise(policy):
     with pytest.raises(ValueError):
         SchedulerConfig(**policy)

@@ -1,8 +1,8 @@
 """Configuration, one dataclass per concern, in vLLM's names and split (vLLM's `vllm/config/`).
 
 - `ModelConfig` (model.py): what runs and how it computes: model, tokenizer, chat_template, the default
-  sampling parameters (generation_config), dtype, max_model_len, max_logprobs, seed, attention_backend,
-  batch_invariant (a kernel choice, so the model's, as the attention backend).
+  sampling parameters (generation_config), dtype, quantization, max_model_len, max_logprobs, seed,
+  attention_backend, batch_invariant (kernel choices, so the model's).
 - `CacheConfig` (cache.py): the paged KV cache: block_size, kv_cache_memory (and its fraction and cap
   when unset), enable_prefix_caching; gpu_memory_utilization is accepted for vLLM's scripts (no effect).
 - `SchedulerConfig` (scheduler.py): what one step may hold: max_num_seqs, max_num_batched_tokens,
@@ -13,8 +13,8 @@
   emitted without sampling).
 - `ParallelConfig` (parallel.py): num_threads; tensor_parallel_size, pipeline_parallel_size and
   data_parallel_size accept only 1 until they are built.
-- `UnsupportedConfig` (unsupported.py): vLLM flags for features sobrio lacks (`--quantization`,
-  `--speculative-config`, `--enable-lora`, ...): recognized, and refused with "sobrio does not support ... yet"
+- `UnsupportedConfig` (unsupported.py): vLLM flags for features sobrio lacks (`--speculative-config`,
+  `--enable-lora`, `--kv-cache-dtype`, ...): recognized, and refused with "sobrio does not support ... yet"
   unless left at their default. Checked by `SobrioConfig.from_kwargs`; never part of a config.
 - `SobrioConfig` (sobrio.py, vLLM's `VllmConfig`): one engine's concerns together. It is what crosses
   to the engine-core process, so it holds nothing else. `SobrioConfig.from_kwargs` takes the flat form

@@ -5,9 +5,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sobrio.config.fields import Checked, flag
+from sobrio.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "cpp", "batched", "reference")  # see layers/attention.py
+QUANTIZATION_METHODS = ("int8", "int8-weight-only")  # see layers/quantization.py
+PLANNED_QUANTIZATION = ("int4", "gguf", "awq", "gptq")  # vLLM's names, accepted by the flag, refused for now
 
 
 def json_object(value: str) -> dict:
@@ -39,6 +42,11 @@ class ModelConfig(Checked):
                                                          '\'{"temperature": 0.6}\'', type=json_object)
     dtype: str = flag("auto", "weights and activations (auto: bfloat16 where the CPU has fast bf16, else float32)",
                       choices=DTYPES)
+    quantization: str | None = flag(None, "quantize the weights at load, the embedding and LM head too: int8 "
+                                          "(W8A8: int8 weights per output channel, int8 activations per token "
+                                          "computed on the fly) or int8-weight-only (activations in --dtype); "
+                                          "int4, gguf, awq and gptq are not supported yet",
+                                    choices=QUANTIZATION_METHODS + PLANNED_QUANTIZATION)
     max_model_len: int | None = flag(None, "context length (default: the model's, capped by the KV cache)")
     max_logprobs: int = flag(20, "most logprobs (top_logprobs, prompt_logprobs) a request may ask for; more is "
                                  "a 400 (-1: up to the vocabulary)")
@@ -62,6 +70,7 @@ class ModelConfig(Checked):
         self._require("dtype", self.dtype in DTYPES, f"one of {', '.join(DTYPES)}")
         self._require("attention_backend", self.attention_backend in ATTENTION_BACKENDS,
                       f"one of {', '.join(ATTENTION_BACKENDS)}")
+        self._check_quantization()
         self._require("model", bool(self.model), "a model alias, folder or file")
         self._require("tokenizer", self.tokenizer is None or bool(self.tokenizer), "a tokenizer alias, folder or "
                                                                                   "file (or unset)")
@@ -70,3 +79,16 @@ class ModelConfig(Checked):
         check_overrides(self.override_generation_config)
         if self.chat_template is not None:
             load_chat_template(self.chat_template)  # a missing file or a broken template fails now, not per request
+
+    def _check_quantization(self) -> None:
+        """A known, built method; and not with --batch-invariant, whose promise the int8 kernels break (they
+        change with the step's row count)."""
+        method = self.quantization
+        if method in PLANNED_QUANTIZATION:
+            raise ConfigError(f"sobrio does not support --quantization {method} yet (supported: "
+                              f"{', '.join(QUANTIZATION_METHODS)})", "--quantization")
+        self._require("quantization", method is None or method in QUANTIZATION_METHODS,
+                      f"one of {', '.join(QUANTIZATION_METHODS)} (or unset)")
+        if method is not None and self.batch_invariant:
+            raise ConfigError(f"--quantization {method} cannot be used with --batch-invariant: the int8 kernels "
+                              f"change with the step's row count", "--quantization")

@@ -32,7 +32,7 @@ class SobrioConfig:
     def from_kwargs(cls, **kwargs: Any) -> "SobrioConfig":
         """vLLM's flat form (`LLM(model, max_num_seqs=8, block_size=16)`): each keyword goes to the concern
         that declares it; an unknown one raises ConfigError naming it (and the nearest known name), and one for
-        a feature sobrio lacks (`quantization="awq"`) says so; those left at their default are dropped."""
+        a feature sobrio lacks (`enable_lora=True`) says so; those left at their default are dropped."""
         refused = {f.name for f in fields(UnsupportedConfig)}
         UnsupportedConfig(**{k: v for k, v in kwargs.items() if k in refused})
         kwargs = {k: v for k, v in kwargs.items() if k not in refused}

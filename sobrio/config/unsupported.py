@@ -1,7 +1,7 @@
 """vLLM flags for features sobrio lacks. They parse, so a vLLM script fails with "sobrio does not support --X yet"
 (exit 2) instead of argparse's "unrecognized arguments"; a value equal to the default (a no-op) is accepted.
 
-`SobrioConfig.from_kwargs` checks them too, so `LLM(model, quantization="awq")` says the same. The config
+`SobrioConfig.from_kwargs` checks them too, so `LLM(model, enable_lora=True)` says the same. The config
 holds nothing once checked: it never crosses to an engine core.
 """
 
@@ -14,8 +14,6 @@ from sobrio.config.fields import Checked, unsupported
 class UnsupportedConfig(Checked):
     """vLLM flags sobrio recognizes but does not support yet: any value but the default is refused (exit 2)."""
 
-    quantization: str | None = unsupported(None, "quantized kernels (a GGUF's weights are dequantized at load; "
-                                                 "serve the .gguf itself)")
     kv_cache_dtype: str = unsupported("auto", "a KV-cache dtype other than the model's (auto)")
     load_format: str = unsupported("auto", "weight formats other than safetensors and GGUF (auto)")
     revision: str | None = unsupported(None, "model revisions (models resolve offline, from local files)")

@@ -146,6 +146,9 @@ class EmbeddingEngine:
         if hf_config.model_type != "bert":
             raise ConfigError(f"embedding model {mc.model!r} is a {hf_config.model_type!r}; sobrio's encoder is "
                               f"BERT's", "--model")
+        if mc.quantization is not None:
+            raise ConfigError(f"sobrio does not support --quantization for embedding models yet ({mc.model!r})",
+                              "--quantization")
         st = read_sentence_transformer_config(folder)
         limit = min(st.max_seq_length or hf_config.max_position_embeddings, hf_config.max_position_embeddings)
         if mc.max_model_len is not None:

@@ -56,11 +56,12 @@ class ModelRunner:
         self.max_model_len = min(model.max_model_len or model_max, self.num_blocks * self.block_size)
         with log_step(logger, "loading the weights of %s", files.source.name):
             self.model = build_model(files.config, self.max_model_len, files.iter_weights(), self.dtype,
-                                     model.attention_backend, model.batch_invariant)
+                                     model.attention_backend, model.batch_invariant, model.quantization)
         assert [a.layer_idx for a in self.model.attention_layers()] == list(range(self.kv_spec.num_layers))
         self.kv_cache = KVCache.allocate(self.kv_spec, self.num_blocks)
-        logger.info("model %s loaded: dtype=%s kv_blocks=%d max_model_len=%d batch_invariant=%s",
-                    files.source.name, self.dtype, self.num_blocks, self.max_model_len, model.batch_invariant)
+        logger.info("model %s loaded: dtype=%s quantization=%s kv_blocks=%d max_model_len=%d batch_invariant=%s",
+                    files.source.name, self.dtype, model.quantization, self.num_blocks, self.max_model_len,
+                    model.batch_invariant)
         with log_step(logger, "warming up %s", files.source.name):
             self.warm_up()
 

@@ -7,8 +7,9 @@ from sobrio.layers.attention import AttentionMetadata, BatchedDecodeAttention, R
 from sobrio.layers.cpu_ops import cpu_ops
 from sobrio.layers.linear import Linear, amx_pack_weight, linear, pack_weight
 from sobrio.layers.norm import RMSNorm
+from sobrio.layers.quantization import QuantizedEmbedding, QuantizedLinear
 from sobrio.layers.rotary import RotaryEmbedding
-from sobrio.models.weights import PackedLinear
+from sobrio.models.weights import PackedLinear, resident_bytes
 
 
 def head_dim_of(config) -> int:
@@ -115,6 +116,7 @@ class CausalLM(torch.nn.Module):
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
         self.packed_lm_head: torch.Tensor | None = None
         self.amx_lm_head: torch.Tensor | None = None
+        self.quantized_lm_head: QuantizedLinear | None = None  # set by `quantize()`
 
     def prepack(self) -> None:
         """Choose every matmul (oneDNN's packed weights, or the batch-invariant kernel); call once the
@@ -122,8 +124,30 @@ class CausalLM(torch.nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.prepack(self.batch_invariant)
-        self.packed_lm_head = None if self.batch_invariant else pack_weight(self.lm_head_weight())
-        self.amx_lm_head = None if self.batch_invariant else amx_pack_weight(self.lm_head_weight())
+        if self.quantized_lm_head is None:
+            self.packed_lm_head = None if self.batch_invariant else pack_weight(self.lm_head_weight())
+            self.amx_lm_head = None if self.batch_invariant else amx_pack_weight(self.lm_head_weight())
+
+    def quantize(self, method: str) -> None:
+        """Int8 weights (`--quantization`): every Linear, the embedding and the LM head (tied: the embedding's
+        own int8 matrix) replaced by their int8 forms, the float weights dropped. Call once the weights are
+        loaded and cast, before `prepack` (which then packs nothing)."""
+        for parent in list(self.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, Linear):
+                    setattr(parent, name, QuantizedLinear.from_float(child.weight, child.bias, method))
+        embed = QuantizedEmbedding.from_float(self.model.embed_tokens.weight)
+        self.model.embed_tokens = embed
+        if self.lm_head is None:
+            self.quantized_lm_head = embed.lm_head(method)
+        else:
+            self.quantized_lm_head = QuantizedLinear.from_float(self.lm_head.weight, None, method)
+            self.lm_head = None
+
+    def resident_weight_bytes(self) -> int:
+        """Bytes of every tensor the model keeps: parameters, buffers and the kernels' packed copies, each
+        storage once (a tied LM head shares the embedding's)."""
+        return resident_bytes(self)
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -132,8 +156,11 @@ class CausalLM(torch.nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self.lm_head_weight(), packed=self.packed_lm_head,
-                        batch_invariant=self.batch_invariant, amx_packed=self.amx_lm_head).float()
+        if self.quantized_lm_head is not None:
+            logits = self.quantized_lm_head(hidden).float()
+        else:
+            logits = linear(hidden, self.lm_head_weight(), packed=self.packed_lm_head,
+                            batch_invariant=self.batch_invariant, amx_packed=self.amx_lm_head).float()
         if self.final_logit_softcapping:
             logits = self._softcap(logits, self.final_logit_softcapping)
         return logits

@@ -24,7 +24,7 @@ def model_class(config) -> type[CausalLM]:
 
 
 def build_model(config, max_positions: int, weights, dtype: torch.dtype, attention_backend: str,
-                batch_invariant: bool = False) -> CausalLM:
+                batch_invariant: bool = False, quantization: str | None = None) -> CausalLM:
     from sobrio.layers.attention import BatchInvariantAttention, resolve_backend
     from sobrio.models.weights import load_weights
 
@@ -35,6 +35,8 @@ def build_model(config, max_positions: int, weights, dtype: torch.dtype, attenti
         model = model_class(config)(config, max_positions, attn_cls, batch_invariant=batch_invariant)
     load_weights(model, weights)
     model = model.to(dtype).eval().requires_grad_(False)
+    if quantization is not None:
+        model.quantize(quantization)
     model.prepack()
     return model
 

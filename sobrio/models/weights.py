@@ -56,3 +56,19 @@ class PackedLinear(Linear):
         super().__init__(in_features, sum(out_sizes), bias=bias)
         starts = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
         self.shard_offsets = list(zip(starts, out_sizes))
+
+
+def resident_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the distinct tensors a module and its children hold, as parameters, buffers or attributes
+    (oneDNN's opaque packed weights counted by their elements)."""
+    seen: set[int] = set()
+    total = 0
+    for sub in module.modules():
+        tensors = [*sub.parameters(recurse=False), *sub.buffers(recurse=False),
+                   *(v for v in vars(sub).values() if isinstance(v, torch.Tensor))]
+        for t in tensors:
+            key = id(t) if t.is_mkldnn else t.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += t.numel() * t.element_size() if t.is_mkldnn else t.untyped_storage().nbytes()
+    return total

@@ -32,7 +32,8 @@ FLAGS = ["--dtype", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-l
          "--max-prompt-tokens-with-decodes", "--tensor-parallel-size", "--data-parallel-size",
          "--pipeline-parallel-size", "--scheduling-policy",
          "--tokenizer", "--chat-template", "--generation-config", "--override-generation-config", "--max-logprobs",
-         "--seed", "--enforce-eager", "--trust-remote-code", "--gpu-memory-utilization", "--enable-chunked-prefill",
+         "--seed", "--quantization", "--enforce-eager", "--trust-remote-code", "--gpu-memory-utilization",
+         "--enable-chunked-prefill",
          "--structured-outputs-fast-forward", "--structured-outputs-compile-timeout"]
 SERVE_FLAGS = ["--model", "--served-model-name", "--host", "--port", "--api-key", "--log-level",
                "--default-max-tokens", "--shutdown-timeout", "--engine-process", "--engine-restarts",
@@ -303,18 +304,17 @@ def test_a_flag_for_a_missing_feature_exits_2_saying_so(flags, capsys):
 
 
 def test_no_op_values_of_vllm_flags_are_accepted():
-    args = serve_args(["m", "--tensor-parallel-size", "1", "--quantization", "", "--enforce-eager",
+    args = serve_args(["m", "--tensor-parallel-size", "1", "--kv-cache-dtype", "", "--enforce-eager",
                        "--enable-chunked-prefill", "--trust-remote-code", "--gpu-memory-utilization", "0.9",
-                       "--kv-cache-dtype", "auto", "--disable-log-requests", "--disable-log-stats",
-                       "--uvicorn-log-level", "warning"])
-    with pytest.raises(ConfigError, match="does not support --quantization"):  # "" is a value, not the default
+                       "--disable-log-requests", "--disable-log-stats", "--uvicorn-log-level", "warning"])
+    with pytest.raises(ConfigError, match="does not support --kv-cache-dtype"):  # "" is a value, not the default
         SobrioConfig.from_kwargs(**engine_kwargs(args))
-    args.quantization = None
+    args.kv_cache_dtype = "auto"
     SobrioConfig.from_kwargs(**engine_kwargs(args))
     config = config_from_args(args, ServerConfig)
     assert (config.disable_log_requests, config.disable_log_stats, config.uvicorn_log_level) == (True, True,
                                                                                                 "warning")
-    with pytest.raises(ConfigError, match="does not support --quantization yet"):  # offline, vLLM's keyword
+    with pytest.raises(ConfigError, match="does not support --quantization awq yet"):  # offline, vLLM's keyword
         SobrioConfig.from_kwargs(quantization="awq")
 
 

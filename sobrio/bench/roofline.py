@@ -65,9 +65,7 @@ def cmd_bench_roofline(args) -> int:
     runner = llm.engine.runner
     params = sum(p.numel() for p in runner.model.parameters())
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    c = llm.engine.hf_config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    kv_bytes_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * runner.dtype.itemsize
+    kv_bytes_per_token = runner.kv_spec.token_bytes
     peak = bf16 if runner.dtype == torch.bfloat16 else fp32
     print(f"model {args.model}: {params / 1e6:.0f} M parameters, {weight_bytes / 1e6:.0f} MB of weights "
           f"({runner.dtype}), {kv_bytes_per_token} B of KV per token")

@@ -25,10 +25,14 @@ class KVCacheSpec:
         assert min(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size) > 0, self
 
     @property
+    def token_bytes(self) -> int:
+        """Bytes one token's keys and values take across all layers: what a longer context costs."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    @property
     def block_bytes(self) -> int:
         """Bytes of one block across all layers, keys and values."""
-        per_layer = 2 * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
-        return self.num_layers * per_layer
+        return self.block_size * self.token_bytes
 
     def num_blocks_for(self, budget: int) -> int:
         """How many blocks fit in `budget` bytes; a budget too small for one is a configuration error."""

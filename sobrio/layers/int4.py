@@ -1,0 +1,274 @@
+"""Int4 weights, group-wise and asymmetric (`--quantization int4`): a Linear weight [N, K] is cut along K into
+groups of 32, 64 or 128; each group of each output channel has its own scale and zero, so a step reads a
+quarter of bf16's bytes (plus 4 bytes of scale and zero per group).
+
+The parameterization is the one PyTorch's CPU kernel computes with (tinygemm's), so the reference here is
+exactly what the kernel multiplies by:
+
+    w[n, k] ~ (q[n, k] - 8) * scale[g, n] + zero[g, n],    q in [0, 15], g = k // group_size
+
+`zero` is the float value of the middle code 8 (a float zero point); an integer zero point z, as AWQ and
+GPTQ checkpoints store it (w ~ (q - z) * scale), is zero = (8 - z) * scale. Scales and zeros are rounded
+to bf16 before the codes are chosen, so a weight's error is at most half a step of its group.
+
+The PyTorch 2.13 CPU ops (schemas from `torch.ops.aten.<op>.default._schema`):
+- `_convert_weight_to_int4pack_for_cpu(Tensor self, int innerKTiles) -> Tensor`: self int32 [N, K] of
+  codes 0..15 -> uint8 [N, K / 2] in the kernel's blocked layout; needs N % 16 == 0 and K even
+  (`innerKTiles` is unused on CPU). The layout depends on the CPU: blocks of 64 output channels on
+  AVX512 (32 otherwise), each [K, block / 2] bytes, k-major; on AVX512 and AVX2 the low nibbles hold the
+  block's first half of channels and the high nibbles its second half, and a tail block (N % block
+  channels) holds pairs (low nibble the even channel), as every block does without AVX.
+  `_dequantize_packed` reads it in place, in the layout found on this machine by packing a probe.
+- `_weight_int4pack_mm_for_cpu(Tensor self, Tensor mat2, int qGroupSize, Tensor qScaleAndZeros) -> Tensor`:
+  self [M, K] contiguous bf16, fp16 or fp32; mat2 the packed uint8 [N, K / 2]; qGroupSize 32..256 dividing
+  K; qScaleAndZeros [K / qGroupSize, N, 2] (scale, zero) in self's dtype -> [M, N] in self's dtype. It
+  dequantizes in fp32 registers, (q - 8) * scale + zero, and accumulates in fp32 four rows at a time; the
+  AVX512 code is bf16 only (fp32 takes a scalar loop).
+
+Measured on SmolLM2-135M's shapes (30 layers of qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536,
+then the 49152x576 LM head; 135 M weights), group size 64, `benchmarks/int4_kernels.py --threads 1`, one
+thread of a Xeon with AMX (2026-12-01, other work running), ms per step's matmuls and ratio to bf16
+`F.linear` (> 1: faster):
+
+    rows   bf16 F.linear   int4pack (packed kernel)   dequant + mm (bf16 F.linear per 1024 channels)
+       1       35.2             9.7   3.64x                152.1   0.23x
+       8       39.7            27.8   1.43x                160.0   0.25x
+      32       43.4            98.7   0.44x                166.1   0.26x
+      64       54.6           192.2   0.28x                179.3   0.30x
+     256      111.7           754.4   0.15x                220.9   0.51x
+
+(48 rows: 148.8 vs 181.1; 96 rows: 301.1 vs 208.1.) The packed kernel reads 4-bit weights once per
+step: 3.6x bf16 at one row, but it is fp32 FMAs four rows at a time, so it grows linearly with the rows and
+loses to bf16 from about 16. Dequantizing costs ~1 ns a weight (~140 ms a step) and then runs at AMX speed,
+so it wins past about 60 rows: `int4_linear` takes the packed kernel below `DEQUANT_MIN_ROWS` (64) rows
+in bf16 and dequantizes from there. With `--threads 2` the crossover moves to 64-96 rows (the packed kernel
+splits its channel blocks over threads; the chunked dequantization mostly does not). In fp32 (and fp16) the
+packed kernel is a scalar loop (222 ms a step at one row, 1677 at 8, against 170 and 178 dequantized, and
+40 and 103 for fp32 F.linear): fp32 always dequantizes. Past ~16 rows int4 weight-only is slower than bf16
+either way: it is the mode for small batches on a bandwidth-bound step.
+"""
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+GROUP_SIZES = (32, 64, 128)
+PACK_N_MULTIPLE = 16  # `_convert_weight_to_int4pack_for_cpu` takes whole blocks of 16 output channels
+DEQUANT_MIN_ROWS = {torch.bfloat16: 64, torch.float16: 1, torch.float32: 1}  # from the measurement above
+DEQUANT_CHUNK = 1024  # output channels dequantized at a time: [K, 1024] stays in L2; a multiple of the block
+SCALE_DTYPE = torch.bfloat16
+AWQ_GRID = 20
+
+
+@dataclass
+class Int4Weight:
+    """An int4 weight as the CPU kernel takes it: `packed` uint8 [N, K / 2] in the kernel's layout (which
+    follows this CPU's vector width: save `int4_codes(w)` rather than `packed`), `scales_and_zeros` bf16
+    [K / group_size, N, 2] (the op's `qScaleAndZeros`), and the shape it stands for."""
+
+    packed: torch.Tensor
+    scales_and_zeros: torch.Tensor
+    group_size: int
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        """Resident bytes: what a step reads."""
+        return self.packed.nbytes + self.scales_and_zeros.nbytes
+
+    def scales_and_zeros_in(self, dtype: torch.dtype) -> torch.Tensor:
+        """The op wants them in the activations' dtype; bf16 -> fp32 is exact."""
+        sz = self.scales_and_zeros
+        return sz if sz.dtype == dtype else sz.to(dtype)
+
+
+def check_int4_shape(out_features: int, in_features: int, group_size: int, name: str = "weight") -> None:
+    """Raise a ValueError naming the problem (and the layer) if the packed kernel cannot take this weight,
+    before any op runs: the ops' own checks are RuntimeErrors from C++ that name neither, at the first step."""
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"int4: group size must be one of {GROUP_SIZES}, got {group_size}")
+    if in_features % group_size:
+        fitting = ", ".join(str(g) for g in GROUP_SIZES if in_features % g == 0) or "none of " + str(GROUP_SIZES)
+        raise ValueError(f"int4: {name} has in_features {in_features}, not divisible by the group size "
+                         f"{group_size} (group sizes that divide it: {fitting})")
+    if out_features % PACK_N_MULTIPLE:
+        raise ValueError(f"int4: {name} has out_features {out_features}; the packed CPU kernel takes "
+                         f"multiples of {PACK_N_MULTIPLE}")
+
+
+def _round_up(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The smallest `dtype` number >= each (positive) fp32 value: a rounded-up step still spans the group."""
+    rounded = value.to(dtype)
+    bits = torch.finfo(dtype).bits
+    next_up = (rounded.view(getattr(torch, f"int{bits}")) + 1).view(dtype)
+    return torch.where(rounded.float() < value, next_up, rounded)
+
+
+def _quantize_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes int32 [N, K], scales_and_zeros bf16 [K / g, N, 2]). The zero (the value of code 8) is rounded
+    to bf16 first, then the step is the smallest bf16 that reaches both the group's min (8 steps below
+    the zero) and its max (7 above): every weight lies inside the grid, within half a step of a code."""
+    n, k = weight.shape
+    w = weight.detach().float().reshape(n, k // group_size, group_size)
+    low, high = w.amin(-1), w.amax(-1)
+    zero = (low + (high - low) * (8 / 15)).to(SCALE_DTYPE).float()
+    step = torch.maximum((zero - low) / 8, (high - zero) / 7).clamp_min(torch.finfo(SCALE_DTYPE).tiny)
+    scale = _round_up(step, SCALE_DTYPE).float()
+    codes = ((w - zero[..., None]) / scale[..., None]).add_(8).round_().clamp_(0, 15).to(torch.int32)
+    scales_and_zeros = torch.stack((scale, zero), -1).transpose(0, 1).to(SCALE_DTYPE).contiguous()
+    return codes.view(n, k), scales_and_zeros
+
+
+def _pack(codes: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+
+
+def _signed_nibbles(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(low, high) nibbles of uint8 bytes as int8 q - 8: flipping each nibble's top bit makes it a signed
+    4-bit number, which arithmetic shifts sign-extend (four byte-wide passes instead of float ones)."""
+    flipped = packed ^ 0x88
+    return (flipped << 4).view(torch.int8) >> 4, flipped.view(torch.int8) >> 4
+
+
+def _by_block(t: torch.Tensor, first: int, count: int, size: int) -> torch.Tensor:
+    """Columns first .. first + count * size of a [rows, N] tensor as [count, rows, size] (a view)."""
+    return t[:, first:first + count * size].unflatten(1, (count, size)).transpose(0, 1)
+
+
+def _dequantize_packed(packed: torch.Tensor, scales_and_zeros: torch.Tensor, in_features: int,
+                       layout: tuple[int, bool], dtype: torch.dtype) -> torch.Tensor:
+    """W.T [K, N] in `dtype` from packed channels (whole blocks, then at most one tail block) and their
+    scales and zeros [K / g, N, 2]: (q - 8) * scale + zero by one addcmul (fp32 inside, one rounding:
+    exactly the kernel's values in fp32, their rounding in bf16). The packed layout is k-major within
+    each block of channels, so writing W.T needs no transposing copy, and once the two nibbles are put
+    back in channel order every operand is contiguous along a block's channels: the addcmul vectorizes."""
+    block, halves = layout
+    k, n = in_features, scales_and_zeros.shape[1]
+    scale, zero = scales_and_zeros.to(dtype).permute(2, 0, 1).contiguous()  # [K / g, N] each
+    out = torch.empty(k, n, dtype=dtype)
+    flat, full = packed.reshape(-1), n - n % block
+    for first, size, count in ((0, block, full // block), (full, n - full, 1)):
+        if count * size == 0:
+            continue
+        target = _by_block(out, first, count, size).unflatten(1, (scale.shape[0], -1))  # [blocks, K / g, g, size]
+        block_scale, block_zero = (_by_block(t, first, count, size)[:, :, None] for t in (scale, zero))
+        nibbles = flat[first * k // 2:(first + count * size) * k // 2].view(count, scale.shape[0], -1, size // 2)
+        pairs = not halves or size < block  # a tail block holds pairs of channels
+        codes = torch.stack(_signed_nibbles(nibbles), -1 if pairs else -2).flatten(-2)  # channel order
+        torch.addcmul(block_zero, codes, block_scale, out=target)
+    return out
+
+
+def _read_codes(packed: torch.Tensor, out_features: int, in_features: int, layout: tuple[int, bool]) -> torch.Tensor:
+    """The codes [N, K] (int32, 0..15) of a packed weight: dequantized with scale 1 and zero 8."""
+    identity = torch.tensor([1.0, 8.0]).expand(1, out_features, 2)
+    return _dequantize_packed(packed, identity, in_features, layout, torch.float32).T.to(torch.int32)
+
+
+@functools.cache
+def packed_layout() -> tuple[int, bool]:
+    """(block, halves) of `_convert_weight_to_int4pack_for_cpu` on this machine (it follows the CPU's
+    vector width), found by packing a probe of random codes with full blocks and a tail, and reading it
+    back."""
+    probe = torch.randint(0, 16, (2 * 64 + PACK_N_MULTIPLE, 8), dtype=torch.int32,
+                          generator=torch.Generator().manual_seed(0))
+    for layout in ((64, True), (32, True), (32, False)):
+        if torch.equal(_read_codes(_pack(probe), *probe.shape, layout), probe):
+            return layout
+    raise RuntimeError("int4: unknown layout of aten._convert_weight_to_int4pack_for_cpu on this CPU")
+
+
+def int4_codes(w: Int4Weight) -> torch.Tensor:
+    """The codes [N, K] (int32, 0..15) of an Int4Weight: with `scales_and_zeros`, its portable form (what
+    a checkpoint stores; `pack_int4` packs it again on the machine that loads it)."""
+    return _read_codes(w.packed, w.out_features, w.in_features, packed_layout())
+
+
+def pack_int4(codes: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int) -> Int4Weight:
+    """An Int4Weight from integer codes [N, K] in 0..15 and bf16 scales and zeros [K / g, N, 2] (this
+    module's quantizer, or a checkpoint's: AWQ/GPTQ integer zero points become (8 - z) * scale)."""
+    n, k = codes.shape
+    check_int4_shape(n, k, group_size)
+    return Int4Weight(_pack(codes), scales_and_zeros.to(SCALE_DTYPE).contiguous(), group_size, n, k)
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> Int4Weight:
+    """Quantize a float Linear weight [N, K]; shapes the kernel cannot take are a ValueError up front."""
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(f"int4: expected a float weight [out, in], got {weight.dtype} {tuple(weight.shape)}")
+    check_int4_shape(*weight.shape, group_size)
+    return pack_int4(*_quantize_groups(weight, group_size), group_size)
+
+
+def _dequantize_channels(w: Int4Weight, first: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+    """W.T [K, count] for output channels first .. first + count (first a multiple of the packed block)."""
+    k = w.in_features
+    packed = w.packed.view(-1)[first * k // 2:(first + count) * k // 2]
+    return _dequantize_packed(packed, w.scales_and_zeros[:, first:first + count], k, packed_layout(), dtype)
+
+
+def dequantize_int4(w: Int4Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The float matrix [N, K] an Int4Weight stands for (a transposed view of a [K, N] tensor): in fp32,
+    exactly what the packed kernel computes with; in bf16, its rounding, which the dequantized path
+    multiplies by."""
+    return _dequantize_channels(w, 0, w.out_features, dtype).T
+
+
+def fake_quantize_int4(weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The fp32 weight [N, K] after a round trip through int4: what the AWQ search scores."""
+    return dequantize_int4(quantize_int4(weight, group_size))
+
+
+def int4_packed_mm(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
+    """x [M, K] @ W.T by aten's int4 kernel: one pass over the packed weight, dequantized in registers."""
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), w.packed, w.group_size,
+                                                      w.scales_and_zeros_in(x.dtype))
+
+
+def int4_dequant_mm(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
+    """x [M, K] @ W.T with W dequantized into x's dtype on each call, `DEQUANT_CHUNK` channels at a time,
+    each slice multiplied (oneDNN, AMX in bf16) while it is still in cache: for many rows, where the
+    matmul is compute-bound and the conversion is paid once for all of them. A whole LM head at once
+    costs 3-4x more (the slice leaves the cache between the two)."""
+    out = x.new_empty(x.shape[0], w.out_features)
+    for first in range(0, w.out_features, DEQUANT_CHUNK):
+        count = min(DEQUANT_CHUNK, w.out_features - first)
+        torch.mm(x, _dequantize_channels(w, first, count, x.dtype), out=out[:, first:first + count])
+    return out
+
+
+def int4_linear(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
+    """x [..., K] @ W.T in x's dtype (bf16, fp16 or fp32), by the kernel measured fastest for its rows."""
+    if x.shape[-1] != w.in_features or x.dtype not in DEQUANT_MIN_ROWS:
+        raise ValueError(f"int4: expected x [..., {w.in_features}] in bf16, fp16 or fp32, "
+                         f"got {x.dtype} {tuple(x.shape)}")
+    rows = x.reshape(-1, w.in_features)
+    kernel = int4_dequant_mm if rows.shape[0] >= DEQUANT_MIN_ROWS[x.dtype] else int4_packed_mm
+    return kernel(rows, w).view(*x.shape[:-1], w.out_features)
+
+
+def awq_search_scales(weight: torch.Tensor, activations: torch.Tensor, group_size: int,
+                      grid: int = AWQ_GRID) -> torch.Tensor:
+    """AWQ's activation-aware scales s [K] (fp32) for a Linear weight [N, K] and a sample of its inputs
+    [..., K]: channels that carry large activations are scaled up before rounding, so their weights keep
+    more precision. For alpha in 0, 1/grid, ... < 1: s = mean|x|^alpha, normalized to
+    sqrt(max * min) = 1; the alpha whose quantized layer (x / s) @ Q(W * s).T is nearest to x @ W.T (mean
+    squared error on the sample) wins. alpha = 0 is s = 1, plain rounding: the result is never worse on
+    the sample. The caller quantizes W * s and folds 1 / s into what makes x (the RMSNorm weight before
+    qkv or gate_up, or up_proj before down_proj); layers sharing an input take one search on their rows
+    concatenated (SmolLM2's fused qkv and gate_up already are)."""
+    check_int4_shape(*weight.shape, group_size)
+    if activations.shape[-1] != weight.shape[1]:
+        raise ValueError(f"awq: activations {tuple(activations.shape)} do not feed a weight {tuple(weight.shape)}")
+    w, x = weight.detach().float(), activations.detach().reshape(-1, weight.shape[1]).float()
+    mean_abs, reference = x.abs().mean(0), x @ w.T
+    best_error, best = float("inf"), torch.ones_like(mean_abs)
+    for step in range(grid):
+        s = mean_abs.pow(step / grid).clamp_min(1e-4)
+        s = s / (s.max() * s.min()).sqrt()
+        error = (x @ (fake_quantize_int4(w * s, group_size) / s).T - reference).pow(2).mean().item()
+        if error < best_error:
+            best_error, best = error, s
+    return best

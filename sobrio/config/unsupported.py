@@ -16,7 +16,6 @@ class UnsupportedConfig(Checked):
 
     quantization: str | None = unsupported(None, "quantized kernels (a GGUF's weights are dequantized at load; "
                                                  "serve the .gguf itself)")
-    kv_cache_dtype: str = unsupported("auto", "a KV-cache dtype other than the model's (auto)")
     load_format: str = unsupported("auto", "weight formats other than safetensors and GGUF (auto)")
     revision: str | None = unsupported(None, "model revisions (models resolve offline, from local files)")
     speculative_config: str | None = unsupported(None, "speculative decoding")

@@ -27,7 +27,7 @@ from sobrio.engine_args import add_config_args, add_engine_args, config_from_arg
 from sobrio.errors import ConfigError, SobrioError
 
 FLAGS = ["--dtype", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len", "--block-size",
-         "--kv-cache-memory", "--enable-prefix-caching", "--max-num-waiting", "--batch-invariant",
+         "--kv-cache-memory", "--kv-cache-dtype", "--enable-prefix-caching", "--max-num-waiting", "--batch-invariant",
          "--long-prefill-token-threshold", "--max-num-partial-prefills", "--max-long-partial-prefills",
          "--max-prompt-tokens-with-decodes", "--tensor-parallel-size", "--data-parallel-size",
          "--pipeline-parallel-size", "--scheduling-policy",

@@ -29,8 +29,6 @@ class UnsupportedConfig(Checked):
     cpu_offload_gb: float = unsupported(0.0, "weight offloading (the weights are in CPU memory already)")
     enable_sleep_mode: bool = unsupported(False, "sleep mode")
     limit_mm_per_prompt: str | None = unsupported(None, "multimodal inputs")
-    enable_auto_tool_choice: bool = unsupported(False, "tool calling")
-    tool_call_parser: str | None = unsupported(None, "tool calling")
     reasoning_parser: str | None = unsupported(None, "reasoning parsers")
 
     def __post_init__(self) -> None:

@@ -294,12 +294,21 @@ def test_a_bad_config_file_exits_2_naming_the_key(tmp_path, capsys, text, messag
 @pytest.mark.parametrize("flags", [["--quantization", "awq"], ["--speculative-config", '{"method": "ngram"}'],
                                    ["--enable-lora"], ["--pipeline-parallel-size", "2"],
                                    ["--tensor-parallel-size", "2"], ["--kv-transfer-config", "{}"],
-                                   ["--lora-modules", "a=/x", "b=/y"], ["--enable-auto-tool-choice"],
+                                   ["--lora-modules", "a=/x", "b=/y"], ["--reasoning-parser", "deepseek_r1"],
                                    ["--no-enable-chunked-prefill"]])
 def test_a_flag_for_a_missing_feature_exits_2_saying_so(flags, capsys):
     assert cli.main(["serve", "smollm2-135m", *flags]) == 2
     err = capsys.readouterr().err
     assert f"sobrio serve: error: sobrio does not support {flags[0]}" in err and "unrecognized" not in err
+
+
+def test_vllm_tool_calling_flags_are_accepted_for_the_format_sobrio_parses(capsys):
+    config = config_from_args(serve_args(["m", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]),
+                              ServerConfig)
+    assert config.enable_auto_tool_choice and config.tool_call_parser == "hermes"
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["serve", "smollm2-135m", "--tool-call-parser", "mistral"])
+    assert exc.value.code == 2 and "--tool-call-parser: invalid choice: 'mistral'" in capsys.readouterr().err
 
 
 def test_no_op_values_of_vllm_flags_are_accepted():

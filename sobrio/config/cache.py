@@ -4,6 +4,8 @@ from dataclasses import dataclass
 
 from sobrio.config.fields import Checked, flag
 
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")  # sobrio/kv/cache.py maps them to torch dtypes
+
 
 @dataclass(frozen=True)
 class CacheConfig(Checked):
@@ -14,6 +16,9 @@ class CacheConfig(Checked):
     kv_cache_memory_fraction: float = 0.15  # of available memory, when kv_cache_memory is None
     kv_cache_memory_cap: int = 2 << 30  # bytes, when kv_cache_memory is None
     enable_prefix_caching: bool = flag(True, "reuse the KV blocks of prompt prefixes seen before")
+    kv_cache_dtype: str = flag("auto", "KV-cache rows: auto (the model's dtype), or int8 / fp8_e4m3 (fp8) with a "
+                                       "bf16 scale per token and kv head: 1.94x the blocks in the same memory",
+                               choices=KV_CACHE_DTYPES)
     gpu_memory_utilization: float = flag(0.9, "accepted for vLLM's scripts; no effect on CPU: the KV cache takes "
                                               "--kv-cache-memory")
 
@@ -22,4 +27,5 @@ class CacheConfig(Checked):
         self._at_least(1, "kv_cache_memory", optional=True)
         self._at_least(1, "kv_cache_memory_cap")
         self._require("kv_cache_memory_fraction", 0 < self.kv_cache_memory_fraction <= 1, "in (0, 1]")
+        self._require("kv_cache_dtype", self.kv_cache_dtype in KV_CACHE_DTYPES, "one of " + ", ".join(KV_CACHE_DTYPES))
         self._require("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "in (0, 1]")

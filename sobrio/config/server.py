@@ -93,6 +93,11 @@ class ServerConfig(Checked):
                                              "timings; never its text)")
     enable_log_requests: bool = flag(False, "accepted (vLLM's newer spelling); requests are logged unless "
                                             "--disable-log-requests")
+    enable_auto_tool_choice: bool = flag(False, "accepted (vLLM's): a request with `tools` always gets its calls "
+                                                "parsed, `tool_choice` auto included")
+    tool_call_parser: str | None = flag(None, "accepted as hermes, vLLM's name for the <tool_call> format sobrio "
+                                              "prompts for, enforces and parses (server/tools.py)",
+                                        choices=("hermes",))
     disable_log_stats: bool = flag(False, "no periodic line per model (every 10 s while busy): throughput, running "
                                           "and waiting requests, KV-cache use, prefix-cache hits")
     default_max_tokens: int = flag(1024, "max_tokens of a request that gives none (chat), capped at what the "

@@ -14,7 +14,6 @@ from sobrio.config.fields import Checked, unsupported
 class UnsupportedConfig(Checked):
     """vLLM flags sobrio recognizes but does not support yet: any value but the default is refused (exit 2)."""
 
-    kv_cache_dtype: str = unsupported("auto", "a KV-cache dtype other than the model's (auto)")
     load_format: str = unsupported("auto", "weight formats other than safetensors and GGUF (auto)")
     revision: str | None = unsupported(None, "model revisions (models resolve offline, from local files)")
     speculative_config: str | None = unsupported(None, "speculative decoding")
@@ -28,8 +27,6 @@ class UnsupportedConfig(Checked):
     cpu_offload_gb: float = unsupported(0.0, "weight offloading (the weights are in CPU memory already)")
     enable_sleep_mode: bool = unsupported(False, "sleep mode")
     limit_mm_per_prompt: str | None = unsupported(None, "multimodal inputs")
-    enable_auto_tool_choice: bool = unsupported(False, "tool calling")
-    tool_call_parser: str | None = unsupported(None, "tool calling")
     reasoning_parser: str | None = unsupported(None, "reasoning parsers")
 
     def __post_init__(self) -> None:

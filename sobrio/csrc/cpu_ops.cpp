@@ -435,6 +435,49 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, t
   }
 }
 
+// One row of D values into int8 with a bf16 scale, as `sobrio.kv.cache.quantize_rows` does: scale =
+// max |x| / 127 rounded to bf16, values rounded half to even against that scale.
+template <typename T>
+void quantize_row_int8(const T* x, int64_t dim, int8_t* q, c10::BFloat16* scale) {
+  float absmax = 0.f;
+  for (int64_t i = 0; i < dim; ++i) absmax = std::max(absmax, std::fabs(sobrio_vec::to_float(x[i])));
+  const c10::BFloat16 s(std::max(absmax / 127.f, 1e-30f));
+  const float sf = static_cast<float>(s);
+  for (int64_t i = 0; i < dim; ++i)
+    q[i] = static_cast<int8_t>(std::clamp(std::nearbyint(sobrio_vec::to_float(x[i]) / sf), -127.f, 127.f));
+  *scale = s;
+}
+
+// write_kv for an int8 cache: each new (token, kv head) row quantized into its slot, its scale beside it.
+void write_kv_int8(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
+                   torch::Tensor key_scales, torch::Tensor value_scales, torch::Tensor slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.scalar_type() == value.scalar_type(),
+              "write_kv_int8: key, value [T, Hkv, D] of one dtype");
+  TORCH_CHECK(key_cache.scalar_type() == at::kChar && value_cache.scalar_type() == at::kChar &&
+                  key_scales.scalar_type() == at::kBFloat16 && value_scales.scalar_type() == at::kBFloat16,
+              "write_kv_int8: int8 caches, bf16 scales");
+  for (const auto& t : {key_cache, value_cache, key_scales, value_scales})
+    TORCH_CHECK(t.is_contiguous(), "write_kv_int8: contiguous caches and scales");
+  for (const auto& t : {key, value})
+    TORCH_CHECK(t.stride(2) == 1 && t.stride(1) == t.size(2), "write_kv_int8: [Hkv, D] contiguous per token");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.size(0) == key.size(0), "write_kv_int8: slots");
+  const int64_t heads = key.size(1), dim = key.size(2), num_slots = key_scales.numel() / heads;
+  TORCH_CHECK(key_cache.numel() == num_slots * heads * dim, "write_kv_int8: scales do not match the cache");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "write_kv_int8", [&] {
+    for (int64_t t = 0; t < key.size(0); ++t) {
+      TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "write_kv_int8: slot out of range");
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t row = slots[t] * heads + h;
+        quantize_row_int8(key.data_ptr<scalar_t>() + t * key.stride(0) + h * dim, dim,
+                          key_cache.data_ptr<int8_t>() + row * dim, key_scales.data_ptr<c10::BFloat16>() + row);
+        quantize_row_int8(value.data_ptr<scalar_t>() + t * value.stride(0) + h * dim, dim,
+                          value_cache.data_ptr<int8_t>() + row * dim, value_scales.data_ptr<c10::BFloat16>() + row);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 void register_cpu_ops(pybind11::module& m) {
@@ -448,4 +491,5 @@ void register_cpu_ops(pybind11::module& m) {
   m.def("rotary_embedding", &rotary_embedding, "rotate-half RoPE in place");
   m.def("act_and_mul", &act_and_mul, "silu(gate)*up (0) or gelu_tanh(gate)*up (1)");
   m.def("write_kv", &write_kv, "new keys and values into their cache slots");
+  m.def("write_kv_int8", &write_kv_int8, "new keys and values quantized into an int8 cache's slots and scales");
 }

@@ -1,5 +1,7 @@
 // Paged decode attention on the CPU: one query per sequence, keys and values read in place from the
 // block-paged cache (no gather, no padding), float32 accumulation, one task per (sequence, kv head).
+// A quantized cache (int8 or fp8 e4m3 rows, one bf16 scale per token and kv head) is read the same way:
+// a key's scale multiplies its score, a value's scale its weight, so no row is dequantized in memory.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -11,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -31,6 +34,13 @@ inline void load_row(const c10::BFloat16* src, float* dst, int64_t n) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, sobrio_vec::load16(src + i));
   for (; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+// int8 -> fp32 (a quantized cache row, before its scale), 16 lanes at a time.
+inline void load_row(const int8_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, sobrio_vec::load16(src + i));
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -91,11 +101,12 @@ inline float exp_and_sum(float* s, int64_t n, float mx) {
 }
 #endif
 
-// Scores of `group` queries (float32, pre-scaled) against one key row.
+// Scores of `group` queries (float32, pre-scaled) against one key row, times the row's scale.
 template <typename T>
-inline void score_row(const float* qf, const T* key, float* row, float* out, int64_t group, int64_t n, int64_t dim) {
+inline void score_row(const float* qf, const T* key, float key_scale, float* row, float* out, int64_t group,
+                      int64_t n, int64_t dim) {
   load_row(key, row, dim);
-  for (int64_t g = 0; g < group; ++g) out[g * n] = dot(qf + g * dim, row, dim);
+  for (int64_t g = 0; g < group; ++g) out[g * n] = key_scale * dot(qf + g * dim, row, dim);
 }
 
 #if defined(__AVX512BF16__)
@@ -114,14 +125,18 @@ inline __m512 hsum16(const __m512 (&v)[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
 }
 
-// The common case, bf16 with head_dim 64 and at most 8 query heads per kv head: scores by AVX512-BF16
-// dot products straight from the cache rows, 16 keys at a time summed together (`hsum16`), output
-// accumulated in registers. A key's score is computed the same way wherever it falls in its group of 16
-// (absent keys are zeros), so a row's result depends on its sequence alone.
-template <int G>
-void decode_task_bf16_d64(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BFloat16* vc,
-                          const int64_t* table, int64_t block_size, int64_t kv_stride, int64_t start, int64_t ctx,
-                          float scale, float* scores, c10::BFloat16* out) {
+// The common case, bf16 queries with head_dim 64 and at most 8 query heads per kv head: scores by
+// AVX512-BF16 dot products straight from the cache rows, 16 keys at a time summed together (`hsum16`),
+// output accumulated in registers. A key's score is computed the same way wherever it falls in its group of
+// 16 (absent keys are zeros), so a row's result depends on its sequence alone.
+// C = int8_t: a quantized cache, with one bf16 scale per row in `ks` / `vs` (indexed like the rows, by
+// offset / 64). Each group of 16 key rows is converted to bf16 once (exact: int8 values are bf16 values)
+// into an L1 buffer that the same dot products read; a key's scale multiplies its score, a value's its weight.
+template <typename C, int G>
+void decode_task_d64(const c10::BFloat16* q, const C* kc, const C* vc, const c10::BFloat16* ks,
+                     const c10::BFloat16* vs, const int64_t* table, int64_t block_size, int64_t kv_stride,
+                     int64_t start, int64_t ctx, float scale, float* scores, c10::BFloat16* out) {
+  constexpr bool kQuantized = std::is_same_v<C, int8_t>;
   const int64_t n = ctx - start;
   __m512bh qv[G][2];
   for (int g = 0; g < G; ++g) {
@@ -153,10 +168,29 @@ void decode_task_bf16_d64(const c10::BFloat16* q, const c10::BFloat16* kc, const
   };
   for (int i = 0; i < 16; ++i) prefetch_next();
   const __m512 vscale = _mm512_set1_ps(scale);
+  alignas(64) c10::BFloat16 converted[kQuantized ? 16 * 64 : 1];
+  alignas(64) float key_scales[16];
   for (int64_t t0 = start; t0 < ctx; t0 += 16) {
     const int m = static_cast<int>(std::min<int64_t>(16, ctx - t0));
     const c10::BFloat16* keys[16];
-    for (int i = 0; i < m; ++i) keys[i] = kc + key_rows.next(), prefetch_next();
+    for (int i = 0; i < m; ++i) {
+      const int64_t r = key_rows.next();
+      prefetch_next();
+      if constexpr (kQuantized) {
+        key_scales[i] = sobrio_vec::to_float(ks[r / 64]);
+        for (int j = 0; j < 2; ++j) {
+          const __m512bh pair = _mm512_cvtne2ps_pbh(sobrio_vec::load16(kc + r + 32 * j + 16),
+                                                    sobrio_vec::load16(kc + r + 32 * j));
+          _mm512_store_si512(converted + 64 * i + 32 * j, (__m512i)pair);
+        }
+        keys[i] = converted + 64 * i;
+      } else {
+        keys[i] = kc + r;
+      }
+    }
+    const __m512 row_scales = kQuantized ? _mm512_mul_ps(_mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << m) - 1),
+                                                                                key_scales), vscale)
+                                         : vscale;
     for (int g = 0; g < G; ++g) {
       __m512 d[16];
       for (int i = 0; i < 16; ++i) {
@@ -165,7 +199,7 @@ void decode_task_bf16_d64(const c10::BFloat16* q, const c10::BFloat16* kc, const
         d[i] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], k0), qv[g][1], k1);
       }
       _mm512_mask_storeu_ps(scores + g * n + (t0 - start), static_cast<__mmask16>((1u << m) - 1),
-                            _mm512_mul_ps(hsum16(d), vscale));
+                            _mm512_mul_ps(hsum16(d), row_scales));
     }
   }
   float inv[G];
@@ -184,11 +218,12 @@ void decode_task_bf16_d64(const c10::BFloat16* q, const c10::BFloat16* kc, const
       _mm_prefetch(reinterpret_cast<const char*>(vc + r), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(vc + r + 32), _MM_HINT_T0);
     }
-    const c10::BFloat16* v = vc + value_rows.next();
+    const int64_t r = value_rows.next();
     __m512 vf[4];
-    for (int j = 0; j < 4; ++j) vf[j] = sobrio_vec::load16(v + 16 * j);
+    for (int j = 0; j < 4; ++j) vf[j] = sobrio_vec::load16(vc + r + 16 * j);
+    const float value_scale = kQuantized ? sobrio_vec::to_float(vs[r / 64]) : 1.f;
     for (int g = 0; g < G; ++g) {
-      const __m512 p = _mm512_set1_ps(scores[g * n + (t - start)]);
+      const __m512 p = _mm512_set1_ps(scores[g * n + (t - start)] * value_scale);
       for (int j = 0; j < 4; ++j) acc[g][j] = _mm512_fmadd_ps(p, vf[j], acc[g][j]);
     }
   }
@@ -199,21 +234,26 @@ void decode_task_bf16_d64(const c10::BFloat16* q, const c10::BFloat16* kc, const
   }
 }
 
-using FastTask = void (*)(const c10::BFloat16*, const c10::BFloat16*, const c10::BFloat16*, const int64_t*, int64_t,
-                          int64_t, int64_t, int64_t, float, float*, c10::BFloat16*);
-constexpr FastTask kFastTasks[] = {nullptr, decode_task_bf16_d64<1>, decode_task_bf16_d64<2>, decode_task_bf16_d64<3>,
-                                   decode_task_bf16_d64<4>, decode_task_bf16_d64<5>, decode_task_bf16_d64<6>,
-                                   decode_task_bf16_d64<7>, decode_task_bf16_d64<8>};
+template <typename C>
+using FastTask = void (*)(const c10::BFloat16*, const C*, const C*, const c10::BFloat16*, const c10::BFloat16*,
+                          const int64_t*, int64_t, int64_t, int64_t, int64_t, float, float*, c10::BFloat16*);
+template <typename C>
+constexpr FastTask<C> kFastTasks[] = {nullptr, decode_task_d64<C, 1>, decode_task_d64<C, 2>, decode_task_d64<C, 3>,
+                                      decode_task_d64<C, 4>, decode_task_d64<C, 5>, decode_task_d64<C, 6>,
+                                      decode_task_d64<C, 7>, decode_task_d64<C, 8>};
 
-bool decode_fast_bf16(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
-                      const torch::Tensor& block_tables, const torch::Tensor& context_lens, torch::Tensor& out,
-                      int64_t block_size, double scale, int64_t window) {
+// C: the cache's rows, bf16 or int8 (then with `key_scales` / `value_scales`, else null).
+template <typename C>
+bool decode_fast(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                 const torch::Tensor& block_tables, const torch::Tensor& context_lens, torch::Tensor& out,
+                 int64_t block_size, double scale, int64_t window, const c10::BFloat16* key_scales,
+                 const c10::BFloat16* value_scales) {
   const int64_t batch = query.size(0), heads = query.size(1), dim = query.size(2);
   const int64_t kv_heads = key_cache.size(1), group = heads / kv_heads;
   if (query.scalar_type() != at::kBFloat16 || dim != 64 || group > 8) return false;
   const auto* q = query.data_ptr<c10::BFloat16>();
-  const auto* kc = key_cache.data_ptr<c10::BFloat16>();
-  const auto* vc = value_cache.data_ptr<c10::BFloat16>();
+  const C* kc = key_cache.data_ptr<C>();
+  const C* vc = value_cache.data_ptr<C>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   const int64_t max_blocks = block_tables.size(1);
@@ -229,15 +269,19 @@ bool decode_fast_bf16(const torch::Tensor& query, const torch::Tensor& key_cache
       const int64_t start = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
       scores.resize(group * (ctx - start));
       const int64_t first = (b * heads + kh * group) * dim;
-      kFastTasks[group](q + first, kc + kh * dim, vc + kh * dim, tables + b * max_blocks, block_size, kv_heads * dim,
-                        start, ctx, static_cast<float>(scale), scores.data(), o + first);
+      // Scales are indexed by row offset / 64: shifted by kh here, as the rows are by kh * dim.
+      kFastTasks<C>[group](q + first, kc + kh * dim, vc + kh * dim, key_scales ? key_scales + kh : nullptr,
+                           value_scales ? value_scales + kh : nullptr, tables + b * max_blocks, block_size,
+                           kv_heads * dim, start, ctx, static_cast<float>(scale), scores.data(), o + first);
     }
   });
   return true;
 }
 #else
-bool decode_fast_bf16(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
-                      const torch::Tensor&, torch::Tensor&, int64_t, double, int64_t) {
+template <typename C>
+bool decode_fast(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                 const torch::Tensor&, torch::Tensor&, int64_t, double, int64_t, const c10::BFloat16*,
+                 const c10::BFloat16*) {
   return false;
 }
 #endif
@@ -251,16 +295,18 @@ inline void prefetch_bytes(const void* p, int64_t bytes, int level) {
   }
 }
 
-template <typename T>
+// T: the query's and output's type; C: the cache's (T itself, or int8 / fp8 with per-row scales).
+template <typename T, typename C>
 void decode_kernel(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                    const torch::Tensor& block_tables, const torch::Tensor& context_lens, torch::Tensor& out,
-                   int64_t block_size, double scale, int64_t window) {
+                   int64_t block_size, double scale, int64_t window, const c10::BFloat16* key_scales,
+                   const c10::BFloat16* value_scales) {
   const int64_t batch = query.size(0), heads = query.size(1), dim = query.size(2);
   const int64_t kv_heads = key_cache.size(1), group = heads / kv_heads;
   const int64_t max_blocks = block_tables.size(1);
   const T* q = query.data_ptr<T>();
-  const T* kc = key_cache.data_ptr<T>();
-  const T* vc = value_cache.data_ptr<T>();
+  const C* kc = key_cache.data_ptr<C>();
+  const C* vc = value_cache.data_ptr<C>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   T* o = out.data_ptr<T>();
@@ -272,8 +318,10 @@ void decode_kernel(const torch::Tensor& query, const torch::Tensor& key_cache, c
       const int64_t start = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
       const int64_t n = ctx - start;
       const int64_t* table = tables + b * max_blocks;
-      auto row_of = [&](const T* cache, int64_t t) {
-        return cache + ((table[t / block_size] * block_size + t % block_size) * kv_heads + kh) * dim;
+      auto index_of = [&](int64_t t) { return (table[t / block_size] * block_size + t % block_size) * kv_heads + kh; };
+      auto row_of = [&](const C* cache, int64_t t) { return cache + index_of(t) * dim; };
+      auto scale_of = [&](const c10::BFloat16* scales, int64_t t) {
+        return scales == nullptr ? 1.f : sobrio_vec::to_float(scales[index_of(t)]);
       };
       scores.resize(group * n);
       for (int64_t g = 0; g < group; ++g) {
@@ -281,13 +329,14 @@ void decode_kernel(const torch::Tensor& query, const torch::Tensor& key_cache, c
         for (int64_t i = 0; i < dim; ++i) qf[g * dim + i] *= static_cast<float>(scale);
       }
       // Scattered rows: fetch each key row 4 ahead, and its value row into L2 for the second pass.
-      const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(T));
+      const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(C));
       for (int64_t t = start; t < ctx; ++t) {
         if (t + 4 < ctx) {
           prefetch_bytes(row_of(kc, t + 4), row_bytes, 0);
           prefetch_bytes(row_of(vc, t + 4), row_bytes, 1);
         }
-        score_row(qf.data(), row_of(kc, t), row.data(), scores.data() + (t - start), group, n, dim);
+        score_row(qf.data(), row_of(kc, t), scale_of(key_scales, t), row.data(), scores.data() + (t - start), group,
+                  n, dim);
       }
       for (int64_t g = 0; g < group; ++g) {
         float* s = scores.data() + g * n;
@@ -297,7 +346,9 @@ void decode_kernel(const torch::Tensor& query, const torch::Tensor& key_cache, c
       for (int64_t t = start; t < ctx; ++t) {
         if (t + 4 < ctx) prefetch_bytes(row_of(vc, t + 4), row_bytes, 0);
         load_row(row_of(vc, t), row.data(), dim);
-        for (int64_t g = 0; g < group; ++g) axpy(scores[g * n + (t - start)], row.data(), acc.data() + g * dim, dim);
+        const float value_scale = scale_of(value_scales, t);
+        for (int64_t g = 0; g < group; ++g)
+          axpy(scores[g * n + (t - start)] * value_scale, row.data(), acc.data() + g * dim, dim);
       }
       for (int64_t g = 0; g < group; ++g) {
         T* dst = o + (b * heads + kh * group + g) * dim;
@@ -308,20 +359,57 @@ void decode_kernel(const torch::Tensor& query, const torch::Tensor& key_cache, c
   });
 }
 
+// A quantized cache: int8 or fp8 rows, with `[num_slots, Hkv]` bf16 scales for keys and values.
+template <typename T>
+void decode_quantized(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                      const torch::Tensor& tables, const torch::Tensor& lens, torch::Tensor& out, int64_t block_size,
+                      double scale, int64_t window, const torch::Tensor& key_scales, const torch::Tensor& value_scales) {
+  TORCH_CHECK(key_scales.scalar_type() == at::kBFloat16 && value_scales.scalar_type() == at::kBFloat16 &&
+                  key_scales.is_contiguous() && value_scales.is_contiguous() &&
+                  key_scales.numel() * key_cache.size(2) == key_cache.numel() &&
+                  value_scales.numel() * value_cache.size(2) == value_cache.numel(),
+              "paged_decode_attention: contiguous bf16 scales, one per cache row");
+  const auto* ks = key_scales.data_ptr<c10::BFloat16>();
+  const auto* vs = value_scales.data_ptr<c10::BFloat16>();
+  if (key_cache.scalar_type() == at::kChar &&
+      decode_fast<int8_t>(query, key_cache, value_cache, tables, lens, out, block_size, scale, window, ks, vs))
+    return;
+  if (key_cache.scalar_type() == at::kChar)
+    decode_kernel<T, int8_t>(query, key_cache, value_cache, tables, lens, out, block_size, scale, window, ks, vs);
+  else
+    decode_kernel<T, c10::Float8_e4m3fn>(query, key_cache, value_cache, tables, lens, out, block_size, scale, window,
+                                         ks, vs);
+}
+
 // query [B, H, D]; key_cache / value_cache [num_slots, Hkv, D]; block_tables [B, max_blocks] int64;
-// context_lens [B] int64; window <= 0 means full attention. Returns [B, H, D].
+// context_lens [B] int64; window <= 0 means full attention. A cache of int8 or fp8 e4m3 rows comes with
+// key_scales / value_scales [num_slots, Hkv] (bf16). Returns [B, H, D].
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
-                                     double scale, int64_t window) {
+                                     double scale, int64_t window, std::optional<torch::Tensor> key_scales,
+                                     std::optional<torch::Tensor> value_scales) {
   TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous());
   TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong);
   TORCH_CHECK(query.size(1) % key_cache.size(1) == 0, "query heads must be a multiple of kv heads");
+  TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type(), "keys and values of one cache dtype");
+  const bool quantized = key_cache.scalar_type() == at::kChar || key_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(quantized ? key_scales.has_value() && value_scales.has_value() :
+                          key_cache.scalar_type() == query.scalar_type() && !key_scales.has_value(),
+              "paged_decode_attention: an int8/fp8 cache with its scales, or a cache of the query's dtype");
   auto tables = block_tables.contiguous();
   auto lens = context_lens.contiguous();
   auto out = torch::empty_like(query);
-  if (decode_fast_bf16(query, key_cache, value_cache, tables, lens, out, block_size, scale, window)) return out;
+  if (!quantized && key_cache.scalar_type() == at::kBFloat16 &&
+      decode_fast<c10::BFloat16>(query, key_cache, value_cache, tables, lens, out, block_size, scale, window,
+                                 nullptr, nullptr))
+    return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
-    decode_kernel<scalar_t>(query, key_cache, value_cache, tables, lens, out, block_size, scale, window);
+    if (quantized)
+      decode_quantized<scalar_t>(query, key_cache, value_cache, tables, lens, out, block_size, scale, window,
+                                 *key_scales, *value_scales);
+    else
+      decode_kernel<scalar_t, scalar_t>(query, key_cache, value_cache, tables, lens, out, block_size, scale, window,
+                                        nullptr, nullptr);
   });
   return out;
 }
@@ -332,7 +420,10 @@ void register_cpu_ops(pybind11::module& m);  // cpu_ops.cpp
 void register_amx_ops(pybind11::module& m);  // amx_linear.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
+  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)", py::arg("query"),
+        py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"), py::arg("context_lens"),
+        py::arg("block_size"), py::arg("scale"), py::arg("window"), py::arg("key_scales") = py::none(),
+        py::arg("value_scales") = py::none());
   register_cpu_ops(m);
   register_amx_ops(m);
 }

@@ -13,6 +13,7 @@
 namespace sobrio_vec {
 
 inline float to_float(float x) { return x; }
+inline float to_float(double x) { return static_cast<float>(x); }
 inline float to_float(c10::BFloat16 x) {  // bf16 is the top half of a float32
   uint32_t bits = static_cast<uint32_t>(x.x) << 16;
   float out;
@@ -20,6 +21,8 @@ inline float to_float(c10::BFloat16 x) {  // bf16 is the top half of a float32
   return out;
 }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
+inline float to_float(int8_t x) { return static_cast<float>(x); }  // a quantized KV cache's rows
+inline float to_float(c10::Float8_e4m3fn x) { return static_cast<float>(x); }
 
 }  // namespace sobrio_vec
 
@@ -53,6 +56,9 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const int8_t* p) {  // a quantized KV row, before its scale
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 // The value PyTorch would hold after storing v in T.

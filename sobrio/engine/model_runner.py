@@ -11,7 +11,7 @@ import torch
 from sobrio.config import SobrioConfig
 from sobrio.engine.scheduler import SchedulerOutput
 from sobrio.errors import InvalidRequestError
-from sobrio.kv.cache import KVCache, KVCacheSpec, kv_budget
+from sobrio.kv.cache import KV_CACHE_DTYPES, KVCache, KVCacheSpec, kv_budget
 from sobrio.layers.attention import AttentionMetadata
 from sobrio.loader.load import LoadedModelFiles
 from sobrio.models.registry import build_model
@@ -50,7 +50,7 @@ class ModelRunner:
         model_max = getattr(files.config, "max_position_embeddings", 2048)
         if model.max_model_len is not None and model.max_model_len > model_max:
             raise InvalidRequestError(f"max_model_len {model.max_model_len} exceeds the model's {model_max}")
-        self.kv_spec = kv_cache_spec(files.config, self.dtype, self.block_size)
+        self.kv_spec = kv_cache_spec(files.config, self.dtype, self.block_size, KV_CACHE_DTYPES[cache.kv_cache_dtype])
         budget = kv_budget(cache.kv_cache_memory, cache.kv_cache_memory_fraction, cache.kv_cache_memory_cap)
         self.num_blocks = self.kv_spec.num_blocks_for(budget)
         self.max_model_len = min(model.max_model_len or model_max, self.num_blocks * self.block_size)
@@ -59,8 +59,9 @@ class ModelRunner:
                                      model.attention_backend, model.batch_invariant, model.quantization)
         assert [a.layer_idx for a in self.model.attention_layers()] == list(range(self.kv_spec.num_layers))
         self.kv_cache = KVCache.allocate(self.kv_spec, self.num_blocks)
-        logger.info("model %s loaded: dtype=%s quantization=%s kv_blocks=%d max_model_len=%d batch_invariant=%s",
-                    files.source.name, self.dtype, model.quantization, self.num_blocks, self.max_model_len,
+        logger.info("model %s loaded: dtype=%s quantization=%s kv_cache_dtype=%s kv_blocks=%d max_model_len=%d "
+                    "batch_invariant=%s", files.source.name, self.dtype, model.quantization, cache.kv_cache_dtype,
+                    self.num_blocks, self.max_model_len,
                     model.batch_invariant)
         with log_step(logger, "warming up %s", files.source.name):
             self.warm_up()
@@ -147,11 +148,12 @@ def _score(model, rows: torch.Tensor, targets: torch.Tensor, top_n: int, chunk: 
     return entries
 
 
-def kv_cache_spec(hf_config, dtype: torch.dtype, block_size: int) -> KVCacheSpec:
+def kv_cache_spec(hf_config, dtype: torch.dtype, block_size: int,
+                  cache_dtype: torch.dtype | None = None) -> KVCacheSpec:
     """The KV cache's shape for a Hugging Face config: the runner reads the model so `kv` need not."""
     c = hf_config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return KVCacheSpec(c.num_hidden_layers, c.num_key_value_heads, head_dim, dtype, block_size)
+    return KVCacheSpec(c.num_hidden_layers, c.num_key_value_heads, head_dim, dtype, block_size, cache_dtype)
 
 
 def _token_slice(req, start: int, end: int) -> list[int]:

@@ -3,6 +3,11 @@
 One tensor per layer, `[2, num_blocks, block_size, num_kv_heads, head_dim]` (keys, then values). Block i
 of every layer holds the same tokens, so the block pool hands out one id for all layers. The sizes come as
 plain numbers (`KVCacheSpec`): this module knows nothing of models.
+
+A quantized cache (`--kv-cache-dtype int8 | fp8_e4m3`) stores each token's row of each kv head in one byte
+per element, beside a bf16 scale per (token, kv head) in a `[2, num_blocks, block_size, num_kv_heads]`
+tensor: 66 bytes instead of 128 for a 64-wide head, so the same memory holds 1.94x the blocks. A scale per
+row (not per block) lets a token be written once, when computed, and never requantized.
 """
 
 import os
@@ -12,22 +17,31 @@ import torch
 
 from sobrio.errors import InvalidRequestError
 
+KV_CACHE_DTYPES = {"auto": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+SCALE_DTYPE = torch.bfloat16
+_QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+
 
 @dataclass(frozen=True)
 class KVCacheSpec:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the model's activations
     block_size: int
+    cache_dtype: torch.dtype | None = None  # int8 or fp8 rows with a scale each; None: rows in `dtype`
 
     def __post_init__(self) -> None:
         assert min(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size) > 0, self
+        assert self.cache_dtype in (None, *_QMAX), self.cache_dtype
 
     @property
     def token_bytes(self) -> int:
         """Bytes one token's keys and values take across all layers: what a longer context costs."""
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        row = self.head_dim * (self.cache_dtype or self.dtype).itemsize
+        if self.cache_dtype is not None:
+            row += SCALE_DTYPE.itemsize
+        return self.num_layers * 2 * self.num_kv_heads * row
 
     @property
     def block_bytes(self) -> int:
@@ -62,25 +76,67 @@ def kv_budget(memory: int | None, fraction: float, cap: int) -> int:
     return min(cap, int(available_memory() * fraction))
 
 
-class KVCache:
-    """Owns the per-layer KV tensors. Attention reads its layer's through the step's metadata."""
+def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows `[..., D]` as `dtype` (int8 or fp8 e4m3) and one bf16 scale each, symmetric: x ~ q * scale.
+    The scale is rounded to bf16 before dividing, so the rows are quantized against the scale stored."""
+    absmax = x.abs().amax(dim=-1).float()
+    scale = (absmax / _QMAX[dtype]).clamp_min(1e-30).to(SCALE_DTYPE)
+    scaled = x.float() / scale.float().unsqueeze(-1)
+    if dtype == torch.int8:
+        return scaled.round_().clamp_(-127, 127).to(torch.int8), scale
+    return scaled.clamp_(-448, 448).to(dtype), scale
 
-    def __init__(self, layers: list[torch.Tensor]):
-        """Wrap existing tensors (tests, a module used alone); `allocate` makes zeroed ones for a model."""
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * scale.float().unsqueeze(-1)).to(dtype)
+
+
+def write_quantized(cache: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """Quantize `rows` [T, Hkv, D] into `slots` of a quantized cache `[num_slots, Hkv, D]` and its scales.
+    Copied as bytes: PyTorch has no index_copy_ for fp8."""
+    quantized, row_scales = quantize_rows(rows, cache.dtype)
+    cache.view(torch.uint8).index_copy_(0, slots, quantized.view(torch.uint8))
+    scales.index_copy_(0, slots, row_scales)
+
+
+def read_quantized(cache: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The rows of `slots` in a quantized cache, dequantized to `dtype`."""
+    quantized = cache.view(torch.uint8).index_select(0, slots).view(cache.dtype)
+    return dequantize_rows(quantized, scales.index_select(0, slots), dtype)
+
+
+class KVCache:
+    """Owns the per-layer KV tensors (and a quantized cache's scales). Attention reads its layer's through
+    the step's metadata."""
+
+    def __init__(self, layers: list[torch.Tensor], scales: list[torch.Tensor] | None = None):
+        """Wrap existing tensors (tests, a module used alone); `allocate` makes zeroed ones for a model.
+        `scales`, for int8/fp8 layers: one `[2, num_blocks, block_size, num_kv_heads]` bf16 tensor each."""
         assert layers and all(t.dim() == 5 and t.shape[0] == 2 and t.shape == layers[0].shape for t in layers)
-        self.layers = layers
+        assert (scales is None) == (layers[0].dtype not in _QMAX), "int8/fp8 layers, and only they, have scales"
+        assert scales is None or all(s.shape == layers[0].shape[:-1] for s in scales) and len(scales) == len(layers)
+        self.layers, self.scale_layers = layers, scales
         self.num_blocks, self.block_size = layers[0].shape[1], layers[0].shape[2]
         # Keys and values flattened to slots (block_id * block_size + offset), as attention indexes them.
         self._slots = [(t[0].flatten(0, 1), t[1].flatten(0, 1)) for t in layers]
+        self._scales = None if scales is None else [(s[0].flatten(0, 1), s[1].flatten(0, 1)) for s in scales]
 
     @classmethod
     def allocate(cls, spec: KVCacheSpec, num_blocks: int) -> "KVCache":
         shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        return cls([torch.zeros(shape, dtype=spec.dtype) for _ in range(spec.num_layers)])
+        layers = [torch.zeros(shape, dtype=spec.cache_dtype or spec.dtype) for _ in range(spec.num_layers)]
+        scales = None
+        if spec.cache_dtype is not None:
+            scales = [torch.zeros(shape[:-1], dtype=SCALE_DTYPE) for _ in range(spec.num_layers)]
+        return cls(layers, scales)
 
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    @property
+    def quantized(self) -> bool:
+        return self._scales is not None
 
     def layer(self, i: int) -> torch.Tensor:
         """Layer i's cache, `[2, num_blocks, block_size, num_kv_heads, head_dim]`."""
@@ -90,5 +146,10 @@ class KVCache:
         """Layer i's keys and values as `[num_blocks * block_size, num_kv_heads, head_dim]` views."""
         return self._slots[i]
 
+    def scales(self, i: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A quantized cache's key and value scales of layer i, `[num_slots, num_kv_heads]`; else None."""
+        return None if self._scales is None else self._scales[i]
+
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.layers)
+        tensors = self.layers + (self.scale_layers or [])
+        return sum(t.numel() * t.element_size() for t in tensors)

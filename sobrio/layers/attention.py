@@ -16,6 +16,10 @@ Two backends:
   output forced after it, a short chunk), each row as a decode query of its own: gathering a whole context
   and its GQA copies for a few rows cost several times the kernel's in-place read.
   `benchmarks/attention_backends.py` times the three.
+
+A quantized cache (`--kv-cache-dtype int8 | fp8_e4m3`) is written as rows and scales (`kv.cache`); the
+C++ operator reads them in place, the PyTorch paths dequantize what they gather. A prompt computed in one
+chunk attends over its fresh keys, as vLLM does: only what is read back from the cache is quantized.
 - `BatchInvariantAttention` (`--batch-invariant`): every query row, prompt or decode, through that operator
   as a row of its own, so a row's result does not depend on the batch, the chunking or the prefix cache.
 """
@@ -25,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from sobrio.kv.cache import KVCache
+from sobrio.kv.cache import KVCache, read_quantized, write_quantized
 
 SHORT_QUERY = 16  # CppPagedAttention: sequences with at most this many query rows attend row by row
 
@@ -154,10 +158,25 @@ class ReferenceAttention(torch.nn.Module):
         shape = (-1, self.num_kv_heads, self.head_dim)
         return self.kv_cache[0].view(shape), self.kv_cache[1].view(shape)
 
+    def scales(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A quantized cache's key and value scales for this layer, `[num_slots, num_kv_heads]`; else None."""
+        return None if meta.kv_cache is None else meta.kv_cache.scales(self.layer_idx)
+
+    def scale_kwargs(self, meta: AttentionMetadata) -> dict:
+        """The C++ operator's extra arguments for a quantized cache."""
+        scales = self.scales(meta)
+        return {} if scales is None else {"key_scales": scales[0], "value_scales": scales[1]}
+
     def write_cache(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
         """The step's new keys and values into their slots; this layer's (key cache, value cache)."""
         key_cache, value_cache = self.caches(meta)
-        if self.ops is not None:  # one C++ call instead of two index_copy_ dispatches (~40 us each)
+        scales = self.scales(meta)
+        if scales is not None and self.ops is not None and key_cache.dtype == torch.int8:
+            self.ops.write_kv_int8(k, v, key_cache, value_cache, *scales, meta.slot_mapping)
+        elif scales is not None:
+            write_quantized(key_cache, scales[0], meta.slot_mapping, k)
+            write_quantized(value_cache, scales[1], meta.slot_mapping, v)
+        elif self.ops is not None:  # one C++ call instead of two index_copy_ dispatches (~40 us each)
             self.ops.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
         else:
             key_cache.index_copy_(0, meta.slot_mapping, k)
@@ -172,19 +191,25 @@ class ReferenceAttention(torch.nn.Module):
         return out.view(q.shape[0], -1)
 
     def attend_each(self, q, k, v, meta: AttentionMetadata, seqs, out: torch.Tensor) -> None:
-        key_cache, value_cache = self.caches(meta)
         for i in seqs:
             s, e = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             start, mask, causal = meta.key_range_and_mask(i, self.sliding_window)
             if causal:  # a whole prompt in one chunk: its keys are the fresh ones
                 keys, values = k[s:e], v[s:e]
             else:
-                slots = meta.context_slots(i)[start:]
-                keys, values = key_cache.index_select(0, slots), value_cache.index_select(0, slots)
+                keys, values = self.gather(meta, meta.context_slots(i)[start:], q.dtype)
             out[s:e] = F.scaled_dot_product_attention(
                 q[s:e].transpose(0, 1).unsqueeze(0), self._heads(keys), self._heads(values),
                 attn_mask=mask, is_causal=causal, scale=self.scale,
             )[0].transpose(0, 1)
+
+    def gather(self, meta: AttentionMetadata, slots: torch.Tensor, dtype: torch.dtype):
+        """Keys and values `[len(slots), Hkv, D]` of these slots, in `dtype` (a quantized cache dequantized)."""
+        key_cache, value_cache = self.caches(meta)
+        scales = self.scales(meta)
+        if scales is None:
+            return key_cache.index_select(0, slots), value_cache.index_select(0, slots)
+        return read_quantized(key_cache, scales[0], slots, dtype), read_quantized(value_cache, scales[1], slots, dtype)
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         """[L, Hkv, D] -> [1, H, L, D]. SDPA's fast CPU kernel wants 4-D inputs with all heads: on this CPU,
@@ -213,13 +238,12 @@ class BatchedDecodeAttention(ReferenceAttention):
 
     def decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [Bd, H, D], one query per decoding sequence. Returns [Bd, H, D]."""
-        key_cache, value_cache = self.caches(meta)
         slots, mask = meta.decode_padded(self.sliding_window)
         bd, length = slots.shape
         group = self.num_heads // self.num_kv_heads
         shape = (bd, length, self.num_kv_heads, self.head_dim)
-        keys = key_cache.index_select(0, slots.view(-1)).view(shape).transpose(1, 2)  # [Bd, Hkv, L, D]
-        values = value_cache.index_select(0, slots.view(-1)).view(shape).transpose(1, 2)
+        keys, values = self.gather(meta, slots.view(-1), q.dtype)
+        keys, values = keys.view(shape).transpose(1, 2), values.view(shape).transpose(1, 2)  # [Bd, Hkv, L, D]
         queries = q.view(bd, self.num_kv_heads, group, self.head_dim)  # head h reads kv head h // group
         scores = torch.matmul(queries, keys.transpose(-1, -2)).float() * self.scale  # [Bd, Hkv, G, L]
         probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1).to(q.dtype)
@@ -255,7 +279,8 @@ class CppPagedAttention(BatchedDecodeAttention):
         """Each query row over its first `lens` positions (its own included, already written)."""
         key_cache, value_cache = self.caches(meta)
         return self.ops.paged_decode_attention(q.contiguous(), key_cache, value_cache, tables, lens,
-                                               meta.block_size, self.scale, self.sliding_window or 0)
+                                               meta.block_size, self.scale, self.sliding_window or 0,
+                                               **self.scale_kwargs(meta))
 
     def decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         _, _, tables, ctx = meta.decode_seqs()
@@ -279,7 +304,8 @@ class BatchInvariantAttention(ReferenceAttention):
         key_cache, value_cache = self.write_cache(k, v, meta)
         tables, lens = meta.query_rows()
         out = self.ops.paged_decode_attention(q.contiguous(), key_cache, value_cache, tables, lens,
-                                              meta.block_size, self.scale, self.sliding_window or 0)
+                                              meta.block_size, self.scale, self.sliding_window or 0,
+                                              **self.scale_kwargs(meta))
         return out.view(q.shape[0], -1)
 
 

@@ -7,7 +7,7 @@ from sobrio import LLM, SamplingParams
 from tests.conftest import engine_kwargs
 from tests.model.reference import hf_greedy, mixed_prompts
 
-MAX_TOKENS = 48
+MAX_TOKENS = 32
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=5)
 
 

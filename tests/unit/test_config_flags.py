@@ -27,7 +27,7 @@ from sobrio.engine_args import add_config_args, add_engine_args, config_from_arg
 from sobrio.errors import ConfigError, SobrioError
 
 FLAGS = ["--dtype", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len", "--block-size",
-         "--kv-cache-memory", "--enable-prefix-caching", "--max-num-waiting", "--batch-invariant",
+         "--kv-cache-memory", "--kv-cache-dtype", "--enable-prefix-caching", "--max-num-waiting", "--batch-invariant",
          "--long-prefill-token-threshold", "--max-num-partial-prefills", "--max-long-partial-prefills",
          "--max-prompt-tokens-with-decodes", "--tensor-parallel-size", "--data-parallel-size",
          "--pipeline-parallel-size", "--scheduling-policy",
@@ -295,7 +295,7 @@ def test_a_bad_config_file_exits_2_naming_the_key(tmp_path, capsys, text, messag
 @pytest.mark.parametrize("flags", [["--quantization", "awq"], ["--speculative-config", '{"method": "ngram"}'],
                                    ["--enable-lora"], ["--pipeline-parallel-size", "2"],
                                    ["--tensor-parallel-size", "2"], ["--kv-transfer-config", "{}"],
-                                   ["--lora-modules", "a=/x", "b=/y"], ["--enable-auto-tool-choice"],
+                                   ["--lora-modules", "a=/x", "b=/y"], ["--reasoning-parser", "deepseek_r1"],
                                    ["--no-enable-chunked-prefill"]])
 def test_a_flag_for_a_missing_feature_exits_2_saying_so(flags, capsys):
     assert cli.main(["serve", "smollm2-135m", *flags]) == 2
@@ -303,13 +303,22 @@ def test_a_flag_for_a_missing_feature_exits_2_saying_so(flags, capsys):
     assert f"sobrio serve: error: sobrio does not support {flags[0]}" in err and "unrecognized" not in err
 
 
+def test_vllm_tool_calling_flags_are_accepted_for_the_format_sobrio_parses(capsys):
+    config = config_from_args(serve_args(["m", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]),
+                              ServerConfig)
+    assert config.enable_auto_tool_choice and config.tool_call_parser == "hermes"
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["serve", "smollm2-135m", "--tool-call-parser", "mistral"])
+    assert exc.value.code == 2 and "--tool-call-parser: invalid choice: 'mistral'" in capsys.readouterr().err
+
+
 def test_no_op_values_of_vllm_flags_are_accepted():
-    args = serve_args(["m", "--tensor-parallel-size", "1", "--kv-cache-dtype", "", "--enforce-eager",
+    args = serve_args(["m", "--tensor-parallel-size", "1", "--load-format", "", "--enforce-eager",
                        "--enable-chunked-prefill", "--trust-remote-code", "--gpu-memory-utilization", "0.9",
                        "--disable-log-requests", "--disable-log-stats", "--uvicorn-log-level", "warning"])
-    with pytest.raises(ConfigError, match="does not support --kv-cache-dtype"):  # "" is a value, not the default
+    with pytest.raises(ConfigError, match="does not support --load-format"):  # "" is a value, not the default
         SobrioConfig.from_kwargs(**engine_kwargs(args))
-    args.kv_cache_dtype = "auto"
+    args.load_format = "auto"
     SobrioConfig.from_kwargs(**engine_kwargs(args))
     config = config_from_args(args, ServerConfig)
     assert (config.disable_log_requests, config.disable_log_stats, config.uvicorn_log_level) == (True, True,

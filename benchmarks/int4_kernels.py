@@ -14,7 +14,6 @@ Run it on a quiet machine; `--threads 1` (the default) times CPU, so it holds up
 """
 
 import argparse
-import time
 from collections.abc import Callable
 
 # isort: off
@@ -23,6 +22,7 @@ import sobrio  # noqa: F401  (first: it sets the OpenMP thread policy before tor
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from kernel_timing import best_times  # noqa: E402  (benchmarks/ is on the path when a script here runs)
 
 from sobrio.layers.int4 import int4_dequant_mm, int4_packed_mm, quantize_int4  # noqa: E402
 
@@ -55,19 +55,13 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    clock = time.process_time if args.threads == 1 else time.perf_counter
     found = kernels(weights(dtype), args.group_size)
     print(f"{args.dtype}, group size {args.group_size}, {args.threads} thread(s), best of {args.repeats}; "
           f"ratio = dense time / kernel time")
     print(f"{'rows':>5}  {'kernel':<11} {'ms/step':>8}  {'vs dense':>8}")
     for rows in args.rows:
         xs = {k: torch.randn(rows, k, dtype=dtype) for k in {HIDDEN, 1536}}
-        best: dict[str, float] = {}
-        for _ in range(args.repeats):  # interleaved, so a burst of load hits every kernel alike
-            for name, run in found.items():
-                start = clock()
-                run(xs)
-                best[name] = min(best.get(name, float("inf")), clock() - start)
+        best = best_times(found, xs, args.repeats, args.threads)
         for name, seconds in best.items():
             print(f"{rows:>5}  {name:<11} {seconds * 1e3:8.2f}  {best['dense'] / seconds:7.2f}x", flush=True)
 

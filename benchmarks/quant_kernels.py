@@ -20,7 +20,6 @@ Run it on a quiet machine; `--threads 1` (the default) times CPU, so it holds up
 """
 
 import argparse
-import time
 import warnings
 from collections.abc import Callable
 
@@ -29,6 +28,7 @@ import sobrio  # noqa: F401  (first: it sets the OpenMP thread policy before tor
 # isort: on
 
 import torch  # noqa: E402
+from kernel_timing import best_times  # noqa: E402  (benchmarks/ is on the path when a script here runs)
 
 from sobrio.layers.linear import amx_pack_weight, linear, pack_weight  # noqa: E402
 from sobrio.layers.quantization import (  # noqa: E402
@@ -85,7 +85,6 @@ def main() -> None:
     parser.add_argument("--kernels", nargs="+", help="only these (bf16 is always run, as the baseline)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    clock = time.process_time if args.threads == 1 else time.perf_counter
     ws = weights()
     found = kernels(ws)
     if args.kernels:
@@ -94,12 +93,7 @@ def main() -> None:
     print(f"{'rows':>5}  {'kernel':<14} {'ms/step':>8}  {'vs bf16':>7}")
     for rows in args.rows:
         xs = {k: torch.randn(rows, k).bfloat16() for k in {w.shape[1] for w in ws}}
-        best: dict[str, float] = {}
-        for _ in range(args.repeats):  # interleaved, so a burst of load hits every kernel alike
-            for name, run in found.items():
-                start = clock()
-                run(xs)
-                best[name] = min(best.get(name, float("inf")), clock() - start)
+        best = best_times(found, xs, args.repeats, args.threads)
         for name, seconds in best.items():
             print(f"{rows:>5}  {name:<14} {seconds * 1e3:8.2f}  {best['bf16'] / seconds:6.2f}x")
 

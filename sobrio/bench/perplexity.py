@@ -11,6 +11,11 @@ tokens of context. Where the tokenizer puts special tokens before a prompt (a BO
 with them and its first text token is scored too; otherwise nothing predicts a window's first token, so
 the text's first token goes unscored, and with `stride = window` (windows that do not overlap) each
 window's first. Perplexity = exp(mean negative log-likelihood).
+
+Prompts run in chunks of `--prompt-chunk` tokens (32), so that every chunk past a window's first reads the
+keys and values before it back from the KV cache, as a decode does: a quantized cache (`--kv-cache-dtype`)
+would not show otherwise, since a prompt computed in one chunk attends over its fresh keys. Every mode
+runs with the same chunks, so the rows compare.
 """
 
 import gc
@@ -31,18 +36,19 @@ KV_CACHE_MEMORY = 256 << 20  # the windows run a few at a time; the default shar
 
 @dataclass(frozen=True)
 class Mode:
-    """One engine configuration to measure. A KV-cache dtype joins `quantization` here when the engine has
-    one (`--kv-cache-dtype`): a field, its engine argument and its part of `name`."""
+    """One engine configuration to measure: a weight quantization and a KV-cache dtype."""
 
     quantization: str = UNQUANTIZED
+    kv_cache_dtype: str = "auto"
 
     @property
     def name(self) -> str:
-        return self.quantization
+        return self.quantization + ("" if self.kv_cache_dtype == "auto" else f" + kv {self.kv_cache_dtype}")
 
     def engine_kwargs(self) -> dict:
         """Engine arguments beyond the defaults: none for the unquantized run, so that it runs on any engine."""
-        return {} if self.quantization == UNQUANTIZED else {"quantization": self.quantization}
+        kwargs = {} if self.quantization == UNQUANTIZED else {"quantization": self.quantization}
+        return kwargs | ({} if self.kv_cache_dtype == "auto" else {"kv_cache_dtype": self.kv_cache_dtype})
 
 
 @dataclass(frozen=True)
@@ -65,13 +71,18 @@ class ModeResult:
     dtype: str
 
 
-def parse_modes(text: str) -> list[Mode]:
-    """`--quantization none,int8`: the modes in order, each once."""
+def parse_list(text: str, flag: str) -> list[str]:
+    """`none,int8`: the names in order, each once."""
     names = [name.strip() for name in text.split(",")]
     if not all(names) or len(set(names)) != len(names):
-        raise ConfigError(f"--quantization takes modes separated by commas, each once (got {text!r})",
-                          "--quantization")
-    return [Mode(quantization=name) for name in names]
+        raise ConfigError(f"{flag} takes names separated by commas, each once (got {text!r})", flag)
+    return names
+
+
+def parse_modes(quantization: str, kv_cache_dtype: str = "auto") -> list[Mode]:
+    """Every weight quantization with every KV-cache dtype, in the order given."""
+    return [Mode(q, kv) for q in parse_list(quantization, "--quantization")
+            for kv in parse_list(kv_cache_dtype, "--kv-cache-dtype")]
 
 
 def check_modes(model: str, dtype: str, modes: list[Mode]) -> None:
@@ -116,7 +127,8 @@ def measure(mode: Mode, args, text: str) -> ModeResult:
     from sobrio import LLM
     from sobrio.models.weights import resident_bytes
 
-    llm = LLM(args.model, dtype=args.dtype, kv_cache_memory=KV_CACHE_MEMORY, **mode.engine_kwargs())
+    llm = LLM(args.model, dtype=args.dtype, kv_cache_memory=KV_CACHE_MEMORY,
+              max_num_batched_tokens=args.prompt_chunk, **mode.engine_kwargs())
     tokenizer, runner = llm.get_tokenizer(), llm.engine.runner
     ids = tokenizer(text, add_special_tokens=False).input_ids[:args.max_tokens]
     prefix = special_prefix(tokenizer)
@@ -152,6 +164,11 @@ def add_perplexity_args(parser) -> None:
     parser.add_argument("--quantization", default=UNQUANTIZED,
                         help=f"modes to measure, separated by commas ({UNQUANTIZED}: unquantized), e.g. "
                              f"{UNQUANTIZED},int8,int8-weight-only")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="KV-cache dtypes to measure with each mode, separated by commas, e.g. auto,int8,fp8")
+    parser.add_argument("--prompt-chunk", type=int, default=32,
+                        help="tokens of a prompt computed per step: later chunks read the earlier ones back from "
+                             "the KV cache, so its dtype counts")
     parser.add_argument("--dtype", default="auto", choices=DTYPES)
     parser.add_argument("--text", default=None,
                         help=f"UTF-8 text file to measure on (default: the shipped held-out text, {data.HELDOUT})")
@@ -169,6 +186,8 @@ def _check_args(args) -> None:
         raise ConfigError(f"--window must be >= 2 (got {args.window})", "--window")
     if not 1 <= args.stride <= args.window:
         raise ConfigError(f"--stride must be in [1, --window] (got {args.stride})", "--stride")
+    if args.prompt_chunk < 1:
+        raise ConfigError(f"--prompt-chunk must be >= 1 (got {args.prompt_chunk})", "--prompt-chunk")
     if args.max_tokens is not None and args.max_tokens < 2:
         raise ConfigError(f"--max-tokens must be >= 2 (got {args.max_tokens})", "--max-tokens")
 
@@ -185,17 +204,19 @@ def _read_text(path: str | None) -> tuple[str, str]:
 
 def cmd_bench_perplexity(args) -> int:
     _check_args(args)
-    modes = parse_modes(args.quantization)
+    modes = parse_modes(args.quantization, args.kv_cache_dtype)
     check_modes(args.model, args.dtype, modes)
     name, text = _read_text(args.text)
     results = []
     for mode in modes:
         results.append(measure(mode, args, text))
         gc.collect()  # the previous mode's weights go before the next mode's load
-    print(f"{args.model} ({results[0].dtype}) on {name}: windows of {args.window} tokens every {args.stride}")
+    print(f"{args.model} ({results[0].dtype}) on {name}: windows of {args.window} tokens every {args.stride}, "
+          f"prompts in chunks of {args.prompt_chunk}")
     print(format_table(results))
     if args.result_json:
         report = {"model": args.model, "text": name, "window": args.window, "stride": args.stride,
+                  "prompt_chunk": args.prompt_chunk,
                   "max_tokens": args.max_tokens, "results": [asdict(r) for r in results]}
         Path(args.result_json).write_text(json.dumps(report, indent=2))
     return 0

@@ -4,7 +4,7 @@ the shipped texts are there, and bad flags fail at once with exit 2 and one line
 import pytest
 
 from sobrio import data
-from sobrio.bench.perplexity import ModeResult, format_table, windows
+from sobrio.bench.perplexity import ModeResult, format_table, parse_modes, windows
 from sobrio.cli import main
 
 
@@ -41,6 +41,13 @@ def test_table_has_one_row_per_mode_and_change_vs_none():
     assert lines[3].startswith("int8") and "+1.00%" in lines[3] and "140.0" in lines[3]
 
 
+def test_every_quantization_runs_with_every_kv_cache_dtype():
+    modes = parse_modes("none,int8", "auto,int8")
+    assert [m.name for m in modes] == ["none", "none + kv int8", "int8", "int8 + kv int8"]
+    assert modes[0].engine_kwargs() == {} and modes[3].engine_kwargs() == {"quantization": "int8",
+                                                                           "kv_cache_dtype": "int8"}
+
+
 @pytest.mark.parametrize("argv, option", [
     (["--quantization", "int3"], "quantization"),
     (["--quantization", "none,,none"], "--quantization"),
@@ -48,6 +55,8 @@ def test_table_has_one_row_per_mode_and_change_vs_none():
     (["--window", "64", "--stride", "128"], "--stride"),
     (["--window", "1"], "--window"),
     (["--max-tokens", "1"], "--max-tokens"),
+    (["--kv-cache-dtype", "int4"], "kv-cache-dtype"),
+    (["--prompt-chunk", "0"], "--prompt-chunk"),
 ])
 def test_bad_flags_exit_2_with_one_line(argv, option, capsys):
     assert main(["bench", "perplexity", *argv]) == 2  # refused before any model loads

@@ -9,8 +9,8 @@ from sobrio.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "cpp", "batched", "reference")  # see layers/attention.py
-QUANTIZATION_METHODS = ("int8", "int8-weight-only")  # see layers/quantization.py
-PLANNED_QUANTIZATION = ("int4", "gguf", "awq", "gptq")  # vLLM's names, accepted by the flag, refused for now
+QUANTIZATION_METHODS = ("int8", "int8-weight-only", "int4")  # see layers/quantization.py
+PLANNED_QUANTIZATION = ("gguf", "awq", "gptq")  # vLLM's names, accepted by the flag, refused for now
 
 
 def json_object(value: str) -> dict:
@@ -44,8 +44,9 @@ class ModelConfig(Checked):
                       choices=DTYPES)
     quantization: str | None = flag(None, "quantize the weights at load, the embedding and LM head too: int8 "
                                           "(W8A8: int8 weights per output channel, int8 activations per token "
-                                          "computed on the fly) or int8-weight-only (activations in --dtype); "
-                                          "int4, gguf, awq and gptq are not supported yet",
+                                          "computed on the fly), int8-weight-only (activations in --dtype) or int4 "
+                                          "(weight-only, groups of 64, embedding and LM head int8); gguf, awq and "
+                                          "gptq are not supported yet",
                                     choices=QUANTIZATION_METHODS + PLANNED_QUANTIZATION)
     max_model_len: int | None = flag(None, "context length (default: the model's, capped by the KV cache)")
     max_logprobs: int = flag(20, "most logprobs (top_logprobs, prompt_logprobs) a request may ask for; more is "

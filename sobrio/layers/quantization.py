@@ -43,9 +43,13 @@ quantization (config/model.py).
 import torch
 import torch.nn.functional as F
 
+from sobrio.errors import ConfigError
+from sobrio.layers.int4 import check_int4_shape, int4_linear, quantize_int4
+
 INT8PACK_MAX_ROWS = 4  # int8 on a plain int8 weight: _weight_int8pack_mm up to here, torch._int_mm past it
 DEQUANT_MIN_ROWS = 24  # int8-weight-only: _weight_int8pack_mm below, dequantize + matmul from here
 INT8_MAX = 127
+INT4_GROUP_SIZE = 32  # divides SmolLM2's 576 and 1536 and Gemma 3's 640, 1024 and 2048 (128 does not divide 576)
 TINY = torch.finfo(torch.float32).tiny  # the scale of an all-zero row or token: its int8 values stay 0
 ZERO_POINT = torch.zeros((), dtype=torch.long)  # oneDNN's weight zero point: symmetric weights
 
@@ -162,6 +166,35 @@ class QuantizedLinear(torch.nn.Module):
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], out.shape[-1])
+
+
+class Int4Linear(torch.nn.Module):
+    """A Linear whose weight is int4 (`--quantization int4`): groups of `INT4_GROUP_SIZE` inputs with a bf16
+    scale and zero each, packed in the layout of PyTorch's CPU kernel (layers/int4.py), no float copy. A
+    step's few rows take that kernel (a quarter of bf16's bytes); many rows dequantize slices for bf16's."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, name: str = "weight"):
+        super().__init__()
+        try:
+            check_int4_shape(weight.shape[0], weight.shape[1], INT4_GROUP_SIZE, name)
+        except ValueError as exc:
+            raise ConfigError(f"--quantization int4: {exc}", "--quantization") from None
+        self.int4 = quantize_int4(weight.detach(), INT4_GROUP_SIZE)
+        self.register_buffer("packed", self.int4.packed)  # so resident_bytes and .to() see them
+        self.register_buffer("scales_and_zeros", self.int4.scales_and_zeros)
+        self.register_buffer("bias", None if bias is None else bias.detach())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = int4_linear(x, self.int4)
+        return out if self.bias is None else out + self.bias
+
+
+def quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, method: str,
+                     name: str) -> torch.nn.Module:
+    """The quantized form of one Linear for `--quantization method`; `name` goes into a shape error."""
+    if method == "int4":
+        return Int4Linear(weight, bias, name)
+    return QuantizedLinear.from_float(weight, bias, method)
 
 
 class QuantizedEmbedding(torch.nn.Module):

@@ -7,7 +7,7 @@ from sobrio.layers.attention import AttentionMetadata, BatchedDecodeAttention, R
 from sobrio.layers.cpu_ops import cpu_ops
 from sobrio.layers.linear import Linear, amx_pack_weight, linear, pack_weight
 from sobrio.layers.norm import RMSNorm
-from sobrio.layers.quantization import QuantizedEmbedding, QuantizedLinear
+from sobrio.layers.quantization import QuantizedEmbedding, QuantizedLinear, quantized_linear
 from sobrio.layers.rotary import RotaryEmbedding
 from sobrio.models.weights import PackedLinear, resident_bytes
 
@@ -129,19 +129,21 @@ class CausalLM(torch.nn.Module):
             self.amx_lm_head = None if self.batch_invariant else amx_pack_weight(self.lm_head_weight())
 
     def quantize(self, method: str) -> None:
-        """Int8 weights (`--quantization`): every Linear, the embedding and the LM head (tied: the embedding's
-        own int8 matrix) replaced by their int8 forms, the float weights dropped. Call once the weights are
-        loaded and cast, before `prepack` (which then packs nothing)."""
-        for parent in list(self.modules()):
+        """Quantized weights (`--quantization`): every Linear replaced by its int8 or int4 form, the
+        embedding and the LM head (tied: the embedding's own matrix) by int8 ones, the float weights dropped.
+        Call once the weights are loaded and cast, before `prepack` (which then packs nothing)."""
+        for parent_name, parent in list(self.named_modules()):
             for name, child in list(parent.named_children()):
                 if isinstance(child, Linear):
-                    setattr(parent, name, QuantizedLinear.from_float(child.weight, child.bias, method))
+                    layer = quantized_linear(child.weight, child.bias, method, f"{parent_name}.{name}")
+                    setattr(parent, name, layer)
         embed = QuantizedEmbedding.from_float(self.model.embed_tokens.weight)
         self.model.embed_tokens = embed
+        head_method = "int8-weight-only" if method == "int4" else method  # int4 keeps the int8 embedding as head
         if self.lm_head is None:
-            self.quantized_lm_head = embed.lm_head(method)
+            self.quantized_lm_head = embed.lm_head(head_method)
         else:
-            self.quantized_lm_head = QuantizedLinear.from_float(self.lm_head.weight, None, method)
+            self.quantized_lm_head = QuantizedLinear.from_float(self.lm_head.weight, None, head_method)
             self.lm_head = None
 
     def resident_weight_bytes(self) -> int:

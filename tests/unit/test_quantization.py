@@ -11,6 +11,7 @@ import torch
 from sobrio import cli
 from sobrio.config import SobrioConfig
 from sobrio.errors import ConfigError
+from sobrio.layers.int4 import dequantize_int4
 from sobrio.layers.quantization import (
     QuantizedEmbedding,
     QuantizedLinear,
@@ -21,6 +22,7 @@ from sobrio.layers.quantization import (
     onednn_pack,
     quantize_per_token,
     quantize_weight,
+    quantized_linear,
     quantized_mm,
     weight_only_mm,
 )
@@ -120,9 +122,9 @@ def test_embedding_rows_and_the_tied_lm_head_share_one_int8_matrix():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(quantization="int3"), "--quantization must be one of int8, int8-weight-only (or unset), got 'int3'"),
-    (dict(quantization="awq"), "sobrio does not support --quantization awq yet (supported: int8, int8-weight-only)"),
-    (dict(quantization="int4"), "sobrio does not support --quantization int4 yet"),
+    (dict(quantization="int3"), "--quantization must be one of int8, int8-weight-only, int4 (or unset), got 'int3'"),
+    (dict(quantization="awq"), "sobrio does not support --quantization awq yet (supported: int8, int8-weight-only, "
+                               "int4)"),
     (dict(quantization="gguf"), "sobrio does not support --quantization gguf yet"),
     (dict(quantization="gptq"), "sobrio does not support --quantization gptq yet"),
     (dict(quantization="int8", batch_invariant=True),
@@ -134,13 +136,13 @@ def test_bad_modes_and_combinations_raise_a_config_error_naming_the_problem(kwar
     assert message in str(exc.value) and exc.value.option == "--quantization"
 
 
-def test_both_modes_are_accepted():
-    for method in ("int8", "int8-weight-only"):
+def test_every_mode_is_accepted():
+    for method in ("int8", "int8-weight-only", "int4"):
         assert SobrioConfig.from_kwargs(quantization=method).model_config.quantization == method
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--quantization", "int4"], "sobrio serve: error: sobrio does not support --quantization int4 yet"),
+    (["--quantization", "awq"], "sobrio serve: error: sobrio does not support --quantization awq yet"),
     (["--quantization", "int8", "--batch-invariant"], "sobrio serve: error: --quantization int8 cannot be used "
                                                       "with --batch-invariant"),
     (["--quantization", "int3"], "argument --quantization: invalid choice: 'int3' (choose from 'int8', "
@@ -162,3 +164,22 @@ def test_serve_with_a_not_yet_supported_mode_exits_2_without_a_traceback():
     assert proc.returncode == 2, proc.stderr
     assert "sobrio serve: error: sobrio does not support --quantization gptq yet" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("shape, message", [
+    ((64, 100), "int4: layers.0.odd has in_features 100, not divisible by the group size 32"),
+    ((40, 64), "int4: layers.0.odd has out_features 40; the packed CPU kernel takes multiples of 16"),
+])
+def test_int4_refuses_a_weight_it_cannot_pack_naming_the_layer(shape, message):
+    with pytest.raises(ConfigError) as exc:
+        quantized_linear(torch.randn(*shape), None, "int4", "layers.0.odd")
+    assert message in str(exc.value) and exc.value.option == "--quantization"
+
+
+def test_int4_linear_equals_its_dequantized_weight():
+    weight, bias = torch.randn(48, 96), torch.randn(48)
+    layer = quantized_linear(weight, bias, "int4", "w")
+    x = torch.randn(5, 96)
+    expected = x @ dequantize_int4(layer.int4).t() + bias
+    torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-4)
+    assert (dequantize_int4(layer.int4) - weight).abs().max() < 0.2 * weight.abs().max()

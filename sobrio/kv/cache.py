@@ -134,10 +134,6 @@ class KVCache:
     def num_layers(self) -> int:
         return len(self.layers)
 
-    @property
-    def quantized(self) -> bool:
-        return self._scales is not None
-
     def layer(self, i: int) -> torch.Tensor:
         """Layer i's cache, `[2, num_blocks, block_size, num_kv_heads, head_dim]`."""
         return self.layers[i]

@@ -16,12 +16,12 @@ Two backends:
   output forced after it, a short chunk), each row as a decode query of its own: gathering a whole context
   and its GQA copies for a few rows cost several times the kernel's in-place read.
   `benchmarks/attention_backends.py` times the three.
+- `BatchInvariantAttention` (`--batch-invariant`): every query row, prompt or decode, through that operator
+  as a row of its own, so a row's result does not depend on the batch, the chunking or the prefix cache.
 
 A quantized cache (`--kv-cache-dtype int8 | fp8_e4m3`) is written as rows and scales (`kv.cache`); the
 C++ operator reads them in place, the PyTorch paths dequantize what they gather. A prompt computed in one
 chunk attends over its fresh keys, as vLLM does: only what is read back from the cache is quantized.
-- `BatchInvariantAttention` (`--batch-invariant`): every query row, prompt or decode, through that operator
-  as a row of its own, so a row's result does not depend on the batch, the chunking or the prefix cache.
 """
 
 from dataclasses import dataclass, field
@@ -162,10 +162,14 @@ class ReferenceAttention(torch.nn.Module):
         """A quantized cache's key and value scales for this layer, `[num_slots, num_kv_heads]`; else None."""
         return None if meta.kv_cache is None else meta.kv_cache.scales(self.layer_idx)
 
-    def scale_kwargs(self, meta: AttentionMetadata) -> dict:
-        """The C++ operator's extra arguments for a quantized cache."""
+    def rows(self, q: torch.Tensor, meta: AttentionMetadata, tables: torch.Tensor, lens: torch.Tensor):
+        """Each query row over its first `lens` positions (its own included, already written), by the C++
+        operator reading the cache in place: the row as a single-query sequence with that block table."""
+        key_cache, value_cache = self.caches(meta)
         scales = self.scales(meta)
-        return {} if scales is None else {"key_scales": scales[0], "value_scales": scales[1]}
+        extra = {} if scales is None else {"key_scales": scales[0], "value_scales": scales[1]}
+        return self.ops.paged_decode_attention(q.contiguous(), key_cache, value_cache, tables, lens,
+                                               meta.block_size, self.scale, self.sliding_window or 0, **extra)
 
     def write_cache(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
         """The step's new keys and values into their slots; this layer's (key cache, value cache)."""
@@ -275,13 +279,6 @@ class CppPagedAttention(BatchedDecodeAttention):
         self.attend_each(q, k, v, meta, [i for i in range(meta.num_seqs) if i not in done], out)
         return out.view(q.shape[0], -1)
 
-    def rows(self, q: torch.Tensor, meta: AttentionMetadata, tables: torch.Tensor, lens: torch.Tensor):
-        """Each query row over its first `lens` positions (its own included, already written)."""
-        key_cache, value_cache = self.caches(meta)
-        return self.ops.paged_decode_attention(q.contiguous(), key_cache, value_cache, tables, lens,
-                                               meta.block_size, self.scale, self.sliding_window or 0,
-                                               **self.scale_kwargs(meta))
-
     def decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         _, _, tables, ctx = meta.decode_seqs()
         return self.rows(q, meta, tables, ctx)
@@ -301,12 +298,8 @@ class BatchInvariantAttention(ReferenceAttention):
         assert self.ops is not None, "batch-invariant attention needs the C++ operators"
 
     def forward(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
-        key_cache, value_cache = self.write_cache(k, v, meta)
-        tables, lens = meta.query_rows()
-        out = self.ops.paged_decode_attention(q.contiguous(), key_cache, value_cache, tables, lens,
-                                              meta.block_size, self.scale, self.sliding_window or 0,
-                                              **self.scale_kwargs(meta))
-        return out.view(q.shape[0], -1)
+        self.write_cache(k, v, meta)
+        return self.rows(q, meta, *meta.query_rows()).view(q.shape[0], -1)
 
 
 ATTENTION_BACKENDS = {"reference": ReferenceAttention, "batched": BatchedDecodeAttention, "cpp": CppPagedAttention}

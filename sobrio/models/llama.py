@@ -9,7 +9,7 @@ from sobrio.layers.linear import Linear, amx_pack_weight, linear, pack_weight
 from sobrio.layers.norm import RMSNorm
 from sobrio.layers.quantization import QuantizedEmbedding, QuantizedLinear, quantized_linear
 from sobrio.layers.rotary import RotaryEmbedding
-from sobrio.models.weights import PackedLinear, resident_bytes
+from sobrio.models.weights import PackedLinear
 
 
 def head_dim_of(config) -> int:
@@ -145,11 +145,6 @@ class CausalLM(torch.nn.Module):
         else:
             self.quantized_lm_head = QuantizedLinear.from_float(self.lm_head.weight, None, head_method)
             self.lm_head = None
-
-    def resident_weight_bytes(self) -> int:
-        """Bytes of every tensor the model keeps: parameters, buffers and the kernels' packed copies, each
-        storage once (a tied LM head shares the embedding's)."""
-        return resident_bytes(self)
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -7,6 +7,7 @@ import pytest
 
 from sobrio import LLM, SamplingParams
 from sobrio.layers.linear import Linear
+from sobrio.models.weights import resident_bytes
 from tests.conftest import engine_kwargs
 
 BF16 = engine_kwargs(dtype="bfloat16")
@@ -60,5 +61,5 @@ def test_quantized_smollm2_predicts_as_bf16_from_fewer_bytes(bf16, method, max_n
     model = llm.engine.runner.model
     assert not any(isinstance(m, Linear) for m in model.modules())  # no float weight, no packed copy left
     assert model.packed_lm_head is None and model.amx_lm_head is None
-    assert model.resident_weight_bytes() < 0.55 * weight_bytes(bf16)
-    assert model.resident_weight_bytes() < 0.6 * bf16.engine.runner.model.resident_weight_bytes()
+    assert resident_bytes(model) < 0.55 * weight_bytes(bf16)
+    assert resident_bytes(model) < 0.6 * resident_bytes(bf16.engine.runner.model)

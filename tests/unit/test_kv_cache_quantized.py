@@ -86,7 +86,7 @@ def test_the_same_memory_holds_nearly_twice_the_blocks():
     budget = 64 << 20
     assert int8.num_blocks_for(budget) >= 1.9 * dense.num_blocks_for(budget)
     cache = KVCache.allocate(int8, 10)
-    assert cache.quantized and cache.nbytes() == 10 * int8.block_bytes
+    assert cache.scales(0) is not None and cache.nbytes() == 10 * int8.block_bytes
 
 
 def test_kv_cache_dtype_flag():

@@ -1,6 +1,8 @@
 """`sobrio bench serve | sweep | autotune | roofline | perplexity`: the subcommands' wiring, kept apart from `serve.py`
 so that `sweep` and `autotune`, which build on `serve`, are not imported back by it."""
 
+import argparse
+
 from sobrio.bench.autotune import add_autotune_args, cmd_bench_autotune
 from sobrio.bench.perplexity import add_perplexity_args, cmd_bench_perplexity
 from sobrio.bench.roofline import add_roofline_args, cmd_bench_roofline
@@ -22,6 +24,6 @@ def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks: serve, sweep, autotune, roofline, perplexity")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     for name, help_text, add_args, run in SUBCOMMANDS:
-        parser = bench_sub.add_parser(name, help=help_text)
+        parser = bench_sub.add_parser(name, help=help_text, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         add_args(parser)
         parser.set_defaults(func=run)

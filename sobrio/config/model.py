@@ -9,8 +9,8 @@ from sobrio.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "cpp", "batched", "reference")  # see layers/attention.py
-QUANTIZATION_METHODS = ("int8", "int8-weight-only", "int4")  # see layers/quantization.py
-PLANNED_QUANTIZATION = ("gguf", "awq", "gptq")  # vLLM's names, accepted by the flag, refused for now
+QUANTIZATION_METHODS = ("int8", "int8-weight-only", "int4")  # quantized at load: see layers/quantization.py
+CHECKPOINT_QUANTIZATION = ("awq", "gptq", "gguf")  # vLLM's names: the checkpoint holds them (loader/awq_gptq.py)
 
 
 def json_object(value: str) -> dict:
@@ -45,9 +45,10 @@ class ModelConfig(Checked):
     quantization: str | None = flag(None, "quantize the weights at load, the embedding and LM head too: int8 "
                                           "(W8A8: int8 weights per output channel, int8 activations per token "
                                           "computed on the fly), int8-weight-only (activations in --dtype) or int4 "
-                                          "(weight-only, groups of 64, embedding and LM head int8); gguf, awq and "
-                                          "gptq are not supported yet",
-                                    choices=QUANTIZATION_METHODS + PLANNED_QUANTIZATION)
+                                          "(weight-only, groups of 32, embedding and LM head int8); awq, gptq or "
+                                          "gguf: the checkpoint's own 4-bit weights (loaded as they are whether or "
+                                          "not the flag is given; a flag naming another method is an error)",
+                                    choices=QUANTIZATION_METHODS + CHECKPOINT_QUANTIZATION)
     max_model_len: int | None = flag(None, "context length (default: the model's, capped by the KV cache)")
     max_logprobs: int = flag(20, "most logprobs (top_logprobs, prompt_logprobs) a request may ask for; more is "
                                  "a 400 (-1: up to the vocabulary)")
@@ -82,14 +83,10 @@ class ModelConfig(Checked):
             load_chat_template(self.chat_template)  # a missing file or a broken template fails now, not per request
 
     def _check_quantization(self) -> None:
-        """A known, built method; and not with --batch-invariant, whose promise the int8 kernels break (they
-        change with the step's row count)."""
-        method = self.quantization
-        if method in PLANNED_QUANTIZATION:
-            raise ConfigError(f"sobrio does not support --quantization {method} yet (supported: "
-                              f"{', '.join(QUANTIZATION_METHODS)})", "--quantization")
-        self._require("quantization", method is None or method in QUANTIZATION_METHODS,
-                      f"one of {', '.join(QUANTIZATION_METHODS)} (or unset)")
+        """A known method; and not with --batch-invariant, whose promise the quantized kernels break (they
+        change with the step's row count). Whether the checkpoint agrees is the loader's check."""
+        method, methods = self.quantization, QUANTIZATION_METHODS + CHECKPOINT_QUANTIZATION
+        self._require("quantization", method is None or method in methods, f"one of {', '.join(methods)} (or unset)")
         if method is not None and self.batch_invariant:
-            raise ConfigError(f"--quantization {method} cannot be used with --batch-invariant: the int8 kernels "
-                              f"change with the step's row count", "--quantization")
+            raise ConfigError(f"--quantization {method} cannot be used with --batch-invariant: the quantized "
+                              f"kernels change with the step's row count", "--quantization")

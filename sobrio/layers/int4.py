@@ -11,6 +11,13 @@ exactly what the kernel multiplies by:
 GPTQ checkpoints store it (w ~ (q - z) * scale), is zero = (8 - z) * scale. Scales and zeros are rounded
 to bf16 before the codes are chosen, so a weight's error is at most half a step of its group.
 
+`Int4Linear` is the module over a packed weight: `--quantization int4` builds it from a float weight
+(`Int4Linear.from_float`), a checkpoint that holds int4 weights (AWQ, GPTQ: loader/awq_gptq.py) from its
+`Int4Codes` (codes, scales and zeros before packing, the portable form; `Int4Codes.linear` packs them on
+the machine that loads them). A checkpoint's fp16 scales and (8 - z) * scale zeros are rounded to bf16
+there, as the kernel takes them: each by at most 1/256 of itself, which moves a weight by at most 1/16 of
+its group's step.
+
 The PyTorch 2.13 CPU ops (schemas from `torch.ops.aten.<op>.default._schema`):
 - `_convert_weight_to_int4pack_for_cpu(Tensor self, int innerKTiles) -> Tensor`: self int32 [N, K] of
   codes 0..15 -> uint8 [N, K / 2] in the kernel's blocked layout; needs N % 16 == 0 and K even
@@ -49,6 +56,7 @@ either way: it is the mode for small batches on a bandwidth-bound step.
 """
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +67,8 @@ DEQUANT_MIN_ROWS = {torch.bfloat16: 64, torch.float16: 1, torch.float32: 1}  # f
 DEQUANT_CHUNK = 1024  # output channels dequantized at a time: [K, 1024] stays in L2; a multiple of the block
 SCALE_DTYPE = torch.bfloat16
 AWQ_GRID = 20
+AWQ_SEARCH_ROWS = 128  # output channels the search scores (evenly spaced): its time, not the result, scales with N
+ZERO_POINT_MIN_STEP = 1e-5  # the step of a constant group in `quantize_int4_zero_point` (AutoAWQ's clamp)
 
 
 @dataclass
@@ -217,7 +227,8 @@ def dequantize_int4(w: Int4Weight, dtype: torch.dtype = torch.float32) -> torch.
 
 
 def fake_quantize_int4(weight: torch.Tensor, group_size: int) -> torch.Tensor:
-    """The fp32 weight [N, K] after a round trip through int4: what the AWQ search scores."""
+    """The fp32 weight [N, K] after a round trip through int4 (the AWQ search scores `_round_trip`, the
+    same values without packing)."""
     return dequantize_int4(quantize_int4(weight, group_size))
 
 
@@ -256,19 +267,134 @@ def awq_search_scales(weight: torch.Tensor, activations: torch.Tensor, group_siz
     more precision. For alpha in 0, 1/grid, ... < 1: s = mean|x|^alpha, normalized to
     sqrt(max * min) = 1; the alpha whose quantized layer (x / s) @ Q(W * s).T is nearest to x @ W.T (mean
     squared error on the sample) wins. alpha = 0 is s = 1, plain rounding: the result is never worse on
-    the sample. The caller quantizes W * s and folds 1 / s into what makes x (the RMSNorm weight before
-    qkv or gate_up, or up_proj before down_proj); layers sharing an input take one search on their rows
-    concatenated (SmolLM2's fused qkv and gate_up already are)."""
+    the sample. The error is scored on `AWQ_SEARCH_ROWS` evenly spaced output channels (each row rounds
+    alone, so they estimate the whole: 4-24x less time on SmolLM2's layers). The caller quantizes W * s and
+    folds 1 / s into what makes x (the RMSNorm weight before qkv or gate_up, or up_proj before down_proj);
+    layers sharing an input take one search on their rows concatenated (SmolLM2's fused qkv and gate_up
+    already are): layers/smoothing.py.
+
+    Measured (2026-12-01, smoothing.py's proxy perplexity: windows of 512 not overlapping; without -> with
+    AWQ): SmolLM2-135M (bf16 26.18) group 32 26.25 -> 26.25, unchanged: its Q4_1 GGUF is 4-bit in blocks
+    of 32 already, plain rounding is near exact and alpha 0 wins every layer; group 64 34.45 -> 29.65.
+    Gemma 3 270M (Q4_K_M; bf16 23.74) group 32 30.09 -> 27.69. `sobrio bench perplexity`, SmolLM2, group
+    32: 22.6804 (-0.01% from bf16) with it, as without."""
     check_int4_shape(*weight.shape, group_size)
     if activations.shape[-1] != weight.shape[1]:
         raise ValueError(f"awq: activations {tuple(activations.shape)} do not feed a weight {tuple(weight.shape)}")
     w, x = weight.detach().float(), activations.detach().reshape(-1, weight.shape[1]).float()
+    w = w[::max(1, w.shape[0] // AWQ_SEARCH_ROWS)]  # each row rounds alone: a sample of them scores s as well
     mean_abs, reference = x.abs().mean(0), x @ w.T
     best_error, best = float("inf"), torch.ones_like(mean_abs)
     for step in range(grid):
         s = mean_abs.pow(step / grid).clamp_min(1e-4)
         s = s / (s.max() * s.min()).sqrt()
-        error = (x @ (fake_quantize_int4(w * s, group_size) / s).T - reference).pow(2).mean().item()
+        error = (x @ (_round_trip(w * s, group_size) / s).T - reference).pow(2).mean().item()
         if error < best_error:
             best_error, best = error, s
     return best
+
+
+def _round_trip(weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    """`fake_quantize_int4` without packing and unpacking (4x faster, the search's cost): the same codes,
+    scales and zeros, dequantized in fp32 directly (equal to the kernel's values up to fp32 rounding)."""
+    n, k = weight.shape
+    codes, scales_and_zeros = _quantize_groups(weight, group_size)
+    scale, zero = scales_and_zeros.float().permute(2, 1, 0)[..., None]  # [N, K / g, 1] each
+    return ((codes.view(n, k // group_size, group_size) - 8) * scale + zero).view(n, k)
+
+
+def quantize_int4_zero_point(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes int32 [N, K], scales fp16 [K / g, N], zeros int32 [K / g, N]) with w ~ (q - z) * s: the integer
+    zero points AWQ and GPTQ checkpoints store (sobrio's own quantizer above has a float zero). s = (max -
+    min) / 15 rounded to fp16 first, z = round(-min / s) and q = round(w / s) + z, both clamped to 0..15."""
+    n, k = weight.shape
+    w = weight.detach().float().reshape(n, k // group_size, group_size)
+    low, high = w.amin(-1), w.amax(-1)
+    scale = ((high - low) / 15).clamp_min(ZERO_POINT_MIN_STEP).half()
+    s = scale.float()
+    zero = (-low / s).round().clamp(0, 15)
+    codes = (w / s[..., None]).round_().add_(zero[..., None]).clamp_(0, 15).to(torch.int32)
+    return codes.view(n, k), scale.T.contiguous(), zero.T.to(torch.int32).contiguous()
+
+
+@dataclass
+class Int4Codes:
+    """A pre-quantized int4 weight as a checkpoint holds it, before packing: codes int32 [N, K] in 0..15 and
+    scales_and_zeros float [K / g, N, 2] with w = (code - 8) * scale + zero. One of the records
+    `models.weights.load_weights` collects (the `PrequantizedWeight` protocol): kept portable until every
+    shard of a fused layer is in, then packed once for this CPU's kernel by `linear`."""
+
+    codes: torch.Tensor
+    scales_and_zeros: torch.Tensor
+    group_size: int
+
+    def __post_init__(self) -> None:
+        n, k = self.codes.shape
+        assert self.scales_and_zeros.shape == (k // self.group_size, n, 2), (self.codes.shape,
+                                                                               self.scales_and_zeros.shape)
+
+    @property
+    def out_features(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.codes.shape[1]
+
+    @classmethod
+    def from_zero_point(cls, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                        group_size: int) -> "Int4Codes":
+        """From an integer zero point z (w = (q - z) * s, scales and zeros [K / g, N]): the value of code 8
+        is (8 - z) * s. Kept in fp32, where both terms are exact for fp16 scales."""
+        s = scales.float()
+        return cls(codes.to(torch.int32).contiguous(), torch.stack((s, (8 - zeros.float()) * s), -1), group_size)
+
+    @staticmethod
+    def concat(parts: Sequence["Int4Codes"]) -> "Int4Codes":
+        """The shards of a fused layer (q/k/v, gate/up) stacked along the output channels, in order."""
+        first = parts[0]
+        assert all(p.group_size == first.group_size and p.in_features == first.in_features for p in parts), \
+            [(p.group_size, p.in_features) for p in parts]
+        return Int4Codes(torch.cat([p.codes for p in parts]), torch.cat([p.scales_and_zeros for p in parts], 1),
+                         first.group_size)
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 matrix [N, K] these codes stand for (before the scales' rounding to bf16 for the kernel)."""
+        sz = self.scales_and_zeros.float().repeat_interleave(self.group_size, 0)  # [K, N, 2]
+        return ((self.codes.T.float() - 8) * sz[..., 0] + sz[..., 1]).T
+
+    def linear(self, bias: torch.Tensor | None) -> torch.nn.Module:
+        """The Linear that computes with these codes: packed for the CPU kernel, scales and zeros in bf16."""
+        return Int4Linear(pack_int4(self.codes, self.scales_and_zeros, self.group_size), bias)
+
+    def embedding(self, dtype: torch.dtype) -> torch.nn.Module:
+        raise NotImplementedError("int4: a pre-quantized int4 embedding is not supported (the packed kernel "
+                                  "multiplies, it does not look rows up); keep embed_tokens in float")
+
+
+class Int4Linear(torch.nn.Module):
+    """A Linear whose weight is int4 (`--quantization int4`, or an AWQ/GPTQ checkpoint's): groups of inputs
+    with a bf16 scale and zero each, packed in the layout of PyTorch's CPU kernel, no float copy. A step's
+    few rows take that kernel (a quarter of bf16's bytes); many rows dequantize slices for bf16's."""
+
+    def __init__(self, int4: Int4Weight, bias: torch.Tensor | None):
+        super().__init__()
+        self.int4 = int4
+        self.register_buffer("packed", int4.packed)  # so resident_bytes and .to() see them
+        self.register_buffer("scales_and_zeros", int4.scales_and_zeros)
+        self.register_buffer("bias", None if bias is None else bias.detach())
+
+    @classmethod
+    def from_weight(cls, weight: Int4Weight, bias: torch.Tensor | None) -> "Int4Linear":
+        """Over an already packed weight (`pack_int4`, `Int4Codes.linear`)."""
+        return cls(weight, bias)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int) -> "Int4Linear":
+        """Quantize a float weight (sobrio's float-zero quantizer); a shape the kernel cannot take is a
+        ValueError naming the problem."""
+        return cls(quantize_int4(weight.detach(), group_size), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = int4_linear(x, self.int4)
+        return out if self.bias is None else out + self.bias

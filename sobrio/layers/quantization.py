@@ -31,8 +31,26 @@ On this AMX host no int8 kernel PyTorch ships beats the bf16 AMX kernel past abo
 memory (SmolLM2's resident weights 807 -> 136 MB, bf16's packed copies counted) and is a little faster at
 1-8 rows only (2 threads, 1 row: int8pack_mm 1.22x, oneDNN W8A8 1.08x). End to end (offline, 2 threads,
 bf16 = 1): batch 1 about even, batch 32 0.64x (`int8`) and 0.34x (`int8-weight-only`). Faster int8 needs
-kernels of sobrio's own (issue 13's next slices). Quality: weight-only is at bf16's perplexity; W8A8 with
-per-token scales and no smoothing is 3-5% above it (SmolLM2 and Gemma 3 on sample text).
+kernels of sobrio's own (issue 13's next slices).
+
+Quality. `int8` first calibrates (layers/smoothing.py, on the shipped calibration text only): SmoothQuant's
+scales (alpha 0.5) folded into the norms before qkv_proj and gate_up_proj and into up_proj's rows before
+down_proj; o_proj stays W8A8 unsmoothed (W8A8 alone it cost nothing measurable); the tied LM head, which
+smoothing cannot reach without changing the embedding, stays W8A8 with its `OUTLIER_CHANNELS` largest
+calibrated input channels computed in fp32 (`Outliers`, 6.3 MB more on SmolLM2): weight-only it would be as
+good but 2.5x slower at 32 rows. No layer is weight-only in `int8`. `sobrio bench perplexity --model
+smollm2-135m --quantization none,int8,int8-weight-only,int4` (2026-12-01, SmolLM2-135M bf16, the held-out
+text, windows of 512 every 256, prompts in chunks of 32):
+
+    mode               perplexity   vs none (before: no smoothing, head plain W8A8)
+    none                  22.6826
+    int8                  22.8727   +0.84%   (+3.51%)
+    int8-weight-only      22.7169   +0.15%
+    int4 (group 32)       22.6804   -0.01%   (AWQ: no change, see int4.py)
+
+Gemma 3 270M (the quicker proxy of smoothing.py: windows of 512 not overlapping, BOS first; bf16 23.74):
+weight-only +0.6%, W8A8 unsmoothed +4.1%, smoothed +2.3% (alpha 0.65: +1.7%); its down_proj (GELU-tanh's
+outputs) is what is left: weight-only there, +0.9%, at a cost to the batch-32 step (dequant + mm), not taken.
 
 `_weight_int8pack_mm` in bf16 or fp16 reads past the row when K is not a multiple of 16 (NaN or a crash,
 PyTorch 2.13): such weights take `dequant_mm` (weight-only) or `int8_mm` (W8A8) instead. None of these kernels
@@ -40,16 +58,19 @@ is batch-invariant (the kernel changes with the row count): `--batch-invariant` 
 quantization (config/model.py).
 """
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from sobrio.errors import ConfigError
-from sobrio.layers.int4 import check_int4_shape, int4_linear, quantize_int4
+from sobrio.layers.int4 import Int4Linear, check_int4_shape
 
 INT8PACK_MAX_ROWS = 4  # int8 on a plain int8 weight: _weight_int8pack_mm up to here, torch._int_mm past it
 DEQUANT_MIN_ROWS = 24  # int8-weight-only: _weight_int8pack_mm below, dequantize + matmul from here
 INT8_MAX = 127
 INT4_GROUP_SIZE = 32  # divides SmolLM2's 576 and 1536 and Gemma 3's 640, 1024 and 2048 (128 does not divide 576)
+OUTLIER_CHANNELS = 32  # the LM head's input channels kept in float in `int8` (see `Outliers`)
 TINY = torch.finfo(torch.float32).tiny  # the scale of an all-zero row or token: its int8 values stay 0
 ZERO_POINT = torch.zeros((), dtype=torch.long)  # oneDNN's weight zero point: symmetric weights
 
@@ -98,11 +119,34 @@ def dequant_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.T
     return F.linear(x, q.to(x.dtype)).mul_(scale)
 
 
-def int8_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+@dataclass
+class Outliers:
+    """Input channels of a W8A8 layer computed in float (LLM.int8()'s decomposition, on channels fixed by
+    calibration): the few channels far above the rest would otherwise set every token's int8 step. For
+    the tied LM head, which smoothing cannot reach (its scales would change the embedding too)."""
+
+    index: torch.Tensor  # [k] the channels, ascending
+    weight: torch.Tensor  # [N, k] fp32: their columns of the dequantized weight
+
+    @classmethod
+    def of(cls, max_abs_x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, count: int) -> "Outliers":
+        """The `count` channels of largest calibrated max |x|."""
+        index = max_abs_x.topk(min(count, len(max_abs_x))).indices.sort().values
+        return cls(index, dequantize_weight(q[:, index], scale, torch.float32))
+
+
+def int8_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, outliers: Outliers | None = None) -> torch.Tensor:
     """W8A8 on a plain int8 weight (where oneDNN's packed one is not available): x quantized per token,
-    int8 x int8 -> int32 by `torch._int_mm`, then scaled per token and per channel."""
+    int8 x int8 -> int32 by `torch._int_mm`, then scaled per token and per channel; `outliers`' channels
+    zeroed before and added in fp32 after (SmolLM2's head, 32 of 576 channels: 8 to 64 rows within 10% of the
+    time without, best of 5 on one shared thread)."""
+    if outliers is not None:
+        x_out, x = x[:, outliers.index].float(), x.index_fill(1, outliers.index, 0)
     xq, x_scale = quantize_per_token(x)
-    return torch._int_mm(xq, q.t()).float().mul_(x_scale).mul_(scale).to(x.dtype)
+    out = torch._int_mm(xq, q.t()).float().mul_(x_scale).mul_(scale)
+    if outliers is not None:
+        out.addmm_(x_out, outliers.weight.T)
+    return out.to(x.dtype)
 
 
 def onednn_pack(q: torch.Tensor) -> torch.Tensor | None:
@@ -123,11 +167,14 @@ def onednn_int8_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -
     return out.mul_(x_scale).to(x.dtype)
 
 
-def quantized_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, method: str) -> torch.Tensor:
+def quantized_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, method: str,
+                 outliers: Outliers | None = None) -> torch.Tensor:
     """x [M, K] @ (q * scale).T on a plain int8 weight, by the kernel that was fastest for M rows."""
     rows, int8pack = x.shape[0], int8pack_fits(q.shape[1]) and x.dtype == scale.dtype
     if method == "int8":
-        return weight_only_mm(x, q, scale) if int8pack and rows <= INT8PACK_MAX_ROWS else int8_mm(x, q, scale)
+        if int8pack and rows <= INT8PACK_MAX_ROWS:
+            return weight_only_mm(x, q, scale)
+        return int8_mm(x, q, scale, outliers)
     return weight_only_mm(x, q, scale) if int8pack and rows < DEQUANT_MIN_ROWS else dequant_mm(x, q, scale)
 
 
@@ -138,6 +185,7 @@ class QuantizedLinear(torch.nn.Module):
     without `pack` (the tied LM head: the embedding's matrix) the plain one only."""
 
     packed: torch.Tensor | None = None
+    outliers: Outliers | None = None  # `int8` on the plain matrix: input channels kept in float
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, method: str,
                  pack: bool = True):
@@ -157,44 +205,40 @@ class QuantizedLinear(torch.nn.Module):
         """Quantize a float weight; its scales (and so the activations' kernels) in the weight's dtype."""
         return cls(*quantize_weight(weight, weight.dtype), None if bias is None else bias.detach(), method)
 
+    def keep_in_float(self, max_abs_x: torch.Tensor, count: int = OUTLIER_CHANNELS) -> None:
+        """`int8` on the plain matrix: the `count` input channels of largest calibrated max |x| computed in
+        fp32 (their columns a buffer, so that resident_bytes counts them: 6.3 MB on SmolLM2's head)."""
+        assert self.packed is None and self.method == "int8", "outlier channels: W8A8 on the plain matrix only"
+        self.outliers = Outliers.of(max_abs_x, self.weight, self.weight_scale, count)
+        self.register_buffer("outlier_weight", self.outliers.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).contiguous()
         if self.packed is not None:
             out = onednn_int8_mm(rows, self.packed, self.scale_fp32)
         else:
-            out = quantized_mm(rows, self.weight, self.weight_scale, self.method)
+            out = quantized_mm(rows, self.weight, self.weight_scale, self.method, self.outliers)
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], out.shape[-1])
-
-
-class Int4Linear(torch.nn.Module):
-    """A Linear whose weight is int4 (`--quantization int4`): groups of `INT4_GROUP_SIZE` inputs with a bf16
-    scale and zero each, packed in the layout of PyTorch's CPU kernel (layers/int4.py), no float copy. A
-    step's few rows take that kernel (a quarter of bf16's bytes); many rows dequantize slices for bf16's."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, name: str = "weight"):
-        super().__init__()
-        try:
-            check_int4_shape(weight.shape[0], weight.shape[1], INT4_GROUP_SIZE, name)
-        except ValueError as exc:
-            raise ConfigError(f"--quantization int4: {exc}", "--quantization") from None
-        self.int4 = quantize_int4(weight.detach(), INT4_GROUP_SIZE)
-        self.register_buffer("packed", self.int4.packed)  # so resident_bytes and .to() see them
-        self.register_buffer("scales_and_zeros", self.int4.scales_and_zeros)
-        self.register_buffer("bias", None if bias is None else bias.detach())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = int4_linear(x, self.int4)
-        return out if self.bias is None else out + self.bias
 
 
 def quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, method: str,
                      name: str) -> torch.nn.Module:
     """The quantized form of one Linear for `--quantization method`; `name` goes into a shape error."""
     if method == "int4":
-        return Int4Linear(weight, bias, name)
+        return int4_linear_from_float(weight, bias, name)
     return QuantizedLinear.from_float(weight, bias, method)
+
+
+def int4_linear_from_float(weight: torch.Tensor, bias: torch.Tensor | None, name: str) -> Int4Linear:
+    """`--quantization int4`: groups of `INT4_GROUP_SIZE`; a shape the kernel cannot take is a ConfigError
+    naming the layer, before any weight is packed."""
+    try:
+        check_int4_shape(weight.shape[0], weight.shape[1], INT4_GROUP_SIZE, name)
+    except ValueError as exc:
+        raise ConfigError(f"--quantization int4: {exc}", "--quantization") from None
+    return Int4Linear.from_float(weight, bias, INT4_GROUP_SIZE)
 
 
 class QuantizedEmbedding(torch.nn.Module):
@@ -215,7 +259,11 @@ class QuantizedEmbedding(torch.nn.Module):
         rows = F.embedding(input_ids, self.weight).to(self.weight_scale.dtype)
         return rows * F.embedding(input_ids, self.weight_scale[:, None])
 
-    def lm_head(self, method: str) -> QuantizedLinear:
+    def lm_head(self, method: str, max_abs_x: torch.Tensor | None = None) -> QuantizedLinear:
         """The tied LM head: a QuantizedLinear over this same int8 matrix and scales (no copy, not even
-        oneDNN's packed one: a quarter of SmolLM2's weights, 60% of Gemma 3 270M's)."""
-        return QuantizedLinear(self.weight, self.weight_scale, None, method, pack=False)
+        oneDNN's packed one: a quarter of SmolLM2's weights, 60% of Gemma 3 270M's). In `int8`, given its
+        inputs' calibrated max |x|, its `OUTLIER_CHANNELS` largest input channels are kept in float."""
+        head = QuantizedLinear(self.weight, self.weight_scale, None, method, pack=False)
+        if method == "int8" and max_abs_x is not None:
+            head.keep_in_float(max_abs_x)
+        return head

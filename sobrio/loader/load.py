@@ -5,14 +5,20 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from sobrio.config import ModelConfig
+from sobrio.loader.awq_gptq import (
+    AwqGptqConfig,
+    check_quantization_flag,
+    iter_awq_gptq_weights,
+    parse_quantization_config,
+    read_quantization_config,
+)
 from sobrio.loader.generation import default_sampling
-from sobrio.loader.gguf import gguf_tokenizer, prepared_folder
+from sobrio.loader.gguf import gguf_tokenizer, iter_gguf_weights, prepared_folder
 from sobrio.loader.hf import iter_safetensors_weights
 from sobrio.loader.resolve import ModelSource, resolve_model
 from sobrio.loader.templates import load_chat_template
+from sobrio.models.weights import WeightItem
 from sobrio.timing import log_step
 
 logger = logging.getLogger(__name__)
@@ -25,8 +31,14 @@ class LoadedModelFiles:
     config: object  # transformers PretrainedConfig
     tokenizer: object  # transformers tokenizer (fast); None where only the weights are wanted (an engine core)
     default_sampling: dict = field(default_factory=dict)  # --generation-config: SamplingParams keywords
+    quantization: AwqGptqConfig | None = None  # an AWQ or GPTQ checkpoint's quantization_config
+    gguf_packed: bool = False  # `--quantization gguf`: the GGUF's blocks as they are, not its prepared floats
 
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_weights(self) -> Iterator[WeightItem]:
+        if self.quantization is not None:
+            return iter_awq_gptq_weights(self.folder, self.quantization)
+        if self.gguf_packed:
+            return iter_gguf_weights(self.source.path, self.config, packed=True)
         return iter_safetensors_weights(self.folder)  # a GGUF's prepared folder holds them dequantized
 
 
@@ -40,10 +52,13 @@ def load_model_files(model: str | ModelConfig, tokenizer: bool = True) -> Loaded
     if not tokenizer:
         source = resolve_model(mc.model)
         folder = prepared_folder(source.path) if source.is_gguf else source.path
-        return LoadedModelFiles(source, folder, _text_config(AutoConfig.from_pretrained(folder)), None)
+        quantization = _checkpoint_quantization(mc, source, folder)
+        return LoadedModelFiles(source, folder, _text_config(AutoConfig.from_pretrained(folder)), None,
+                                quantization=quantization, gguf_packed=mc.quantization == "gguf")
     with log_step(logger, "resolving model %s", mc.model):
         source = resolve_model(mc.model)
     folder = _prepared(source)
+    quantization = _checkpoint_quantization(mc, source, folder)
     with log_step(logger, "reading the config and tokenizer of %s", mc.model):
         config = _text_config(AutoConfig.from_pretrained(folder))
         tok = _tokenizer(folder) if mc.tokenizer is None else _tokenizer_of(mc.tokenizer)
@@ -51,7 +66,15 @@ def load_model_files(model: str | ModelConfig, tokenizer: bool = True) -> Loaded
             tok.chat_template = load_chat_template(mc.chat_template)
         sampling = default_sampling(mc.generation_config, folder, source.path if source.is_gguf else None,
                                     mc.override_generation_config)
-    return LoadedModelFiles(source, folder, config, tok, sampling)
+    return LoadedModelFiles(source, folder, config, tok, sampling, quantization, mc.quantization == "gguf")
+
+
+def _checkpoint_quantization(mc: ModelConfig, source: ModelSource, folder: Path) -> AwqGptqConfig | None:
+    """What the checkpoint holds quantized (its config.json's quantization_config), checked against
+    `--quantization` before anything large is read."""
+    qc = None if source.is_gguf else read_quantization_config(folder)
+    check_quantization_flag(mc.quantization, qc, source.is_gguf, mc.batch_invariant, mc.model)
+    return None if qc is None else parse_quantization_config(qc, mc.model)
 
 
 def load_tokenizer(files: LoadedModelFiles, mc: ModelConfig):

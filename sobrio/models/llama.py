@@ -1,15 +1,20 @@
 """The Llama family (Llama, SmolLM2, Mistral, Qwen2): forward over the flattened tokens of a step."""
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
+from sobrio.layers import smoothing
 from sobrio.layers.attention import AttentionMetadata, BatchedDecodeAttention, ReferenceAttention
 from sobrio.layers.cpu_ops import cpu_ops
 from sobrio.layers.linear import Linear, amx_pack_weight, linear, pack_weight
 from sobrio.layers.norm import RMSNorm
-from sobrio.layers.quantization import QuantizedEmbedding, QuantizedLinear, quantized_linear
+from sobrio.layers.quantization import INT4_GROUP_SIZE, QuantizedEmbedding, QuantizedLinear, quantized_linear
 from sobrio.layers.rotary import RotaryEmbedding
 from sobrio.models.weights import PackedLinear
+
+logger = logging.getLogger(__name__)
 
 
 def head_dim_of(config) -> int:
@@ -116,7 +121,7 @@ class CausalLM(torch.nn.Module):
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
         self.packed_lm_head: torch.Tensor | None = None
         self.amx_lm_head: torch.Tensor | None = None
-        self.quantized_lm_head: QuantizedLinear | None = None  # set by `quantize()`
+        self.quantized_lm_head: torch.nn.Module | None = None  # set by `quantize()` or a pre-quantized checkpoint
 
     def prepack(self) -> None:
         """Choose every matmul (oneDNN's packed weights, or the batch-invariant kernel); call once the
@@ -128,23 +133,49 @@ class CausalLM(torch.nn.Module):
             self.packed_lm_head = None if self.batch_invariant else pack_weight(self.lm_head_weight())
             self.amx_lm_head = None if self.batch_invariant else amx_pack_weight(self.lm_head_weight())
 
-    def quantize(self, method: str) -> None:
+    def quantize(self, method: str, calibration_ids: list[int] | None = None) -> None:
         """Quantized weights (`--quantization`): every Linear replaced by its int8 or int4 form, the
         embedding and the LM head (tied: the embedding's own matrix) by int8 ones, the float weights dropped.
+        Modules a checkpoint held quantized are in place already and stay as they are. `int8` and `int4`
+        first calibrate on the shipped calibration text (`calibration_ids`: its tokens; by default read
+        with the tokenizer in the model's folder): SmoothQuant's or AWQ's scales (layers/smoothing.py).
         Call once the weights are loaded and cast, before `prepack` (which then packs nothing)."""
+        head_input = self._calibrate(method, calibration_ids)
         for parent_name, parent in list(self.named_modules()):
             for name, child in list(parent.named_children()):
                 if isinstance(child, Linear):
                     layer = quantized_linear(child.weight, child.bias, method, f"{parent_name}.{name}")
                     setattr(parent, name, layer)
-        embed = QuantizedEmbedding.from_float(self.model.embed_tokens.weight)
-        self.model.embed_tokens = embed
-        head_method = "int8-weight-only" if method == "int4" else method  # int4 keeps the int8 embedding as head
-        if self.lm_head is None:
-            self.quantized_lm_head = embed.lm_head(head_method)
-        else:
-            self.quantized_lm_head = QuantizedLinear.from_float(self.lm_head.weight, None, head_method)
+        if isinstance(self.model.embed_tokens, torch.nn.Embedding):
+            self.model.embed_tokens = QuantizedEmbedding.from_float(self.model.embed_tokens.weight)
+        if self.quantized_lm_head is None:
+            self.quantized_lm_head = self._quantized_head(method, head_input)
             self.lm_head = None
+
+    def _calibrate(self, method: str, ids: list[int] | None) -> torch.Tensor | None:
+        """Fold SmoothQuant's (`int8`) or AWQ's (`int4`) scales into the float weights, on the calibration
+        text only (never a user's prompt); `int8`: the LM head's calibrated input max |x| too. Nothing where
+        a checkpoint held some layer quantized, or no tokenizer is found."""
+        if method not in ("int8", "int4") or not smoothing.all_float(self):
+            return None
+        ids = smoothing.calibration_ids(self.config) if ids is None else ids
+        if not ids:
+            logger.warning("--quantization %s: no tokenizer in %r to read the calibration text: quantizing "
+                           "without calibration", method, getattr(self.config, "name_or_path", ""))
+            return None
+        if method == "int4":
+            smoothing.awq(self, ids, INT4_GROUP_SIZE)
+            return None
+        return smoothing.smooth(self, ids)
+
+    def _quantized_head(self, method: str, head_input: torch.Tensor | None = None) -> torch.nn.Module:
+        """int8 in both int8 modes and in int4 (which keeps the int8 embedding as head); tied, the embedding's
+        own matrix (W8A8 with its calibrated outlier input channels in float, `head_input`)."""
+        head_method = "int8-weight-only" if method == "int4" else method
+        if self.lm_head is not None:
+            return QuantizedLinear.from_float(self.lm_head.weight, None, head_method)
+        assert isinstance(self.model.embed_tokens, QuantizedEmbedding), type(self.model.embed_tokens)
+        return self.model.embed_tokens.lm_head(head_method, head_input)
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

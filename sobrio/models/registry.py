@@ -2,9 +2,11 @@
 
 import torch
 
+from sobrio.config.model import QUANTIZATION_METHODS
 from sobrio.errors import InvalidRequestError
 from sobrio.models.gemma3 import Gemma3ForCausalLM
 from sobrio.models.llama import CausalLM, LlamaForCausalLM
+from sobrio.models.weights import Prequantized, PrequantizedWeight
 
 _BY_MODEL_TYPE = {
     "llama": LlamaForCausalLM,
@@ -33,12 +35,37 @@ def build_model(config, max_positions: int, weights, dtype: torch.dtype, attenti
     attn_cls = BatchInvariantAttention if batch_invariant else resolve_backend(attention_backend)
     with torch.device("cpu"):
         model = model_class(config)(config, max_positions, attn_cls, batch_invariant=batch_invariant)
-    load_weights(model, weights)
+    prequantized = load_weights(model, weights)
     model = model.to(dtype).eval().requires_grad_(False)
-    if quantization is not None:
+    install_prequantized(model, prequantized, dtype)
+    if quantization in QUANTIZATION_METHODS:  # at load; a checkpoint's own method (awq, gptq, gguf) is in place
         model.quantize(quantization)
     model.prepack()
     return model
+
+
+def install_prequantized(model: CausalLM, prequantized: Prequantized, dtype: torch.dtype) -> None:
+    """Replace each module a checkpoint holds quantized by the module its records build: a Linear keeps its
+    float bias (cast already); the embedding's record also serves as the tied LM head."""
+    for name, records in prequantized.items():
+        record = records[0] if len(records) == 1 else records[0].concat(records)
+        if name == "model.embed_tokens":
+            model.model.embed_tokens = _embedding(record, dtype)
+            if model.lm_head is None:
+                model.quantized_lm_head = record.linear(None)
+        elif name == "lm_head":
+            model.quantized_lm_head, model.lm_head = record.linear(None), None
+        else:
+            parent_name, _, child = name.rpartition(".")
+            bias = model.get_submodule(name).bias
+            setattr(model.get_submodule(parent_name), child, record.linear(None if bias is None else bias.detach()))
+
+
+def _embedding(record: PrequantizedWeight, dtype: torch.dtype) -> torch.nn.Module:
+    if not hasattr(record, "embedding"):
+        raise NotImplementedError(f"{type(record).__name__}: a pre-quantized embedding of this kind is not "
+                                  f"supported")
+    return record.embedding(dtype)
 
 
 def check_batch_invariant(attention_backend: str) -> None:

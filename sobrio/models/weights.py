@@ -1,6 +1,13 @@
-"""Load Hugging Face-named tensors into sobrio modules, packing q/k/v and gate/up into one matrix each."""
+"""Load Hugging Face-named tensors into sobrio modules, packing q/k/v and gate/up into one matrix each.
 
-from collections.abc import Iterable
+A checkpoint may also hold Linear weights already quantized (AWQ, GPTQ, GGUF blocks): its iterator yields
+those as records (`PrequantizedWeight`) under the weight's name instead of a float tensor. `load_weights`
+collects them by module, a fused module's shards in order, and `models.registry.build_model` puts in each
+module's quantized form (`concat(shards).linear(bias)`) once the float parameters are cast.
+"""
+
+from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 import torch
 
@@ -16,10 +23,37 @@ PACKED_MODULES = {
 }
 
 
-def load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy every tensor into its parameter; assert that every parameter was filled."""
+class PrequantizedWeight(Protocol):
+    """A Linear (or embedding) weight [out_features, in_features] that a checkpoint holds quantized: what a
+    weights iterator may yield in place of a float tensor (`layers.int4.Int4Codes` is one). Records of one
+    fused module are joined by `concat` (along the output channels, in shard order) before `linear` builds
+    the module that computes with them. An embedding record also has `embedding(dtype) -> torch.nn.Module`
+    (a lookup of rows); one that cannot be an embedding raises NotImplementedError there."""
+
+    @property
+    def out_features(self) -> int: ...
+
+    @property
+    def in_features(self) -> int: ...
+
+    @staticmethod
+    def concat(parts: Sequence["PrequantizedWeight"]) -> "PrequantizedWeight": ...
+
+    def linear(self, bias: torch.Tensor | None) -> torch.nn.Module: ...
+
+
+WeightItem = tuple[str, torch.Tensor | PrequantizedWeight]
+Prequantized = dict[str, list[PrequantizedWeight]]  # module name -> its records, a fused module's in shard order
+
+
+def load_weights(model: torch.nn.Module, weights: Iterable[WeightItem]) -> Prequantized:
+    """Copy every float tensor into its parameter and collect the pre-quantized records (a recorded weight
+    counts as filled; its float parameter stays as built until the module is replaced); assert that every
+    parameter was filled. Returns the records by module name (`model.layers.0.self_attn.qkv_proj`,
+    `model.embed_tokens`, `lm_head`)."""
     params = dict(model.named_parameters())
     filled: set[str] = set()
+    records: dict[str, dict[int | None, PrequantizedWeight]] = {}
     for name, tensor in weights:
         if name == "lm_head.weight" and "lm_head.weight" not in params:
             continue  # tied embeddings: the file may still carry a copy
@@ -27,18 +61,47 @@ def load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tens
         param = params.get(target)
         if param is None:
             continue  # e.g. rotary inv_freq buffers saved by old checkpoints
-        with torch.no_grad():
-            if shard is None:
-                assert param.shape == tensor.shape, f"{name}: {tuple(tensor.shape)} vs {tuple(param.shape)}"
-                param.copy_(tensor)
-            else:
-                module = model.get_submodule(target.rsplit(".", 1)[0])
-                start, size = module.shard_offsets[shard]
-                assert tensor.shape[0] == size, f"{name}: {tensor.shape[0]} rows, expected {size}"
-                param[start:start + size].copy_(tensor)
+        if isinstance(tensor, torch.Tensor):
+            _copy_tensor(model, name, param, target, shard, tensor)
+        else:
+            _check_record(model, name, param, target, shard, tensor)
+            records.setdefault(target.rsplit(".", 1)[0], {})[shard] = tensor
         filled.add(f"{target}#{shard}")
     missing = [n for n in params if not any(f.startswith(n + "#") for f in filled)]
     assert not missing, f"weights missing from the checkpoint: {missing[:5]}"
+    return {module: _in_shard_order(model, module, shards) for module, shards in records.items()}
+
+
+def _copy_tensor(model: torch.nn.Module, name: str, param: torch.nn.Parameter, target: str, shard: int | None,
+                 tensor: torch.Tensor) -> None:
+    with torch.no_grad():
+        if shard is None:
+            assert param.shape == tensor.shape, f"{name}: {tuple(tensor.shape)} vs {tuple(param.shape)}"
+            param.copy_(tensor)
+        else:
+            start, size = model.get_submodule(target.rsplit(".", 1)[0]).shard_offsets[shard]
+            assert tensor.shape[0] == size, f"{name}: {tensor.shape[0]} rows, expected {size}"
+            param[start:start + size].copy_(tensor)
+
+
+def _check_record(model: torch.nn.Module, name: str, param: torch.nn.Parameter, target: str, shard: int | None,
+                  record: PrequantizedWeight) -> None:
+    """A record stands for a whole weight matrix (or one shard of a fused one) of the parameter's shape."""
+    assert target.endswith(".weight") and param.dim() == 2, f"{name}: a quantized record for a non-weight"
+    rows = param.shape[0] if shard is None else model.get_submodule(target.rsplit(".", 1)[0]).shard_offsets[shard][1]
+    got, expected = (record.out_features, record.in_features), (rows, param.shape[1])
+    assert got == expected, f"{name}: quantized weight {got}, expected {expected}"
+
+
+def _in_shard_order(model: torch.nn.Module, module_name: str,
+                    shards: dict[int | None, PrequantizedWeight]) -> list[PrequantizedWeight]:
+    """A fused module's records in shard order; all of its shards must be quantized (or none)."""
+    offsets = getattr(model.get_submodule(module_name), "shard_offsets", None)
+    expected = [None] if offsets is None else list(range(len(offsets)))
+    assert sorted(shards, key=str) == sorted(expected, key=str), \
+        f"{module_name}: shards {sorted(shards, key=str)} quantized, {expected} expected (a fused layer is " \
+        f"quantized whole or not at all)"
+    return [shards[i] for i in expected]
 
 
 def _packed_target(name: str) -> tuple[str, int | None]:

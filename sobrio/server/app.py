@@ -348,6 +348,9 @@ def run_server(args) -> int:
             clients = start_engines_with_embedders(  # embedding models: in this process (server/embeddings.py)
                 configs, lambda generative: _start_engines(generative, config.engine_process,
                                                            config.engine_restarts, fatal.set))
+    except ConfigError:
+        sock.close()
+        raise  # a flag the model refuses (--quantization awq on a float checkpoint): exit 2, as a bad flag does
     except SobrioError as exc:
         sock.close()
         logger.error("%s", exc)

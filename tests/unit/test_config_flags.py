@@ -292,7 +292,7 @@ def test_a_bad_config_file_exits_2_naming_the_key(tmp_path, capsys, text, messag
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flags", [["--quantization", "awq"], ["--speculative-config", '{"method": "ngram"}'],
+@pytest.mark.parametrize("flags", [["--speculative-config", '{"method": "ngram"}'],
                                    ["--enable-lora"], ["--pipeline-parallel-size", "2"],
                                    ["--tensor-parallel-size", "2"], ["--kv-transfer-config", "{}"],
                                    ["--lora-modules", "a=/x", "b=/y"], ["--reasoning-parser", "deepseek_r1"],
@@ -323,8 +323,6 @@ def test_no_op_values_of_vllm_flags_are_accepted():
     config = config_from_args(args, ServerConfig)
     assert (config.disable_log_requests, config.disable_log_stats, config.uvicorn_log_level) == (True, True,
                                                                                                 "warning")
-    with pytest.raises(ConfigError, match="does not support --quantization awq yet"):  # offline, vLLM's keyword
-        SobrioConfig.from_kwargs(quantization="awq")
 
 
 def test_an_unknown_model_is_one_line_listing_the_aliases(capsys):

@@ -122,13 +122,11 @@ def test_embedding_rows_and_the_tied_lm_head_share_one_int8_matrix():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(quantization="int3"), "--quantization must be one of int8, int8-weight-only, int4 (or unset), got 'int3'"),
-    (dict(quantization="awq"), "sobrio does not support --quantization awq yet (supported: int8, int8-weight-only, "
-                               "int4)"),
-    (dict(quantization="gguf"), "sobrio does not support --quantization gguf yet"),
-    (dict(quantization="gptq"), "sobrio does not support --quantization gptq yet"),
+    (dict(quantization="int3"), "--quantization must be one of int8, int8-weight-only, int4, awq, gptq, gguf (or "
+                                "unset), got 'int3'"),
     (dict(quantization="int8", batch_invariant=True),
-     "--quantization int8 cannot be used with --batch-invariant: the int8 kernels change with the step's row"),
+     "--quantization int8 cannot be used with --batch-invariant: the quantized kernels change with the step's row"),
+    (dict(quantization="awq", batch_invariant=True), "--quantization awq cannot be used with --batch-invariant"),
 ])
 def test_bad_modes_and_combinations_raise_a_config_error_naming_the_problem(kwargs, message):
     with pytest.raises(ConfigError) as exc:
@@ -142,11 +140,10 @@ def test_every_mode_is_accepted():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--quantization", "awq"], "sobrio serve: error: sobrio does not support --quantization awq yet"),
     (["--quantization", "int8", "--batch-invariant"], "sobrio serve: error: --quantization int8 cannot be used "
                                                       "with --batch-invariant"),
     (["--quantization", "int3"], "argument --quantization: invalid choice: 'int3' (choose from 'int8', "
-                                 "'int8-weight-only', 'int4', 'gguf', 'awq', 'gptq')"),
+                                 "'int8-weight-only', 'int4', 'awq', 'gptq', 'gguf')"),
 ])
 def test_serve_refuses_them_with_exit_2(flags, message, capsys):
     try:
@@ -158,11 +155,11 @@ def test_serve_refuses_them_with_exit_2(flags, message, capsys):
     assert message in err and "Traceback" not in err
 
 
-def test_serve_with_a_not_yet_supported_mode_exits_2_without_a_traceback():
+def test_serve_with_a_method_the_checkpoint_does_not_hold_exits_2_without_a_traceback():
     proc = subprocess.run([sys.executable, "-m", "sobrio.cli", "serve", "smollm2-135m", "--quantization", "gptq"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
-    assert "sobrio serve: error: sobrio does not support --quantization gptq yet" in proc.stderr
+    assert "sobrio serve: error: --quantization gptq: smollm2-135m holds no gptq weights" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 

@@ -1,0 +1,213 @@
+"""Activation-aware scales for quantized weights, from one calibration pass: SmoothQuant's for `int8` (W8A8)
+and AWQ's search for `int4`.
+
+A few input channels of a Linear carry activations tens of times larger than the rest (after an RMSNorm
+above all). Per-token int8 activations spend their 255 steps on those few, and the others round to a
+handful of steps; group-wise int4 weights do the reverse harm, rounding the weights those large inputs
+multiply as coarsely as any other. Both are cured by a per-input-channel scale s: the Linear computes
+(x / s) @ (W * s).T, equal in float, with 1 / s folded into what produces x, so nothing is computed at
+run time:
+
+- qkv_proj and gate_up_proj: into the RMSNorm before them (Llama: weight / s; Gemma, which scales by
+  1 + weight: 1 + weight' = (1 + weight) / s);
+- down_proj: into up_proj's rows (act(gate) * up is linear in up).
+
+o_proj's input (attention's output) would take its 1 / s in v_proj's rows, which grouped-query attention
+shares between heads; it is left alone. The LM head's input comes from the final norm, but the head is
+the tied embedding on these models: a scale would change the embedding too.
+
+Calibration: the float model runs once over the first `CALIBRATION_TOKENS` tokens of the shipped
+calibration text (`sobrio/data`, never the held-out text, never a user's prompt), forward pre-hooks on
+the Linears recording each input's per-channel max |x| (SmoothQuant) or keeping the inputs (AWQ).
+
+SmoothQuant (Xiao et al. 2023): s_j = max|X_j|^alpha / max|W_j|^(1 - alpha), alpha `SMOOTH_ALPHA`.
+AWQ (Lin et al. 2024): `layers.int4.awq_search_scales`, per Linear, on its recorded inputs.
+
+What W8A8 loses where, and what smoothing gives back (2026-12-01, SmolLM2-135M bf16, one thread, other
+work running; perplexity of the held-out text in windows of 512 tokens, not overlapping, each one
+prompt: a quicker proxy of `sobrio bench perplexity`, whose figures are in quantization.py). bf16 26.18,
+every Linear and the head int8 weight-only 26.27; one kind of layer W8A8 at a time (the rest
+weight-only): qkv_proj 26.59, o_proj 26.25, gate_up_proj 26.37, down_proj 26.40, the LM head 26.46;
+all W8A8, no smoothing: 27.09 (+3.5%). Smoothed (qkv, gate_up, down), the head weight-only, by alpha:
+0.35 26.66, 0.45 26.54, 0.5 26.36, 0.55 26.54, 0.65 26.41, 0.8 27.10: 0.5, the paper's default, is
+kept. The head, smoothed as above: W8A8 26.50, weight-only 26.36 (but 2.5x its time at 32 rows),
+W8A8 with its 8 / 32 / 64 largest input channels in float 26.42 / 26.37 / 26.35: 32 (`Outliers`).
+o_proj stays W8A8 unsmoothed (it costs nothing measurable). Calibration: 0.5 s (512 tokens, one prompt);
+AWQ's search 4 s more for SmolLM2's 90 layers (one thread, the machine shared).
+"""
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+from sobrio import data
+from sobrio.kv.cache import KVCache
+from sobrio.layers.attention import AttentionMetadata
+from sobrio.layers.int4 import awq_search_scales
+from sobrio.layers.linear import Linear
+from sobrio.timing import log_step
+
+logger = logging.getLogger(__name__)
+
+CALIBRATION_TOKENS = 512  # a few hundred tokens settle the statistics; one prompt, no sliding window past it
+SMOOTH_ALPHA = 0.5  # SmoothQuant's migration strength: the best of the grid above, on SmolLM2
+MIN_SCALE = 1e-5  # a channel no calibration token used keeps a usable scale
+CALIBRATION_BLOCK = 16
+
+Fold = Callable[[torch.Tensor], None]  # divides the producer's output channels by s
+
+
+def calibration_ids(config, num_tokens: int = CALIBRATION_TOKENS) -> list[int] | None:
+    """The calibration text's first tokens, by the tokenizer in the model's folder (`config.name_or_path`:
+    a GGUF's prepared folder too); None where that folder has no tokenizer."""
+    from transformers import AutoTokenizer
+
+    folder = getattr(config, "name_or_path", "")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder) if folder else None
+    except (OSError, ValueError):
+        tokenizer = None
+    if tokenizer is None:
+        return None
+    prefix = tokenizer("", add_special_tokens=True).input_ids
+    return (prefix + tokenizer(data.read_text(data.CALIBRATION), add_special_tokens=False).input_ids)[:num_tokens]
+
+
+def run_prompt(model: torch.nn.Module, ids: list[int]) -> None:
+    """The model's forward over `ids` as one prompt, on a KV cache of its own (freed on return)."""
+    attn = model.attention_layers()
+    dtype = model.model.embed_tokens.weight.dtype
+    blocks = -(-len(ids) // CALIBRATION_BLOCK)
+    shape = (2, blocks, CALIBRATION_BLOCK, attn[0].num_kv_heads, attn[0].head_dim)
+    cache = KVCache([torch.zeros(shape, dtype=dtype) for _ in attn])
+    meta = AttentionMetadata(torch.arange(len(ids)), [0, len(ids)], [len(ids)], torch.arange(blocks)[None],
+                             CALIBRATION_BLOCK, cache)
+    with torch.inference_mode():
+        model(torch.tensor(ids), torch.arange(len(ids)), meta)
+
+
+@contextmanager
+def recorded_inputs(linears: dict[str, Linear], keep: bool) -> Iterator[dict[str, torch.Tensor]]:
+    """While open, each Linear's inputs by name: their per-channel max |x| (fp32 [K]), or with `keep` the
+    inputs themselves (fp32 [T, K], for AWQ's search)."""
+    found: dict[str, torch.Tensor] = {}
+
+    def hook(name: str):
+        def record(_module, args):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+            found[name] = x.clone() if keep else x.abs().amax(0)
+        return record
+
+    handles = [linear.register_forward_pre_hook(hook(name)) for name, linear in linears.items()]
+    try:
+        yield found
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def smooth_scales(max_abs_x: torch.Tensor, weight: torch.Tensor, alpha: float = SMOOTH_ALPHA) -> torch.Tensor:
+    """SmoothQuant's s [K] (fp32): moves part of the activations' range per channel into the weights',
+    so that neither has a channel far above the rest."""
+    max_abs_w = weight.detach().float().abs().amax(0).clamp_min(MIN_SCALE)
+    s = max_abs_x.clamp_min(MIN_SCALE).pow(alpha) / max_abs_w.pow(1 - alpha)
+    return s.clamp_min(MIN_SCALE)
+
+
+def fold_into_norm(norm: torch.nn.Module) -> Fold:
+    """1 / s into an RMSNorm's weight (Gemma's scales by 1 + weight: `offset` 1)."""
+    def fold(s: torch.Tensor) -> None:
+        w = norm.weight.data
+        w.copy_(((w.float() + norm.offset) / s - norm.offset).to(w.dtype))
+    return fold
+
+
+def fold_into_rows(linear: Linear, first: int) -> Fold:
+    """1 / s into a Linear's output rows first .. first + len(s) (up_proj's, inside gate_up_proj)."""
+    def fold(s: torch.Tensor) -> None:
+        rows = linear.weight.data[first:first + len(s)]
+        rows.copy_((rows.float() / s[:, None]).to(rows.dtype))
+        if linear.bias is not None:
+            bias = linear.bias.data[first:first + len(s)]
+            bias.copy_((bias.float() / s).to(bias.dtype))
+    return fold
+
+
+def scale_inputs(linear: Linear, s: torch.Tensor) -> None:
+    """W * s along the input channels: the Linear's side of the fold."""
+    w = linear.weight.data
+    w.copy_((w.float() * s).to(w.dtype))
+
+
+def smoothable(model: torch.nn.Module) -> Iterator[tuple[str, Linear, Fold]]:
+    """(name, Linear, the fold into its input's producer) for qkv_proj, gate_up_proj and down_proj of every
+    decoder layer. The norm before the MLP is Gemma 3's `pre_feedforward_layernorm` (its
+    `post_attention_layernorm` normalizes attention's output), Llama's `post_attention_layernorm`."""
+    for i, layer in enumerate(model.model.layers):
+        mlp_norm = getattr(layer, "pre_feedforward_layernorm", None) or layer.post_attention_layernorm
+        gate_up = layer.mlp.gate_up_proj
+        yield f"layers.{i}.qkv_proj", layer.self_attn.qkv_proj, fold_into_norm(layer.input_layernorm)
+        yield f"layers.{i}.gate_up_proj", gate_up, fold_into_norm(mlp_norm)
+        yield f"layers.{i}.down_proj", layer.mlp.down_proj, fold_into_rows(gate_up, gate_up.shard_offsets[1][0])
+
+
+HEAD_INPUT = "lm_head"  # `calibrate`'s key for the LM head's input: the decoder's output
+
+
+def all_float(model: torch.nn.Module) -> bool:
+    """Whether every smoothable layer is still a float Linear (a checkpoint's quantized ones are final)."""
+    return all(isinstance(linear, Linear) for _, linear, _ in smoothable(model))
+
+
+def calibrate(model: torch.nn.Module, ids: list[int], keep: bool) -> dict[str, torch.Tensor]:
+    """Run the float model over the calibration tokens; the smoothable Linears' inputs by name (see
+    `recorded_inputs`), and the LM head's input max |x| as `HEAD_INPUT`."""
+    linears = {name: linear for name, linear, _ in smoothable(model)}
+    with log_step(logger, "calibrating on %d tokens of %s", len(ids), data.CALIBRATION):
+        with recorded_inputs(linears, keep) as found:
+            record = lambda _module, _args, out: found.__setitem__(HEAD_INPUT, out.float().abs().amax(0))
+            handle = model.model.register_forward_hook(record)
+            try:
+                run_prompt(model, ids)
+            finally:
+                handle.remove()
+    return found
+
+
+def apply_scales(model: torch.nn.Module, scales_of: Callable[[str, Linear], torch.Tensor]) -> None:
+    """Fold each smoothable Linear's scales (`scales_of(name, linear)`) into it and its input's producer."""
+    for name, linear, fold in smoothable(model):
+        s = scales_of(name, linear)
+        fold(s)
+        scale_inputs(linear, s)
+
+
+def smooth(model: torch.nn.Module, ids: list[int], alpha: float = SMOOTH_ALPHA) -> torch.Tensor:
+    """SmoothQuant on a float model before its W8A8 quantization (its outputs unchanged up to rounding);
+    returns the LM head's input max |x| (per channel), which smoothing leaves as it was."""
+    max_abs = calibrate(model, ids, keep=False)
+    apply_scales(model, lambda name, linear: smooth_scales(max_abs[name], linear.weight, alpha))
+    return max_abs[HEAD_INPUT]
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """PyTorch on one thread while open: the search's ops are small (128 rows of a weight), and split over
+    threads on a busy host they wait for each other (SmolLM2's search: 4 s on one thread, 29 s on two with
+    the other core taken)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def awq(model: torch.nn.Module, ids: list[int], group_size: int) -> None:
+    """AWQ's scales on a float model before its int4 quantization, searched per Linear on its inputs."""
+    inputs = calibrate(model, ids, keep=True)
+    inputs.pop(HEAD_INPUT)
+    with log_step(logger, "searching AWQ scales for %d layers", len(inputs)), one_thread():
+        apply_scales(model, lambda name, linear: awq_search_scales(linear.weight, inputs.pop(name), group_size))

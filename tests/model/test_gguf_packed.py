@@ -6,7 +6,7 @@ bytes."""
 import pytest
 
 from sobrio import LLM, SamplingParams
-from sobrio.layers.grouped_int8 import GroupedInt8Embedding, GroupedInt8Linear
+from sobrio.layers.grouped import GroupedEmbedding, GroupedLinear
 from sobrio.layers.int4 import Int4Linear
 from sobrio.loader.resolve import resolve_model
 from sobrio.models.weights import resident_bytes
@@ -37,8 +37,8 @@ def test_packed_blocks_give_the_dequantized_logits(gguf_path: str) -> None:
     del dense
     packed = LLM(gguf_path, quantization="gguf", **FP32)
     model = packed.engine.runner.model
-    assert isinstance(model.model.embed_tokens, GroupedInt8Embedding)
-    assert isinstance(model.quantized_lm_head, GroupedInt8Linear)
+    assert isinstance(model.model.embed_tokens, GroupedEmbedding)
+    assert isinstance(model.quantized_lm_head, GroupedLinear)
     assert isinstance(model.model.layers[0].mlp.gate_up_proj, Int4Linear)
     assert resident_bytes(model) * 5 < dense_bytes  # 99 MB against 539 (float32; bf16 with its packed copies: 809)
     got = text_logprobs(packed)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, dequantize
 
-from sobrio.layers.grouped_int8 import GroupedInt8Codes
+from sobrio.layers.grouped import GroupedCodes
 from sobrio.layers.int4 import Int4Codes, dequantize_int4, pack_int4
 from sobrio.loader.gguf_blocks import PACKED_TYPES, decode_blocks
 
@@ -27,8 +27,8 @@ def random_blocks(type_name: str, rows: int, in_features: int, seed: int = 0) ->
     return raw.reshape(rows, -1)
 
 
-def dequantized(codes: Int4Codes | GroupedInt8Codes) -> np.ndarray:
-    if isinstance(codes, GroupedInt8Codes):
+def dequantized(codes: Int4Codes | GroupedCodes) -> np.ndarray:
+    if isinstance(codes, GroupedCodes):
         return codes.dequantize().numpy()
     n, k = codes.codes.shape
     g = codes.group_size

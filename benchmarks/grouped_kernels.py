@@ -2,14 +2,14 @@
 tied LM head (49152 x 576, the biggest matmul of a decode step; random codes in groups of 32, as Q8_0),
 at a given row count, against the bf16 `F.linear` on the same matrix and the per-channel int8 kernel the
 `int8`/`int4` modes use for their head. Prints ms per call and the ratio to bf16 (> 1: faster). This is
-the measurement behind `GEMV_MAX_ROWS` in `sobrio/layers/grouped_int8.py`.
+the measurement behind `GEMV_MAX_ROWS` in `sobrio/layers/grouped.py`.
 
 - dense: `F.linear` on the bf16 matrix (oneDNN, AMX where present);
-- grouped C++: `grouped_int8_linear` (codes read once, widened in registers, float32 sums);
+- grouped C++: `grouped_linear` (codes read once, widened in registers, float32 sums);
 - grouped dequant+mm: the codes dequantized 1024 channels at a time, then `torch.mm`;
 - int8pack (per channel): `aten._weight_int8pack_mm`, one scale per row.
 
-    .venv/bin/python benchmarks/grouped_int8_kernels.py [--rows 1 4 16 32 64] [--threads 2]
+    .venv/bin/python benchmarks/grouped_kernels.py [--rows 1 4 16 32 64] [--threads 2]
 """
 
 import argparse
@@ -23,7 +23,7 @@ import torch.nn.functional as F  # noqa: E402
 from kernel_timing import best_times  # noqa: E402  (benchmarks/ is on the path when a script here runs)
 
 from sobrio.layers.cpu_ops import cpu_ops  # noqa: E402
-from sobrio.layers.grouped_int8 import GroupedInt8Codes, dequant_mm  # noqa: E402
+from sobrio.layers.grouped import GroupedCodes, dequant_mm  # noqa: E402
 
 VOCAB, HIDDEN, GROUP = 49152, 576, 32
 
@@ -36,14 +36,14 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
-    codes = GroupedInt8Codes(torch.randint(-127, 128, (VOCAB, HIDDEN), dtype=torch.int8, generator=g),
+    codes = GroupedCodes(torch.randint(-127, 128, (VOCAB, HIDDEN), dtype=torch.int8, generator=g),
                              torch.rand(VOCAB, HIDDEN // GROUP, generator=g) * 0.01, None, GROUP)
     dense = codes.dequantize(torch.bfloat16)
     row_scale = torch.rand(VOCAB, generator=g).bfloat16()
     ops = cpu_ops()
     kernels = {
         "dense": lambda x: F.linear(x, dense),
-        "grouped C++": lambda x: ops.grouped_int8_linear(x, codes.codes, codes.scales, None, GROUP, None),
+        "grouped C++": lambda x: ops.grouped_linear(x, codes.codes, codes.scales, None, GROUP, None),
         "grouped dequant+mm": lambda x: dequant_mm(x, codes),
         "int8pack (per channel)": lambda x: torch.ops.aten._weight_int8pack_mm(x, codes.codes, row_scale),
     }

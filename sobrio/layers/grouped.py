@@ -2,22 +2,27 @@
 w = code * scale + offset. This is how `--quantization gguf` keeps a GGUF's 8-, 6- and 5-bit blocks
 (Q8_0, Q6_K, Q5_0, Q5_1, Q5_K): their codes are rearranged into int8 at load, never widened to bf16, so a
 weight costs one byte (Q8_0 stores 1.06, Q6_K 0.82, Q5_0 0.69) and the scales stay exactly the file's.
+(Its 4-bit blocks take PyTorch's int4 kernel: `loader/gguf_blocks.py`. This kernel on Q4_1's own nibbles,
+scales and minimums in float32, read 0.75 bytes a weight against the int4 kernel's 0.625 and was 1.3x
+slower over a SmolLM2 step's 120 matrices; tried and removed, 2026-12-01.)
 
-Kernels by the step's row count: up to `GEMV_MAX_ROWS` rows the C++ `grouped_int8_linear` (the codes read
+Kernels by the step's row count: up to `GEMV_MAX_ROWS` rows the C++ `grouped_linear` (the codes read
 from memory once, widened to float32 in registers, in L2-sized blocks of channels that every group of 4
 rows passes over; the activations are not rounded to int8), past them the codes dequantized into x's dtype
 `DEQUANT_CHUNK` output channels at a time for the matmul (compute-bound there, so the conversion is paid
 once for all rows). Without the C++ operators every row count dequantizes. SmolLM2's tied LM head as Q8_0
-(`benchmarks/grouped_int8_kernels.py`, 2 threads, other work running, 2026-12-01; ms, bf16 = F.linear on
-the dequantized matrix):
+(`benchmarks/grouped_kernels.py`, 2 threads, 2026-12-01; ms, bf16 = F.linear on the dequantized matrix):
 
     rows                     1      4     16     32     64
-    bf16 F.linear         6.86   7.71   6.92   9.63  12.04
-    grouped C++           2.61   3.89   9.84  18.56  34.13
-    grouped dequant+mm   28.47  27.84  26.74  28.87  32.17
-    int8pack, per row     3.25   4.42  12.67  23.26  38.41   (the int8 modes' head, for comparison)
+    bf16 F.linear         5.46   5.56   6.44   7.72   9.88
+    grouped C++           3.00   3.36   8.70  15.94  29.01
+    grouped dequant+mm   19.43  20.23  20.87  22.45  24.63
+    int8pack, per row     3.09   3.46  13.00  24.21  43.13   (the int8 modes' head, for comparison)
 
-Past ~16 rows bf16 is faster than any of them: the codes save memory, not time, at large batches.
+The kernel interleaves 4 output channels (one chain of dependent FMAs per channel waited on their latency:
+2.6 ms at one row before, against 3.3 for int8pack, both then measured under load) and converts x by hand
+(a few aten calls per matmul cost more than a small matrix's product). Past ~16 rows bf16 is faster than
+any of them: the codes save memory, not time, at large batches.
 """
 
 from dataclasses import dataclass
@@ -32,7 +37,7 @@ DEQUANT_CHUNK = 1024
 
 
 @dataclass
-class GroupedInt8Codes:
+class GroupedCodes:
     """codes int8 [N, K]; scales and offsets float32 [N, K / group_size] (offsets None: symmetric)."""
 
     codes: torch.Tensor
@@ -42,8 +47,8 @@ class GroupedInt8Codes:
 
     def __post_init__(self) -> None:
         n, k = self.codes.shape
-        assert self.codes.dtype == torch.int8 and k % self.group_size == 0, (self.codes.dtype, k, self.group_size)
-        assert self.scales.shape == (n, k // self.group_size), (self.scales.shape, n, k)
+        assert self.codes.dtype == torch.int8, self.codes.dtype
+        assert k % self.group_size == 0 and self.scales.shape == (n, k // self.group_size), (self.scales.shape, n, k)
         assert self.offsets is None or self.offsets.shape == self.scales.shape
 
     @property
@@ -55,42 +60,42 @@ class GroupedInt8Codes:
         return self.codes.shape[1]
 
     @staticmethod
-    def concat(parts: list["GroupedInt8Codes"]) -> "GroupedInt8Codes":
+    def concat(parts: list["GroupedCodes"]) -> "GroupedCodes":
         """Several weights of one input as one (fused q/k/v or gate/up), along the output channels."""
-        assert len({p.group_size for p in parts}) == 1 and len({p.in_features for p in parts}) == 1
+        assert len({(p.group_size, p.in_features) for p in parts}) == 1
         offsets = [p.offsets if p.offsets is not None else torch.zeros_like(p.scales) for p in parts]
         any_offsets = any(p.offsets is not None for p in parts)
-        return GroupedInt8Codes(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
+        return GroupedCodes(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
                                 torch.cat(offsets) if any_offsets else None, parts[0].group_size)
 
     def dequantize(self, dtype: torch.dtype = torch.float32, first: int = 0, count: int | None = None) -> torch.Tensor:
         """Output channels first .. first + count as a float matrix [count, K]: the kernels' reference."""
         last = self.out_features if count is None else first + count
-        codes = self.codes[first:last].float().unflatten(1, (-1, self.group_size))
-        w = codes * self.scales[first:last, :, None]
+        w = self.codes[first:last].float().unflatten(-1, (-1, self.group_size))
+        w *= self.scales[first:last, :, None]
         if self.offsets is not None:
             w += self.offsets[first:last, :, None]
         return w.flatten(1).to(dtype)
 
-    def linear(self, bias: torch.Tensor | None) -> "GroupedInt8Linear":
-        return GroupedInt8Linear(self, bias)
+    def linear(self, bias: torch.Tensor | None) -> "GroupedLinear":
+        return GroupedLinear(self, bias)
 
-    def embedding(self, dtype: torch.dtype) -> "GroupedInt8Embedding":
-        return GroupedInt8Embedding(self, dtype)
+    def embedding(self, dtype: torch.dtype) -> "GroupedEmbedding":
+        return GroupedEmbedding(self, dtype)
 
 
-def grouped_int8_linear(x: torch.Tensor, w: GroupedInt8Codes, bias: torch.Tensor | None = None) -> torch.Tensor:
+def grouped_linear(x: torch.Tensor, w: GroupedCodes, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ W.T (+ bias) in x's dtype, by the kernel for its row count."""
     rows = x.reshape(-1, w.in_features)
     ops = cpu_ops()
-    if rows.shape[0] <= GEMV_MAX_ROWS and ops is not None and ops.grouped_int8_supported():
-        out = ops.grouped_int8_linear(rows, w.codes, w.scales, w.offsets, w.group_size, bias)
+    if rows.shape[0] <= GEMV_MAX_ROWS and ops is not None and ops.grouped_linear_supported():
+        out = ops.grouped_linear(rows, w.codes, w.scales, w.offsets, w.group_size, bias)
     else:
         out = dequant_mm(rows, w, bias)
     return out.view(*x.shape[:-1], w.out_features)
 
 
-def dequant_mm(x: torch.Tensor, w: GroupedInt8Codes, bias: torch.Tensor | None = None) -> torch.Tensor:
+def dequant_mm(x: torch.Tensor, w: GroupedCodes, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ W.T with W dequantized a slice of channels at a time (each slice multiplied while it is
     still in cache)."""
     out = x.new_empty(x.shape[0], w.out_features)
@@ -100,10 +105,10 @@ def dequant_mm(x: torch.Tensor, w: GroupedInt8Codes, bias: torch.Tensor | None =
     return out if bias is None else out.add_(bias)
 
 
-class GroupedInt8Linear(torch.nn.Module):
-    """A Linear on group-wise int8 codes (no float copy of the weight)."""
+class GroupedLinear(torch.nn.Module):
+    """A Linear on group-wise codes (no float copy of the weight)."""
 
-    def __init__(self, weight: GroupedInt8Codes, bias: torch.Tensor | None):
+    def __init__(self, weight: GroupedCodes, bias: torch.Tensor | None):
         super().__init__()
         self.weight_codes = weight
         self.register_buffer("codes", weight.codes)  # so resident_bytes sees them
@@ -112,14 +117,14 @@ class GroupedInt8Linear(torch.nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return grouped_int8_linear(x, self.weight_codes, self.bias)
+        return grouped_linear(x, self.weight_codes, self.bias)
 
 
-class GroupedInt8Embedding(torch.nn.Module):
-    """An embedding on group-wise int8 rows: a lookup dequantizes only the rows it reads. Tied to the LM
+class GroupedEmbedding(torch.nn.Module):
+    """An embedding on group-wise quantized rows: a lookup dequantizes only the rows it reads. Tied to the LM
     head, `linear(None)` of the same codes computes the logits (no second copy)."""
 
-    def __init__(self, weight: GroupedInt8Codes, dtype: torch.dtype):
+    def __init__(self, weight: GroupedCodes, dtype: torch.dtype):
         super().__init__()
         self.weight_codes = weight
         self.dtype = dtype

@@ -49,7 +49,8 @@ def weight_bytes(llm: LLM) -> int:
 @pytest.mark.parametrize("method, max_nll_increase", [("int8-weight-only", 0.02), ("int8", 0.1), ("int4", 0.05)])
 def test_quantized_smollm2_predicts_as_bf16_from_fewer_bytes(bf16, method, max_nll_increase):
     """Measured: top-1 agreement 0.89-0.91 in the int8 modes (bf16 against float32: 0.95), 0.96 in int4;
-    perplexity of the text x1.00 weight-only, x1.055 W8A8 (per-token activations, no smoothing), x1.02 int4
+    perplexity of the text x1.00 weight-only, x1.075 W8A8 (SmoothQuant; x1.055 without: on the 5,545-token
+    held-out text of `bench perplexity` smoothing takes W8A8 from +3.5% to +0.84%), x1.02 int4
     (groups of 32: this GGUF's Q4_1 weights are 4-bit in blocks of 32 already; groups of 64 gave x1.35)."""
     llm = LLM("smollm2-135m", quantization=method, **BF16)
     (expected, _, expected_nll), (got, got_top5, nll) = prompt_predictions(bf16, TEXT), prompt_predictions(llm, TEXT)

@@ -10,6 +10,8 @@ cd "$(dirname "$0")/../.."
 GGUF=$(.venv/bin/python -c "from sobrio.loader.resolve import resolve_model as r; print(r('smollm2-135m').path)")
 SOBRIO_ARGS=${SOBRIO_ARGS:---quantization gguf}
 mkdir -p results
+SERVER=
+trap '[ -n "$SERVER" ] && kill "$SERVER" 2>/dev/null; true' EXIT  # an interrupted run leaves no server behind
 wait_for() { for _ in $(seq 300); do curl -sf "$1" >/dev/null && return 0; sleep 1; done; echo "no answer from $1" >&2; return 1; }
 batch1() {
   .venv/bin/sobrio bench serve --base-url "$1" --model smollm2-135m --tokenizer smollm2-135m --ignore-eos \

@@ -8,7 +8,7 @@ import logging
 
 import torch
 
-from sobrio.config import SobrioConfig
+from sobrio.config import ModelConfig, SobrioConfig
 from sobrio.engine.scheduler import SchedulerOutput
 from sobrio.errors import InvalidRequestError
 from sobrio.kv.cache import KV_CACHE_DTYPES, KVCache, KVCacheSpec, kv_budget
@@ -38,6 +38,11 @@ def resolve_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
+def quantization_in_use(model: ModelConfig, files: LoadedModelFiles) -> str | None:
+    """`--quantization`, or the method of a checkpoint that is quantized without the flag (AWQ/GPTQ)."""
+    return model.quantization or (files.quantization.method if files.quantization is not None else None)
+
+
 class ModelRunner:
     def __init__(self, config: SobrioConfig, files: LoadedModelFiles):
         model, cache = config.model_config, config.cache_config
@@ -60,9 +65,8 @@ class ModelRunner:
         assert [a.layer_idx for a in self.model.attention_layers()] == list(range(self.kv_spec.num_layers))
         self.kv_cache = KVCache.allocate(self.kv_spec, self.num_blocks)
         logger.info("model %s loaded: dtype=%s quantization=%s kv_cache_dtype=%s kv_blocks=%d max_model_len=%d "
-                    "batch_invariant=%s", files.source.name, self.dtype, model.quantization, cache.kv_cache_dtype,
-                    self.num_blocks, self.max_model_len,
-                    model.batch_invariant)
+                    "batch_invariant=%s", files.source.name, self.dtype, quantization_in_use(model, files),
+                    cache.kv_cache_dtype, self.num_blocks, self.max_model_len, model.batch_invariant)
         with log_step(logger, "warming up %s", files.source.name):
             self.warm_up()
 

@@ -21,6 +21,13 @@ def gemv_available() -> bool:
 
 
 @functools.cache
+def grouped_linear_available() -> bool:
+    """Whether the group-wise int8 matmul was built (it needs AVX-512)."""
+    ops = cpu_ops()
+    return ops is not None and ops.grouped_linear_supported()
+
+
+@functools.cache
 def invariant_linear_available() -> bool:
     """Whether the batch-invariant matmul was built (it needs AVX-512)."""
     ops = cpu_ops()

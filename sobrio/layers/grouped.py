@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from sobrio.layers.cpu_ops import cpu_ops
+from sobrio.layers.cpu_ops import cpu_ops, grouped_linear_available
 
 GEMV_MAX_ROWS = 48
 DEQUANT_CHUNK = 1024
@@ -87,9 +87,8 @@ class GroupedCodes:
 def grouped_linear(x: torch.Tensor, w: GroupedCodes, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ W.T (+ bias) in x's dtype, by the kernel for its row count."""
     rows = x.reshape(-1, w.in_features)
-    ops = cpu_ops()
-    if rows.shape[0] <= GEMV_MAX_ROWS and ops is not None and ops.grouped_linear_supported():
-        out = ops.grouped_linear(rows, w.codes, w.scales, w.offsets, w.group_size, bias)
+    if rows.shape[0] <= GEMV_MAX_ROWS and grouped_linear_available():
+        out = cpu_ops().grouped_linear(rows, w.codes, w.scales, w.offsets, w.group_size, bias)
     else:
         out = dequant_mm(rows, w, bias)
     return out.view(*x.shape[:-1], w.out_features)

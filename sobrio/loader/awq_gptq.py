@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 
 from sobrio.errors import ConfigError
 from sobrio.layers.int4 import GROUP_SIZES, Int4Codes, check_int4_shape, quantize_int4_zero_point
-from sobrio.loader.hf import iter_safetensors_weights
+from sobrio.loader.hf import iter_safetensors_weights, safetensors_files
 from sobrio.models.weights import WeightItem
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's GEMM packing: nibble i holds column AWQ_ORDER[i] of eight
@@ -177,11 +177,8 @@ def layer_codes(parts: dict[str, torch.Tensor], config: AwqGptqConfig, name: str
 def iter_awq_gptq_weights(folder: Path, config: AwqGptqConfig) -> Iterator[WeightItem]:
     """The checkpoint's tensors under Hugging Face names: each quantized layer once, as
     (`<layer>.weight`, Int4Codes), the rest as float tensors. A layer's parts may lie in different shards."""
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no .safetensors files in {folder}")
     with contextlib.ExitStack() as stack:
-        handles = [stack.enter_context(safe_open(str(f), framework="pt")) for f in files]
+        handles = [stack.enter_context(safe_open(str(f), framework="pt")) for f in safetensors_files(folder)]
         where = {name: handle for handle in handles for name in handle.keys()}
         for name, handle in where.items():
             prefix, _, part = name.rpartition(".")

@@ -143,9 +143,10 @@ def _add_quantize(sub) -> None:
 
     quant = sub.add_parser("quantize", help="write a model as an AWQ or GPTQ int4 checkpoint (sobrio's rounding "
                                             "to integer zero points, no calibration)")
-    quant.add_argument("--method", choices=("awq", "gptq"), required=True)
+    quant.add_argument("--method", choices=("awq", "gptq"), required=True,
+                       help="the checkpoint format: AutoAWQ's GEMM layout or GPTQ v1 (no act-order)")
     quant.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=128,
-                       help="inputs per scale and zero point; must divide every Linear's in_features")
+                       help="inputs per scale and zero point; must divide every Linear's in_features (default: 128)")
     quant.add_argument("model", help="alias, HF model folder or .gguf file (its float weights are read)")
     quant.add_argument("out", help="the folder to write")
     quant.set_defaults(func=cmd_quantize)

@@ -132,10 +132,11 @@ def add_roofline_args(parser) -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
-                        help="quantize the weights at load (default: none)")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+                        help="quantize the weights at load (unset: the model's dtype)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                        help="KV cache storage: auto (the model's dtype) or one byte a value with a scale per row")
     parser.add_argument("--batch", default="1,32", help="decode batch sizes to place on the roofline")
-    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--prompt-len", type=int, default=128, help="tokens of each request's prompt")
 
 
 def machine_peaks() -> dict[str, float]:

@@ -1,7 +1,7 @@
 """Time per engine step and the share spent outside the model's forward pass (scheduling, input
 preparation, sampling, detokenizing), for pure decode steps at a given batch size.
 
-    .venv/bin/python benchmarks/step_overhead.py [--batch 64] [--model smollm2-135m]
+    .venv/bin/python benchmarks/step_overhead.py [--batch 64] [--model smollm2-135m] [--quantization gguf]
 """
 
 import argparse
@@ -21,8 +21,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--quantization", default=None, help="as sobrio serve's --quantization (gguf, int4, ...)")
     args = parser.parse_args()
-    llm = LLM(args.model)
+    llm = LLM(args.model, quantization=args.quantization)
     engine, rng = llm.engine, random.Random(0)
     for i in range(args.batch):
         prompt = [rng.randrange(200, 20000) for _ in range(rng.randint(16, 256))]

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 
+from sobrio.layers import quantization
 from sobrio.layers.quantization import QuantizedLinear
 from sobrio.layers.rotary import RotaryEmbedding
 
@@ -45,8 +46,10 @@ def int8_matmul_kernels(n: int) -> dict[str, Callable[[], torch.Tensor]]:
     kernels = {"torch._int_mm": lambda: torch._int_mm(a, b.t())}
     if torch.backends.mkldnn.is_available():
         packed, scale = torch.ops.onednn.qlinear_prepack(b, None), torch.ones(n)
+        signed = quantization.onednn_signed_activations()  # as the layers run it; unsigned: other values, same time
+        x, zero_point = (a, 0) if signed else (a.view(torch.uint8), quantization.ONEDNN_U8_ZERO_POINT)
         kernels["onednn qlinear"] = lambda: torch.ops.onednn.qlinear_pointwise(
-            a, 1.0, 0, packed, scale, INT8_ZERO_POINT, None, 1.0, 0, torch.bfloat16, "none", [], "")
+            x, 1.0, zero_point, packed, scale, INT8_ZERO_POINT, None, 1.0, 0, torch.bfloat16, "none", [], "")
     return kernels
 
 

@@ -58,11 +58,13 @@ is batch-invariant (the kernel changes with the row count): `--batch-invariant` 
 quantization (config/model.py).
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from sobrio.csrc import cpu_flags
 from sobrio.errors import ConfigError
 from sobrio.layers.int4 import Int4Linear, check_int4_shape
 
@@ -73,6 +75,7 @@ INT4_GROUP_SIZE = 32  # divides SmolLM2's 576 and 1536 and Gemma 3's 640, 1024 a
 OUTLIER_CHANNELS = 32  # the LM head's input channels kept in float in `int8` (see `Outliers`)
 TINY = torch.finfo(torch.float32).tiny  # the scale of an all-zero row or token: its int8 values stay 0
 ZERO_POINT = torch.zeros((), dtype=torch.long)  # oneDNN's weight zero point: symmetric weights
+ONEDNN_U8_ZERO_POINT = 128  # activations as uint8 where oneDNN takes no s8 ones (`onednn_signed_activations`)
 
 
 def quantize_weight(weight: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,10 +94,13 @@ def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) 
     return q.to(dtype).mul_(scale.to(dtype)[:, None])
 
 
-def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_per_token(x: torch.Tensor, unsigned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 [M, K], fp32 scale [M, 1]): each token (row) its own symmetric scale, computed per step, so an
-    outlier token costs only its own precision."""
+    outlier token costs only its own precision. `unsigned`: the same values plus 128, as uint8 (zero point
+    128), for kernels that take unsigned activations only."""
     scale = x.abs().amax(dim=-1, keepdim=True).float().clamp_min_(TINY) / INT8_MAX
+    if unsigned:
+        return (x / scale).round_().add_(ONEDNN_U8_ZERO_POINT).to(torch.uint8), scale
     return (x / scale).round_().to(torch.int8), scale
 
 
@@ -156,14 +162,24 @@ def onednn_pack(q: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.onednn.qlinear_prepack(q, None)
 
 
+@functools.cache
+def onednn_signed_activations() -> bool:
+    """Whether oneDNN's int8 linear has a fast kernel for signed (s8) activations here: AMX's int8 tiles
+    take s8 x s8. Without AMX, oneDNN's VNNI kernels take u8 x s8 only and s8 activations fall to its
+    reference kernel, ~1,000x slower (AMD EPYC Zen 4, oneDNN 3.12: 1.16 s a SmolLM2 step): there the
+    activations go as uint8 with zero point 128, the same integers, the same result."""
+    return "amx_int8" in cpu_flags().split()
+
+
 def onednn_int8_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """W8A8 on oneDNN's packed weight (`scale` fp32): x quantized per token; the linear takes one activation
     scale only, so it computes with 1 and the per-token scales multiply its output (in fp32 for an fp16 x:
     the output unscaled by the token's could exceed fp16's range)."""
-    xq, x_scale = quantize_per_token(x)
+    unsigned = not onednn_signed_activations()
+    xq, x_scale = quantize_per_token(x, unsigned)
     out_dtype = torch.float32 if x.dtype == torch.float16 else x.dtype
-    out = torch.ops.onednn.qlinear_pointwise(xq, 1.0, 0, packed, scale, ZERO_POINT, None, 1.0, 0, out_dtype,
-                                             "none", [], "")
+    out = torch.ops.onednn.qlinear_pointwise(xq, 1.0, ONEDNN_U8_ZERO_POINT if unsigned else 0, packed, scale,
+                                             ZERO_POINT, None, 1.0, 0, out_dtype, "none", [], "")
     return out.mul_(x_scale).to(x.dtype)
 
 

@@ -63,6 +63,9 @@ def test_per_token_activations_keep_each_rows_range():
     q, scale = quantize_per_token(x)
     assert q.dtype == torch.int8 and scale.shape == (5, 1)
     assert ((q.float() * scale - x).abs() <= scale / 2 + 1e-7).all()  # a zero row stays zero, no NaN
+    unsigned, same_scale = quantize_per_token(x, unsigned=True)  # oneDNN's VNNI kernels: u8, zero point 128
+    assert unsigned.dtype == torch.uint8 and torch.equal(unsigned.int() - 128, q.int())
+    assert torch.equal(same_scale, scale)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)

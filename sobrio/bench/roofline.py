@@ -46,8 +46,8 @@ def int8_matmul_kernels(n: int) -> dict[str, Callable[[], torch.Tensor]]:
     kernels = {"torch._int_mm": lambda: torch._int_mm(a, b.t())}
     if torch.backends.mkldnn.is_available():
         packed, scale = torch.ops.onednn.qlinear_prepack(b, None), torch.ones(n)
-        signed = quantization.onednn_signed_activations()  # as the layers run it; unsigned: other values, same time
-        x, zero_point = (a, 0) if signed else (a.view(torch.uint8), quantization.ONEDNN_U8_ZERO_POINT)
+        zero_point = 0 if quantization.onednn_signed_activations() else quantization.ONEDNN_U8_ZERO_POINT
+        x = (a.to(torch.int16) + zero_point).to(torch.uint8) if zero_point else a  # as the layers run it
         kernels["onednn qlinear"] = lambda: torch.ops.onednn.qlinear_pointwise(
             x, 1.0, zero_point, packed, scale, INT8_ZERO_POINT, None, 1.0, 0, torch.bfloat16, "none", [], "")
     return kernels

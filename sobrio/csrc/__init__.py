@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 NAME = "sobrio_cpu_ops"
 SOURCE_DIR = Path(__file__).parent
-SOURCES = ("paged_attention.cpp", "cpu_ops.cpp", "amx_linear.cpp", "grouped_linear.cpp")
+SOURCES = ("paged_attention.cpp", "cpu_ops.cpp", "amx_linear.cpp", "grouped_linear.cpp", "vnni_linear.cpp")
 HEADERS = ("vec.h",)
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
 LDFLAGS = ("-fopenmp",)

@@ -419,6 +419,7 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
 void register_cpu_ops(pybind11::module& m);  // cpu_ops.cpp
 void register_amx_ops(pybind11::module& m);  // amx_linear.cpp
 void register_grouped_ops(pybind11::module& m);  // grouped_linear.cpp
+void register_vnni_ops(pybind11::module& m);  // vnni_linear.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)", py::arg("query"),
@@ -428,4 +429,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_cpu_ops(m);
   register_amx_ops(m);
   register_grouped_ops(m);
+  register_vnni_ops(m);
 }

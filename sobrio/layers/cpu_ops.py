@@ -28,6 +28,13 @@ def grouped_linear_available() -> bool:
 
 
 @functools.cache
+def vnni_linear_available() -> bool:
+    """Whether the int8-dot-product matmul on 4- and 8-bit group-wise codes was built (AVX512-VNNI)."""
+    ops = cpu_ops()
+    return ops is not None and ops.vnni_linear_supported()
+
+
+@functools.cache
 def invariant_linear_available() -> bool:
     """Whether the batch-invariant matmul was built (it needs AVX-512)."""
     ops = cpu_ops()

@@ -61,6 +61,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sobrio.layers import vnni
+
 GROUP_SIZES = (32, 64, 128)
 PACK_N_MULTIPLE = 16  # `_convert_weight_to_int4pack_for_cpu` takes whole blocks of 16 output channels
 DEQUANT_MIN_ROWS = {torch.bfloat16: 64, torch.float16: 1, torch.float32: 1}  # from the measurement above
@@ -364,8 +366,17 @@ class Int4Codes:
         return ((self.codes.T.float() - 8) * sz[..., 0] + sz[..., 1]).T
 
     def linear(self, bias: torch.Tensor | None) -> torch.nn.Module:
-        """The Linear that computes with these codes: packed for the CPU kernel, scales and zeros in bf16."""
+        """The Linear that computes with these codes: int8 dot products where the CPU has VNNI (layers/vnni.py,
+        2-3x aten's int4 kernel there at 1 to 32 rows), else packed for aten's int4 kernel, scales and zeros
+        in bf16."""
+        if vnni.usable(self.group_size):
+            return self.vnni().linear(bias)
         return Int4Linear(pack_int4(self.codes, self.scales_and_zeros, self.group_size), bias)
+
+    def vnni(self) -> vnni.VnniCodes:
+        """The same weight for `vnni_linear`: w = scale * code + (zero - 8 * scale), in fp16."""
+        scale, zero = self.scales_and_zeros.float().unbind(-1)  # [K / g, N] each
+        return vnni.VnniCodes.pack(self.codes, scale.T, (zero - 8 * scale).T, 4, self.group_size)
 
     def embedding(self, dtype: torch.dtype) -> torch.nn.Module:
         raise NotImplementedError("int4: a pre-quantized int4 embedding is not supported (the packed kernel "
@@ -394,6 +405,10 @@ class Int4Linear(torch.nn.Module):
         """Quantize a float weight (sobrio's float-zero quantizer); a shape the kernel cannot take is a
         ValueError naming the problem."""
         return cls(quantize_int4(weight.detach(), group_size), bias)
+
+    @property
+    def group_size(self) -> int:
+        return self.int4.group_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = int4_linear(x, self.int4)

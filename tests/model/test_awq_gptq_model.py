@@ -1,7 +1,8 @@
 """AWQ and GPTQ checkpoints of SmolLM2, written by sobrio's exporters (groups of 32, the same integer codes
 in both formats) and loaded by `LLM(model=folder)`: the two load the same model (identical greedy tokens),
-every decoder Linear is an Int4Linear over the checkpoint's codes, it predicts what bf16 does, and a flag or
-a quantization_config sobrio cannot honour is a ConfigError naming the problem."""
+every decoder Linear is an int4 one (Int4Linear, or VnniLinear with VNNI) over the checkpoint's codes, it
+predicts what bf16 does, and a flag or a quantization_config sobrio cannot honour is a ConfigError naming
+the problem."""
 
 import json
 
@@ -11,6 +12,7 @@ from sobrio import LLM
 from sobrio.errors import ConfigError
 from sobrio.layers.int4 import Int4Linear
 from sobrio.layers.linear import Linear
+from sobrio.layers.vnni import VnniLinear
 from sobrio.loader.awq_gptq import export_awq, export_gptq
 from sobrio.loader.load import load_model_files
 from tests.conftest import engine_kwargs
@@ -38,8 +40,8 @@ def test_awq_and_gptq_exports_load_the_same_int4_model(models):
     for llm in models.values():
         model = llm.engine.runner.model
         assert not any(isinstance(m, Linear) for m in model.modules())  # every decoder Linear pre-quantized
-        assert isinstance(model.model.layers[0].self_attn.qkv_proj, Int4Linear)
-        assert model.model.layers[0].mlp.gate_up_proj.int4.group_size == GROUP_SIZE
+        assert isinstance(model.model.layers[0].self_attn.qkv_proj, (Int4Linear, VnniLinear))  # by the CPU
+        assert model.model.layers[0].mlp.gate_up_proj.group_size == GROUP_SIZE
     assert first_tokens(models["awq"]) == first_tokens(models["gptq"])
     awq_top1, _, awq_nll = prompt_predictions(models["awq"], TEXT)
     gptq_top1, _, gptq_nll = prompt_predictions(models["gptq"], TEXT)

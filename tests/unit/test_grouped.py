@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from sobrio.layers.cpu_ops import cpu_ops
-from sobrio.layers.grouped import GEMV_MAX_ROWS, GroupedCodes, dequant_mm, grouped_linear
+from sobrio.layers.grouped import GEMV_MAX_ROWS, GroupedCodes, GroupedEmbedding, dequant_mm, grouped_linear
 
 
 def random_codes(n: int, k: int, group: int, offsets: bool, seed: int = 0) -> GroupedCodes:
@@ -56,7 +56,7 @@ def test_concat_along_output_channels() -> None:
 
 def test_embedding_reads_the_rows_the_codes_stand_for() -> None:
     w = random_codes(100, 64, 16, True, seed=4)
-    embed = w.embedding(torch.bfloat16)
+    embed = GroupedEmbedding(w, torch.bfloat16)  # without VNNI; with it, tests/unit/test_vnni.py
     ids = torch.tensor([[3, 99, 0], [7, 7, 50]])
     torch.testing.assert_close(embed(ids).float(), w.dequantize()[ids].bfloat16().float())
 

@@ -1,0 +1,109 @@
+"""The int8-dot-product matmul on 4- and 8-bit group-wise codes (layers/vnni.py): packing keeps every code
+and the fp16 scales; the C++ kernel equals its PyTorch reference (the same rounding of x) on ragged shapes
+and tails, and the dequantize-then-matmul product within the rounding of x; GGUF's records convert to it
+exactly up to fp16 scales; the embedding reads the rows the codes stand for."""
+
+import pytest
+import torch
+
+from sobrio.layers import vnni
+from sobrio.layers.cpu_ops import cpu_ops, vnni_linear_available
+from sobrio.layers.grouped import GroupedCodes
+from sobrio.layers.int4 import Int4Codes
+
+needs_kernel = pytest.mark.skipif(not vnni_linear_available(), reason="vnni_linear needs AVX512-VNNI")
+
+
+def random_weight(n: int, k: int, bits: int, group: int, offsets: bool, seed: int = 0) -> tuple:
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 2 ** bits, (n, k), generator=g)
+    scales = torch.rand(n, k // group, generator=g) * 0.01 + 1e-3
+    offset = (torch.rand(n, k // group, generator=g) - 0.5) * 0.1 if offsets else None
+    return codes, scales, offset
+
+
+def exact_dequantized(codes, scales, offsets, group: int, code_zero: int) -> torch.Tensor:
+    """What the codes stand for with the scales and offsets rounded to fp16, as they are stored."""
+    w = (codes.float() - code_zero).unflatten(-1, (-1, group)) * scales.half().float()[..., None]
+    if offsets is not None:
+        w += offsets.half().float()[..., None]
+    return w.flatten(1)
+
+
+@pytest.mark.parametrize("bits, n, k, group, code_zero, offsets", [
+    (4, 70, 96, 32, 0, True), (4, 32, 256, 128, 0, False), (8, 37, 64, 16, 128, False), (8, 33, 128, 64, 128, True),
+])
+def test_pack_keeps_every_code_and_the_fp16_scales(bits, n, k, group, code_zero, offsets) -> None:
+    codes, scales, offset = random_weight(n, k, bits, group, offsets)
+    w = vnni.VnniCodes.pack(codes, scales, offset, bits, group, code_zero)
+    assert w.weight.numel() == -(-n // vnni.TILE) * vnni.TILE * k * bits // 8  # padded to whole tiles
+    expected = exact_dequantized(codes, scales, offset, group, code_zero)
+    assert torch.equal(w.dequantize(), expected)
+    ids = torch.tensor([[n - 1, 0, 5], [17, 17, n // 2]])
+    assert torch.equal(w.embedding(torch.float32)(ids), expected[ids])
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
+@pytest.mark.parametrize("bits, n, k, group, code_zero, offsets", [
+    (4, 70, 96, 32, 0, True), (4, 64, 256, 128, 0, True), (4, 33, 576, 32, 0, False),
+    (8, 50, 64, 16, 128, False), (8, 33, 128, 64, 128, True),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("act_bits", [8, 16])
+def test_kernel_equals_its_reference_and_the_dequantized_product(rows, bits, n, k, group, code_zero, offsets,
+                                                                  dtype, act_bits) -> None:
+    codes, scales, offset = random_weight(n, k, bits, group, offsets, seed=rows)
+    w = vnni.VnniCodes.pack(codes, scales, offset, bits, group, code_zero)
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(rows, k, generator=gen)
+    x[:, 3] *= 40  # an outlier channel: its group's step grows, the others' do not
+    x = x.to(dtype)
+    bias = torch.randn(n, generator=gen)
+    got = vnni.vnni_linear(x, w, bias, act_bits)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    reference = vnni.reference(x, w, bias, act_bits).float()
+    ulp = 1e-5 if dtype == torch.float32 else 1e-2  # the output's own rounding (bf16: one ulp of the largest)
+    torch.testing.assert_close(got.float(), reference, rtol=ulp, atol=ulp * reference.abs().max().item())
+    exact = x.float() @ w.dequantize().T + bias
+    error = (got.float() - exact).abs().max() / exact.abs().max()
+    assert error < (6e-2 if act_bits == 8 else 1e-2 if dtype == torch.bfloat16 else 3e-4), error  # 8 bits: ~2^-8
+
+
+@needs_kernel
+def test_a_zero_row_and_a_leading_batch_shape() -> None:
+    w = vnni.VnniCodes.pack(*random_weight(40, 64, 4, 32, True), 4, 32)
+    x = torch.randn(2, 3, 64)
+    x[0, 1] = 0
+    bias = torch.randn(40)
+    out = vnni.vnni_linear(x, w, bias)
+    assert out.shape == (2, 3, 40)
+    torch.testing.assert_close(out[0, 1], bias)
+
+
+@needs_kernel
+def test_bad_arguments_are_errors_naming_the_problem() -> None:
+    w = vnni.VnniCodes.pack(*random_weight(32, 512, 8, 512, False), 8, 512, 128)
+    with pytest.raises(RuntimeError, match="group 512 too large for 8-bit codes"):
+        vnni.vnni_linear(torch.randn(1, 512), w, act_bits=16)
+    with pytest.raises(RuntimeError, match="act_bits: 8 or 16"):
+        vnni.vnni_linear(torch.randn(1, 512), w, act_bits=4)
+    with pytest.raises(RuntimeError, match="weight: contiguous uint8"):
+        cpu_ops().vnni_linear(torch.randn(1, 512), w.weight.flatten()[64:], w.scales, None, 32, 8, 512, 128, 8, None)
+
+
+def test_gguf_records_convert_exactly_up_to_fp16_scales() -> None:
+    """Int4Codes (Q4_0/Q4_1/Q4_K, AWQ/GPTQ) and GroupedCodes (Q5/Q6/Q8) as VnniCodes: the same weight, the
+    scales and offsets rounded to fp16 (GGUF's own d and m are fp16 already: no change for those)."""
+    g = torch.Generator().manual_seed(7)
+    d = (torch.rand(48, 2, generator=g) * 0.01).half().float()
+    m = (-torch.rand(48, 2, generator=g) * 0.05).half().float()
+    q4 = Int4Codes(torch.randint(0, 16, (48, 64), generator=g, dtype=torch.int32),
+                   torch.stack([d.T, (m + 8 * d).T], -1).contiguous(), 32)  # Q4_1: w = d q + m
+    torch.testing.assert_close(q4.vnni().dequantize(), q4.dequantize(), rtol=1e-6, atol=1e-8)  # order of sums
+    q8 = GroupedCodes(torch.randint(-127, 128, (40, 64), generator=g, dtype=torch.int8), d[:40], None, 32)
+    assert torch.equal(q8.vnni().dequantize(), q8.dequantize())
+    assert q8.vnni() is q8.vnni()  # made once: the tied embedding and LM head share it
+    q6 = GroupedCodes(torch.randint(-32, 32, (40, 64), generator=g, dtype=torch.int8),
+                      torch.rand(40, 4, generator=g) * 0.01 + 1e-3, None, 16)  # fp16 normals
+    torch.testing.assert_close(q6.vnni().dequantize(), q6.dequantize(), rtol=2 ** -11, atol=0)

@@ -17,6 +17,15 @@ and AMX packed copies, as the engine runs today):
       64   35.7  233.8  0.15x   92.8 0.38x   64.5 0.55x   50.6 0.71x   60.8 0.59x
      256   76.4  849.7  0.09x  191.4 0.40x  230.5 0.33x  166.0 0.46x  253.6 0.30x
 
+Where the CPU has AVX512-VNNI but no AMX-INT8 (AMD EPYC Zen 4), both int8 modes instead take `vnni_linear`
+(layers/vnni.py; `vnni_int8_preferred`): the int8 weight per channel packed for int8 dot products, the
+activations rounded per group of 32 inputs, to 8 bits in `int8`, to 16 in `int8-weight-only`; one packed
+copy serves the embedding and the tied LM head (no outlier channels needed: a group's step is its own).
+There, 2 threads (`benchmarks/step_overhead.py --quantization int8`; bf16 13.0 and 47.0 ms): a batch-1
+SmolLM2 step 19.7 -> 8.9 ms, a batch-32 one 50 -> 41 ms; perplexity (`sobrio bench perplexity`, bf16
+22.6763): int8 22.7365 (+0.27%), int8-weight-only 22.6608 (-0.07%). The rest of this docstring is the
+AMX host's story.
+
 - `int8`: oneDNN's int8 linear on its packed copy of the weight (`onednn::qlinear_pointwise`, the per-token
   activation scales applied to its output) at every row count: the fastest int8 kernel at each. The layer
   keeps that copy only. The tied LM head keeps the embedding's plain matrix (no second copy), on which
@@ -66,6 +75,7 @@ import torch.nn.functional as F
 
 from sobrio.csrc import cpu_flags
 from sobrio.errors import ConfigError
+from sobrio.layers import vnni
 from sobrio.layers.int4 import Int4Linear, check_int4_shape
 
 INT8PACK_MAX_ROWS = 4  # int8 on a plain int8 weight: _weight_int8pack_mm up to here, torch._int_mm past it
@@ -83,7 +93,7 @@ def quantize_weight(weight: torch.Tensor, scale_dtype: torch.dtype) -> tuple[tor
     The int8 values are rounded against the scale as stored (bf16 or fp32), so `dequantize_weight` gives
     back exactly what the kernels compute with, and no element is off by more than half a step."""
     w = weight.detach().float()
-    scale = (w.abs().amax(dim=1) / INT8_MAX).clamp_min(TINY).to(scale_dtype)
+    scale = (w.abs().amax(dim=1) / INT8_MAX).clamp_min(torch.finfo(scale_dtype).tiny).to(scale_dtype)
     q = torch.round(w / scale.float()[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, scale
 
@@ -239,12 +249,40 @@ class QuantizedLinear(torch.nn.Module):
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
+def vnni_int8_preferred(in_features: int) -> bool:
+    """Whether the int8 modes take `vnni_linear` (layers/vnni.py): where the CPU has VNNI but no AMX-INT8.
+    AMD EPYC Zen 4, 2 threads, SmolLM2 (`benchmarks/step_overhead.py --quantization int8`): a batch-1 step
+    19.7 ms with oneDNN's linear, a batch-32 one 50 ms (bf16: 13 and 47). With AMX, oneDNN's s8 tiles stay
+    (measured faster than bf16 there at few rows only; not measured against this kernel)."""
+    return in_features % 16 == 0 and vnni.usable(16) and not onednn_signed_activations()
+
+
+def vnni_int8_codes(weight: torch.Tensor) -> vnni.VnniCodes:
+    """A float weight as int8 per output channel (`quantize_weight`, the scale rounded to fp16 first) packed
+    for `vnni_linear`: the channel's scale repeated for each group of 32 inputs (16 where 32 does not divide),
+    the groups along which the activations are rounded: an outlier channel costs its group only."""
+    q, scale = quantize_weight(weight, torch.float16)
+    n, k = q.shape
+    group = 32 if k % 32 == 0 else 16
+    return vnni.VnniCodes.pack(q.to(torch.int16) + vnni.CODE_ZERO_8BIT, scale.float()[:, None].expand(n, k // group),
+                               None, 8, group, vnni.CODE_ZERO_8BIT)
+
+
 def quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, method: str,
                      name: str) -> torch.nn.Module:
     """The quantized form of one Linear for `--quantization method`; `name` goes into a shape error."""
     if method == "int4":
         return int4_linear_from_float(weight, bias, name)
+    if vnni_int8_preferred(weight.shape[1]):
+        return vnni_int8_codes(weight).linear(None if bias is None else bias.detach(), vnni.INT8_ACT_BITS[method])
     return QuantizedLinear.from_float(weight, bias, method)
+
+
+def quantized_embedding(weight: torch.Tensor) -> torch.nn.Module:
+    """The int8 embedding of the quantized modes; tied, its `lm_head(method)` is the LM head on the same codes."""
+    if vnni_int8_preferred(weight.shape[1]):
+        return vnni_int8_codes(weight).embedding(weight.dtype)
+    return QuantizedEmbedding.from_float(weight)
 
 
 def int4_linear_from_float(weight: torch.Tensor, bias: torch.Tensor | None, name: str) -> Int4Linear:

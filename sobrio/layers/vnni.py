@@ -26,6 +26,7 @@ TILE = 32  # output channels a tile of the packed layout (vnni_linear.cpp)
 CODE_ZERO_8BIT = 128  # signed 8-bit codes are stored shifted into 0..255
 ACT_BITS = 16  # activations rounded to 16 bits per group (8: llama.cpp's Q8, 1.6% of perplexity on SmolLM2)
 ACT_TOP = {8: 127.0, 16: 127.0 * 256}  # the largest |integer| of a group's rounded activations
+INT8_ACT_BITS = {"int8": 8, "int8-weight-only": 16}  # `--quantization` int8 modes on this kernel (W8A8, W8A16)
 
 
 @dataclass
@@ -77,8 +78,8 @@ class VnniCodes:
     def dequantize(self) -> torch.Tensor:
         return self.rows(torch.arange(self.out_features))
 
-    def linear(self, bias: torch.Tensor | None) -> "VnniLinear":
-        return VnniLinear(self, bias)
+    def linear(self, bias: torch.Tensor | None, act_bits: int = ACT_BITS) -> "VnniLinear":
+        return VnniLinear(self, bias, act_bits)
 
     def embedding(self, dtype: torch.dtype) -> "VnniEmbedding":
         return VnniEmbedding(self, dtype)
@@ -119,25 +120,30 @@ def reference(x: torch.Tensor, w: VnniCodes, bias: torch.Tensor | None = None,
     return (y if bias is None else y + bias.float()).to(x.dtype)
 
 
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def vnni_linear(x: torch.Tensor, w: VnniCodes, bias: torch.Tensor | None = None,
                 act_bits: int = ACT_BITS) -> torch.Tensor:
     """x [..., K] @ W.T (+ bias) in x's dtype (fp32 or bf16; others by way of fp32)."""
-    rows = x.reshape(-1, w.in_features)
-    dtype = rows.dtype
-    if dtype not in (torch.float32, torch.bfloat16):
+    rows = x if x.dim() == 2 else x.reshape(-1, w.in_features)
+    if rows.dtype not in KERNEL_DTYPES:
         rows = rows.float()
     out = cpu_ops().vnni_linear(rows, w.weight, w.scales, w.offsets, w.out_features, w.bits, w.group_size,
                                 w.code_zero, act_bits, bias)
-    return out.to(dtype).view(*x.shape[:-1], w.out_features)
+    if out.dtype != x.dtype:
+        out = out.to(x.dtype)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], w.out_features)
 
 
 class VnniLinear(torch.nn.Module):
     """A Linear on `VnniCodes` (no float copy of the weight)."""
 
-    def __init__(self, weight: VnniCodes, bias: torch.Tensor | None):
+    def __init__(self, weight: VnniCodes, bias: torch.Tensor | None, act_bits: int = ACT_BITS):
         super().__init__()
         assert vnni_linear_available(), "vnni_linear was not built (it needs AVX512-VNNI)"
         self.weight_codes = weight
+        self.act_bits = act_bits
         self.register_buffer("codes", weight.weight)  # so resident_bytes and .to() see them
         self.register_buffer("scales", weight.scales)
         self.register_buffer("offsets", weight.offsets)
@@ -148,7 +154,7 @@ class VnniLinear(torch.nn.Module):
         return self.weight_codes.group_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return vnni_linear(x, self.weight_codes, self.bias)
+        return vnni_linear(x, self.weight_codes, self.bias, self.act_bits)
 
 
 class VnniEmbedding(torch.nn.Module):
@@ -165,3 +171,8 @@ class VnniEmbedding(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.weight_codes.rows(input_ids).to(self.dtype)
+
+    def lm_head(self, method: str, max_abs_x: torch.Tensor | None = None) -> VnniLinear:
+        """The tied LM head of an int8 mode (`QuantizedEmbedding.lm_head`'s counterpart): the same codes, the
+        activations rounded per group of 32 (no outlier channels to keep: a group's step is its own)."""
+        return self.weight_codes.linear(None, INT8_ACT_BITS[method])

@@ -11,6 +11,10 @@ below read the codes, scales and minimums out of the blocks' bytes (the layouts 
 - 5-, 6- and 8-bit (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0): `GroupedCodes`, int8 codes with float32 scales and
   offsets (exact: fp16 and fp16 products fit float32).
 
+Where the CPU has AVX512-VNNI both forms are repacked once more, at `.linear()`, for layers/vnni.py's int8
+dot products (scales and offsets in fp16: the files' own d and m exactly, the K-quants' products d * sc to
+2^-11).
+
 Other types (Q2_K, Q3_K, IQ*, ...) have no packed kernel here: `decode_blocks` returns None and the loader
 dequantizes them.
 """

@@ -10,7 +10,7 @@ from sobrio.layers.attention import AttentionMetadata, BatchedDecodeAttention, R
 from sobrio.layers.cpu_ops import cpu_ops
 from sobrio.layers.linear import Linear, amx_pack_weight, linear, pack_weight
 from sobrio.layers.norm import RMSNorm
-from sobrio.layers.quantization import INT4_GROUP_SIZE, QuantizedEmbedding, QuantizedLinear, quantized_linear
+from sobrio.layers.quantization import INT4_GROUP_SIZE, quantized_embedding, quantized_linear
 from sobrio.layers.rotary import RotaryEmbedding
 from sobrio.models.weights import PackedLinear
 
@@ -147,7 +147,7 @@ class CausalLM(torch.nn.Module):
                     layer = quantized_linear(child.weight, child.bias, method, f"{parent_name}.{name}")
                     setattr(parent, name, layer)
         if isinstance(self.model.embed_tokens, torch.nn.Embedding):
-            self.model.embed_tokens = QuantizedEmbedding.from_float(self.model.embed_tokens.weight)
+            self.model.embed_tokens = quantized_embedding(self.model.embed_tokens.weight)
         if self.quantized_lm_head is None:
             self.quantized_lm_head = self._quantized_head(method, head_input)
             self.lm_head = None
@@ -173,8 +173,8 @@ class CausalLM(torch.nn.Module):
         own matrix (W8A8 with its calibrated outlier input channels in float, `head_input`)."""
         head_method = "int8-weight-only" if method == "int4" else method
         if self.lm_head is not None:
-            return QuantizedLinear.from_float(self.lm_head.weight, None, head_method)
-        assert isinstance(self.model.embed_tokens, QuantizedEmbedding), type(self.model.embed_tokens)
+            return quantized_linear(self.lm_head.weight, None, head_method, "lm_head")
+        assert hasattr(self.model.embed_tokens, "lm_head"), type(self.model.embed_tokens)
         return self.model.embed_tokens.lm_head(head_method, head_input)
 
     def lm_head_weight(self) -> torch.Tensor:

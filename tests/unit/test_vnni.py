@@ -6,10 +6,11 @@ exactly up to fp16 scales; the embedding reads the rows the codes stand for."""
 import pytest
 import torch
 
-from sobrio.layers import vnni
+from sobrio.layers import quantization, vnni
 from sobrio.layers.cpu_ops import cpu_ops, vnni_linear_available
 from sobrio.layers.grouped import GroupedCodes
 from sobrio.layers.int4 import Int4Codes
+from sobrio.layers.vnni import VnniLinear
 
 needs_kernel = pytest.mark.skipif(not vnni_linear_available(), reason="vnni_linear needs AVX512-VNNI")
 
@@ -107,3 +108,25 @@ def test_gguf_records_convert_exactly_up_to_fp16_scales() -> None:
     q6 = GroupedCodes(torch.randint(-32, 32, (40, 64), generator=g, dtype=torch.int8),
                       torch.rand(40, 4, generator=g) * 0.01 + 1e-3, None, 16)  # fp16 normals
     torch.testing.assert_close(q6.vnni().dequantize(), q6.dequantize(), rtol=2 ** -11, atol=0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("method, act_bits", [("int8", 8), ("int8-weight-only", 16)])
+def test_int8_modes_on_the_kernel_keep_one_copy_for_embedding_and_head(method, act_bits) -> None:
+    """`--quantization int8 | int8-weight-only` where the CPU has VNNI and no AMX: int8 per channel, scales
+    repeated per group of 32; W8A8 rounds activations to 8 bits per group, weight-only to 16."""
+    w = torch.randn(1000, 96).bfloat16()
+    codes = quantization.vnni_int8_codes(w)
+    q, scale = quantization.quantize_weight(w, torch.float16)
+    assert torch.equal(codes.dequantize(), quantization.dequantize_weight(q, scale, torch.float32))
+    embed = codes.embedding(torch.bfloat16)
+    ids = torch.tensor([0, 999, 5, 5])
+    assert torch.equal(embed(ids), codes.dequantize()[ids].bfloat16())
+    head = embed.lm_head(method)
+    assert head.codes.data_ptr() == embed.codes.data_ptr() and head.act_bits == act_bits  # no second copy
+    for rows in (1, 8, 30):
+        hidden = torch.randn(rows, 96).bfloat16()
+        expected = hidden.float() @ codes.dequantize().T
+        assert ((head(hidden).float() - expected).norm() / expected.norm()) < (2e-2 if act_bits == 8 else 5e-3)
+    layer = quantization.quantized_linear(w[:70], torch.randn(70), method, "layer")
+    assert isinstance(layer, VnniLinear) == quantization.vnni_int8_preferred(96)

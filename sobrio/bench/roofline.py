@@ -44,8 +44,11 @@ def int8_matmul_kernels(n: int) -> dict[str, Callable[[], torch.Tensor]]:
     a = torch.randint(-127, 128, (n, n), dtype=torch.int8)
     b = torch.randint(-127, 128, (n, n), dtype=torch.int8)
     kernels = {"torch._int_mm": lambda: torch._int_mm(a, b.t())}
-    if torch.backends.mkldnn.is_available():
-        packed, scale = torch.ops.onednn.qlinear_prepack(b, None), torch.ones(n)
+    if not quantization.int8_dot_products():  # as `int8_mm` runs there: the integers summed in fp32
+        kernels["fp32 sums"] = lambda: a.float() @ b.float().t()
+    packed = quantization.onednn_pack(b)
+    if packed is not None:
+        scale = torch.ones(n)
         zero_point = 0 if quantization.onednn_signed_activations() else quantization.ONEDNN_U8_ZERO_POINT
         x = (a.to(torch.int16) + zero_point).to(torch.uint8) if zero_point else a  # as the layers run it
         kernels["onednn qlinear"] = lambda: torch.ops.onednn.qlinear_pointwise(

@@ -18,6 +18,8 @@ and a batch-32 decode step of SmolLM2-135M spends 15-20% less CPU time. Past tha
 compute-bound and oneDNN's blocking wins. Its results equal aten's to rounding.
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -50,9 +52,16 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return cpu_ops().invariant_linear(x, weight, bias)
 
 
+@functools.cache
+def onednn_bf16_available() -> bool:
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN's blocked copy of a bf16 weight, or None where oneDNN or bf16 is not in use."""
-    if weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+    """oneDNN's blocked copy of a bf16 weight, or None where oneDNN or bf16 is not in use, or where its bf16
+    kernels need what the CPU lacks (AVX512-BW/VL/DQ or AVX-NE-CONVERT: an AVX2-only AMD EPYC Zen 3 raised
+    at load); there F.linear takes the plain weight."""
+    if weight.dtype != torch.bfloat16 or not onednn_bf16_available():
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
 

@@ -10,6 +10,8 @@ import torch
 from transformers import Qwen2Config
 
 from sobrio.layers.linear import Linear
+from sobrio.layers.quantization import QuantizedLinear, vnni_int8_preferred
+from sobrio.layers.vnni import VnniLinear
 from sobrio.models.registry import build_model
 
 CONFIG = Qwen2Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
@@ -75,7 +77,9 @@ def test_quantize_then_touches_only_the_float_layers_left():
     model = build(hf_weights(), lambda n: "mlp" in n and n.endswith("proj.weight"))
     model.quantize("int8-weight-only")
     assert isinstance(model.model.layers[0].mlp.down_proj, torch.nn.Linear)  # the record's module, untouched
-    assert type(model.model.layers[0].self_attn.o_proj).__name__ == "QuantizedLinear"
+    o_proj = model.model.layers[0].self_attn.o_proj
+    expected = VnniLinear if vnni_int8_preferred(CONFIG.hidden_size) else QuantizedLinear  # by the CPU
+    assert type(o_proj) is expected
 
 
 def test_a_fused_module_quantized_in_part_is_refused():

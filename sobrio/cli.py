@@ -130,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=cmd_chat)
     _add_serve(sub)
     _add_quantize(sub)
+    _add_train_draft(sub)
     from sobrio.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
@@ -161,6 +162,40 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     folder = load_model_files(args.model, tokenizer=False).folder
     (export_awq if args.method == "awq" else export_gptq)(folder, Path(args.out), args.group_size)
     print(f"wrote {args.out}: {args.method}, int4 in groups of {args.group_size}")
+    return 0
+
+
+def _add_train_draft(sub) -> None:
+    """`sobrio train-draft MODEL OUT` (spec/train.py)."""
+    train = sub.add_parser("train-draft", help="train Medusa-style draft heads for a model on its own answers to "
+                                               "the shipped prompts, on the CPU (--speculative-config medusa)")
+    train.add_argument("model", help="alias, HF model folder or .gguf file")
+    train.add_argument("out", help="the folder to write (heads, config.json, training.json, loss.png)")
+    train.add_argument("--num-heads", type=int, default=3, help="heads: the most drafts a step (default: 3)")
+    train.add_argument("--draft-vocab-size", type=int, default=4096,
+                       help="the answers' most frequent tokens the heads may draft (default: 4096)")
+    train.add_argument("--max-tokens", type=int, default=192, help="tokens of each answer (default: 192)")
+    train.add_argument("--epochs", type=int, default=4, help="passes over the answers (default: 4)")
+    train.add_argument("--lr", type=float, default=3e-3, help="peak learning rate, one cycle (default: 3e-3)")
+    train.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts only")
+    train.add_argument("--dtype", default="auto", help="the target's dtype while it answers (default: auto)")
+    train.set_defaults(func=cmd_train_draft)
+
+
+def cmd_train_draft(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from sobrio.spec.train import train_draft
+
+    for name in ("num_heads", "draft_vocab_size", "max_tokens", "epochs", "num_prompts"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}", f"--{name}")
+    figures = train_draft(args.model, Path(args.out), args.num_heads, args.draft_vocab_size, args.max_tokens,
+                          args.epochs, args.lr, args.num_prompts, args.dtype)
+    accuracy = ", ".join(f"{a:.0%}" for a in figures["held_out_top1"])
+    print(f"wrote {args.out}: {figures['num_heads']} heads, {figures['bytes'] / 1e6:.1f} MB, trained on "
+          f"{figures['positions']} positions in {figures['seconds']:.0f} s; held-out top-1 by head: {accuracy}")
     return 0
 
 

@@ -13,8 +13,10 @@
   emitted without sampling).
 - `ParallelConfig` (parallel.py): num_threads; tensor_parallel_size, pipeline_parallel_size and
   data_parallel_size accept only 1 until they are built.
-- `UnsupportedConfig` (unsupported.py): vLLM flags for features sobrio lacks (`--speculative-config`,
-  `--enable-lora`, `--kv-cache-dtype`, ...): recognized, and refused with "sobrio does not support ... yet"
+- `SpeculativeConfig` (speculative.py): `--speculative-config`, vLLM's JSON object (method, draft tokens,
+  prompt-lookup n-gram sizes, disable_by_batch_size), checked once.
+- `UnsupportedConfig` (unsupported.py): vLLM flags for features sobrio lacks (`--enable-lora`,
+  `--kv-transfer-config`, ...): recognized, and refused with "sobrio does not support ... yet"
   unless left at their default. Checked by `SobrioConfig.from_kwargs`; never part of a config.
 - `SobrioConfig` (sobrio.py, vLLM's `VllmConfig`): one engine's concerns together. It is what crosses
   to the engine-core process, so it holds nothing else. `SobrioConfig.from_kwargs` takes the flat form
@@ -35,9 +37,10 @@ from sobrio.config.parallel import ParallelConfig
 from sobrio.config.scheduler import SchedulerConfig
 from sobrio.config.server import LOG_LEVELS, CorsConfig, LimitsConfig, ServerConfig
 from sobrio.config.sobrio import SobrioConfig
+from sobrio.config.speculative import SpeculativeConfig
 from sobrio.config.structured import StructuredOutputsConfig
 from sobrio.config.unsupported import UnsupportedConfig
 
 __all__ = ["ATTENTION_BACKENDS", "DTYPES", "LOG_LEVELS", "CacheConfig", "CorsConfig", "LimitsConfig",
-           "ModelConfig", "ParallelConfig", "SchedulerConfig", "ServerConfig", "SobrioConfig",
+           "ModelConfig", "ParallelConfig", "SchedulerConfig", "ServerConfig", "SobrioConfig", "SpeculativeConfig",
            "StructuredOutputsConfig", "UnsupportedConfig"]

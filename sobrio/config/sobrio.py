@@ -8,6 +8,7 @@ from sobrio.config.cache import CacheConfig
 from sobrio.config.model import ModelConfig
 from sobrio.config.parallel import ParallelConfig
 from sobrio.config.scheduler import SchedulerConfig
+from sobrio.config.speculative import SpeculativeConfig
 from sobrio.config.structured import StructuredOutputsConfig
 from sobrio.config.unsupported import UnsupportedConfig
 from sobrio.errors import ConfigError
@@ -22,6 +23,7 @@ class SobrioConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     @classmethod
     def concerns(cls) -> dict[str, type]:

@@ -16,7 +16,6 @@ class UnsupportedConfig(Checked):
 
     load_format: str = unsupported("auto", "weight formats other than safetensors and GGUF (auto)")
     revision: str | None = unsupported(None, "model revisions (models resolve offline, from local files)")
-    speculative_config: str | None = unsupported(None, "speculative decoding")
     enable_lora: bool = unsupported(False, "LoRA adapters")
     lora_modules: list[str] | None = unsupported(None, "LoRA adapters", nargs="+")
     enable_expert_parallel: bool = unsupported(False, "expert parallelism (no mixture-of-experts models)")

@@ -20,7 +20,9 @@ from sobrio.engine.scheduler import Scheduler, SchedulerOutput
 from sobrio.engine.stats import StepTokenCounts
 from sobrio.loader.load import LoadedModelFiles, load_tokenizer
 from sobrio.sample.params import SamplingParams
+from sobrio.sample.rejection import verify
 from sobrio.sample.sampler import SampledToken, Sampler
+from sobrio.spec.speculator import Speculator
 from sobrio.structured.backend import GrammarCompiler
 from sobrio.structured.manager import StructuredOutputManager
 
@@ -91,6 +93,11 @@ class EngineCore:
         self.structured = StructuredOutputManager(GrammarCompiler(lambda: load_tokenizer(files, config.model_config)),
                                                   structured.structured_outputs_compile_timeout)
         self.fast_forward = structured.structured_outputs_fast_forward
+        speculative = config.speculative_config
+        self.speculator = None
+        if speculative.enabled:
+            vocab_size = self.executor.runner.hf_config.vocab_size
+            self.speculator = Speculator(speculative, self.max_model_len, vocab_size)
 
     # ---- requests in ----
     def add_request(self, creq: EngineCoreRequest) -> None:
@@ -171,21 +178,60 @@ class EngineCore:
         outputs += [self._fail(req) for req in failed]
         self.scheduler.update_after_step(out)
         now = time.monotonic()
-        outputs += [self._append(req, token, now) for req, token in sampled]
+        hidden = self._hidden_of_last_tokens(sampled) if self.speculator and self.speculator.needs_hidden else {}
+        outputs += [self._append(req, tokens, now) for req, tokens in sampled]
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running, hidden)
         self._release_siblings()
         return outputs
 
-    def _execute(self, out: SchedulerOutput) -> list[tuple[Request, SampledToken]]:
-        sampling = [r for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens]
+    def _execute(self, out: SchedulerOutput) -> list[tuple[Request, list[SampledToken]]]:
+        """Each sampling request's new tokens: one, or with drafts the accepted ones and the token after."""
+        sampling = [r for r, n in out.scheduled if r.num_computed_tokens + n >= r.num_tokens]
         prompt_logprobs: dict[str, list] = {}
         logits = self.executor.execute(out, prompt_logprobs)
-        meta = build_sampling_metadata(sampling)
-        meta.allowed_tokens = self.structured.allowed_tokens(sampling)
-        sampled = list(zip(sampling, self.sampler(logits, meta)))
+        if any(r.spec_token_ids for r in sampling):
+            sampled = self._verify(sampling, logits)
+        else:
+            meta = build_sampling_metadata(sampling)
+            meta.allowed_tokens = self.structured.allowed_tokens(sampling)
+            sampled = [(req, [token]) for req, token in zip(sampling, self.sampler(logits, meta))]
         # Only once the whole step succeeded: a retried step adds nothing twice. Most steps have none.
         for req, _ in out.scheduled if prompt_logprobs else ():
             self._add_prompt_logprobs(req, prompt_logprobs.get(req.request_id))
         return sampled
+
+    def _hidden_of_last_tokens(self, sampled: list[tuple[Request, list[SampledToken]]]) -> dict[str, torch.Tensor]:
+        """Request id -> the hidden state whose logits gave its newest token: its rows come in order, 1 + k
+        with drafts, and the newest token came from the row after its accepted drafts."""
+        rows, start = self.executor.sampled_hidden, 0
+        if sum(1 + len(req.spec_token_ids) for req, _ in sampled) != len(rows):
+            return {}  # a step retried request by request: no drafts from it
+        found = {}
+        for req, tokens in sampled:
+            found[req.request_id] = rows[start + len(tokens) - 1]
+            start += 1 + len(req.spec_token_ids)
+        return found
+
+    def _verify(self, sampling: list[Request], logits: torch.Tensor) -> list[tuple[Request, list[SampledToken]]]:
+        """A step with drafts: the requests without any sample as usual from their one row; each one with
+        drafts has 1 + k rows, verified against its drafts (`rejection.verify`)."""
+        starts = [0]
+        for req in sampling:
+            starts.append(starts[-1] + 1 + len(req.spec_token_ids))
+        plain = [i for i, req in enumerate(sampling) if not req.spec_token_ids]
+        result: list[list[SampledToken]] = [[] for _ in sampling]
+        if plain:
+            reqs = [sampling[i] for i in plain]
+            meta = build_sampling_metadata(reqs)
+            meta.allowed_tokens = self.structured.allowed_tokens(reqs)
+            for i, token in zip(plain, self.sampler(logits[[starts[i] for i in plain]], meta)):
+                result[i] = [token]
+        for i, req in enumerate(sampling):
+            if req.spec_token_ids:
+                rows = build_sampling_metadata([req] * (1 + len(req.spec_token_ids)))
+                result[i] = verify(logits[starts[i]:starts[i + 1]], rows, req.spec_token_ids)
+        return list(zip(sampling, result))
 
     @staticmethod
     def _add_prompt_logprobs(req: Request, computed) -> None:
@@ -222,22 +268,38 @@ class EngineCore:
         self.structured.free(req.request_id)
         return self._output(req, [], None)
 
-    def _append(self, req: Request, token: SampledToken, now: float) -> EngineCoreOutput:
+    def _append(self, req: Request, tokens: list[SampledToken], now: float) -> EngineCoreOutput:
         if req.first_token_time is None:
             req.first_token_time = now
-        self.scheduler.append_token(req, token.token_id)
+        if req.spec_token_ids:
+            tokens = self._append_verified(req, tokens)
+        else:
+            self.scheduler.append_token(req, tokens[0].token_id)
         forced = []
         if self.structured.is_constrained(req.request_id):
-            self._advance_grammar(req, token.token_id)
+            self._advance_grammar(req, tokens[0].token_id)
             forced = self._fast_forward(req)
         req.num_forced_tokens = len(forced)
         logprobs = None
-        if token.logprob is not None:
-            logprobs = [TokenLogprob(token.logprob, token.rank, token.top_logprobs or [])]
-        output = self._output(req, [token.token_id, *forced], logprobs)
+        if tokens[0].logprob is not None:
+            logprobs = [TokenLogprob(t.logprob, t.rank, t.top_logprobs or []) for t in tokens]
+        output = self._output(req, [t.token_id for t in tokens] + forced, logprobs)
         if req.prompt_logprobs is not None and not req.prompt_logprobs_sent:
             output.prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
         return output
+
+    def _append_verified(self, req: Request, tokens: list[SampledToken]) -> list[SampledToken]:
+        """The accepted drafts and the token after them, up to the one that finishes the request (EOS, a stop
+        token, max_tokens: the rest is dropped, as one-at-a-time decoding would never have produced it)."""
+        num_drafts, appended = len(req.spec_token_ids), []
+        for token in tokens:
+            self.scheduler.append_token(req, token.token_id)
+            appended.append(token)
+            if req.status.finished:
+                break
+        self.speculator.record(req, num_drafts, len(tokens) - 1)
+        self.scheduler.accept_drafts(req, len(appended) - 1)
+        return appended
 
     def _fast_forward(self, req: Request) -> list[int]:
         """Append the tokens the grammar forces next (the only one its mask allows, one after another) without
@@ -300,4 +362,5 @@ class EngineCore:
                 "prefix_cache_queries": pool.queries, "prefix_cache_hits": pool.hits,
                 "num_preemptions": self.scheduler.num_preemptions, "tables": self.table_sizes(),
                 "iteration_tokens": self.step_tokens.snapshot(), "num_blocks": pool.num_blocks,
-                "structured_outputs": self.structured.stats()}
+                "structured_outputs": self.structured.stats(),
+                "spec_decode": None if self.speculator is None else self.speculator.stats()}

@@ -25,6 +25,12 @@ class Executor:
         return self.runner.max_model_len
 
     def execute(self, out: SchedulerOutput, prompt_logprobs: dict | None = None) -> torch.Tensor:
-        """float32 logits, one row per scheduled request whose last token was computed this step; the
+        """float32 logits, one row per scheduled request whose last token was computed this step (1 + k for
+        one with k drafts); the
         prompt log-probabilities of the requests that want them go into `prompt_logprobs` (by request id)."""
         return self.runner.execute(out, prompt_logprobs)
+
+    @property
+    def sampled_hidden(self) -> torch.Tensor:
+        """The last step's final hidden states at the rows its logits came from, in the same order."""
+        return self.runner.sampled_hidden

@@ -83,18 +83,21 @@ class ModelRunner:
         self.execute(SchedulerOutput(scheduled=[(req, num_tokens)]))
 
     def prepare_inputs(self, out: SchedulerOutput):
-        """Flatten the step: token ids, positions, attention metadata, rows whose logits are needed."""
+        """Flatten the step: token ids, positions, attention metadata, rows whose logits are needed (a
+        request's drafts follow its last token, and each of them needs its row too)."""
         input_ids: list[int] = []
         positions: list[int] = []
         query_start_loc, context_lens, sample_rows = [0], [], []
         for req, num_new in out.scheduled:
             start, end = req.num_computed_tokens, req.num_computed_tokens + num_new
-            input_ids += _token_slice(req, start, end)
+            drafts = req.spec_token_ids
+            assert end - req.num_tokens == len(drafts) or not drafts, "the scheduler trims the drafts"
+            input_ids += _token_slice(req, start, end - len(drafts)) + drafts
             positions += range(start, end)
             context_lens.append(end)
             query_start_loc.append(query_start_loc[-1] + num_new)
-            if end == req.num_tokens:
-                sample_rows.append(query_start_loc[-1] - 1)
+            if end >= req.num_tokens:
+                sample_rows += range(query_start_loc[-1] - 1 - len(drafts), query_start_loc[-1])
         width = max(len(req.block_table) for req, _ in out.scheduled)
         block_tables = torch.tensor([req.block_table + [0] * (width - len(req.block_table))
                                      for req, _ in out.scheduled], dtype=torch.long)
@@ -115,7 +118,8 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, meta)
         if prompt_logprobs is not None:
             self._prompt_logprobs(out, hidden, prompt_logprobs)
-        return self.model.compute_logits(hidden[sample_rows])
+        self.sampled_hidden = hidden[sample_rows]  # draft heads read the row each request's last token came from
+        return self.model.compute_logits(self.sampled_hidden)
 
     def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor, result: dict) -> None:
         """For each request wanting prompt logprobs: the logits at prompt position p score prompt token p + 1.

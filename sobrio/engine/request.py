@@ -52,6 +52,10 @@ class Request:
     # fast-forward: tokens the grammar forced after the last sampled one; the next step computes them with it
     num_forced_tokens: int = 0
     error: str | None = None  # why it failed, when it was its own fault (its grammar): a 400 at the front
+    # speculative decoding: drafts to verify in the next step (past num_tokens: not yet output), and its record
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.sampling_params.seed is not None:

@@ -128,11 +128,15 @@ class Scheduler:
             remaining = req.num_tokens - req.num_computed_tokens
             assert remaining > 0, "a running request has nothing to compute"
             prompt = not is_decode(req)
-            num_new = slots.grant(remaining, min(remaining, budget)) if prompt else min(remaining, budget)
+            num_new = slots.grant(remaining, min(remaining, budget)) if prompt else self._with_drafts(req, budget)
             if num_new == 0:
                 i += 1
                 continue
             while not self.kv.allocate_slots(req, num_new):
+                if req.spec_token_ids:  # the drafts go before anyone is preempted
+                    num_new -= len(req.spec_token_ids)
+                    req.spec_token_ids.clear()
+                    continue
                 victim = self._pick_victim(i)
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -144,6 +148,14 @@ class Scheduler:
             budget -= num_new
             i += 1
         return budget
+
+    @staticmethod
+    def _with_drafts(req: Request, budget: int) -> int:
+        """A decode's tokens this step: the ones left to compute and its drafts, those past the budget dropped."""
+        remaining = req.num_tokens - req.num_computed_tokens
+        num_new = min(remaining + len(req.spec_token_ids), budget)
+        del req.spec_token_ids[max(0, num_new - remaining):]
+        return num_new
 
     def _pick_victim(self, first: int) -> Request:
         """The running request to preempt, among those not yet scheduled this step (index >= first): the
@@ -203,6 +215,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
+        req.spec_token_ids.clear()
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
@@ -213,14 +226,24 @@ class Scheduler:
             self.waiting.appendleft(req)
 
     def update_after_step(self, out: SchedulerOutput) -> list[Request]:
-        """Advance computed counts and hash newly full blocks; return the requests that must sample."""
+        """Advance computed counts and hash newly full blocks; return the requests that must sample. Drafts
+        count as computed only once accepted (`accept_drafts`)."""
         sampling = []
         for req, num_new in out.scheduled:
-            req.num_computed_tokens += num_new
+            req.num_computed_tokens += num_new - len(req.spec_token_ids)
             self.kv.cache_full_blocks(req)
             if req.num_computed_tokens == req.num_tokens:
                 sampling.append(req)
         return sampling
+
+    def accept_drafts(self, req: Request, num_accepted: int) -> None:
+        """The step computed these drafts' KV, and they are now output tokens: count them computed and hash the
+        blocks they filled. The KV of rejected drafts stays in its slots, to be overwritten."""
+        req.spec_token_ids = []
+        if not req.status.finished:
+            req.num_computed_tokens += num_accepted
+            assert req.num_computed_tokens < req.num_tokens, "the last output token is computed next step"
+            self.kv.cache_full_blocks(req)
 
     def append_token(self, req: Request, token_id: int) -> None:
         """Add a sampled token and finish the request on EOS, a stop token or its length limit."""
@@ -244,6 +267,7 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req)
+        req.spec_token_ids = []
         req.status = status
         req.finished_time = time.monotonic()
         self.requests.pop(req.request_id, None)

@@ -127,18 +127,18 @@ class Sampler:
             rows = torch.tensor(random_rows)
             tokens[rows] = sample_random(logits[rows], meta, random_rows)
         token_list = tokens.tolist()
-        return [self._with_logprobs(token_list[i], raw_logprobs, i, meta.num_logprobs[i])
-                for i in range(meta.num_rows)]
+        return [with_logprobs(token_list[i], raw_logprobs, i, meta.num_logprobs[i]) for i in range(meta.num_rows)]
 
-    @staticmethod
-    def _with_logprobs(token: int, raw_logprobs, row: int, n: int | None) -> SampledToken:
-        if n is None:
-            return SampledToken(token)
-        row_lp = raw_logprobs[row]
-        chosen = row_lp[token].item()
-        rank = int((row_lp > chosen).sum().item()) + 1
-        top = []
-        if n > 0:
-            values, ids = row_lp.topk(n)
-            top = list(zip(ids.tolist(), values.tolist()))
-        return SampledToken(token, chosen, rank, top)
+
+def with_logprobs(token: int, raw_logprobs: torch.Tensor | None, row: int, n: int | None) -> SampledToken:
+    """The token with its raw logprob, rank and the row's top n, when `n` asks for them (None: not)."""
+    if n is None:
+        return SampledToken(token)
+    row_lp = raw_logprobs[row]
+    chosen = row_lp[token].item()
+    rank = int((row_lp > chosen).sum().item()) + 1
+    top = []
+    if n > 0:
+        values, ids = row_lp.topk(n)
+        top = list(zip(ids.tolist(), values.tolist()))
+    return SampledToken(token, chosen, rank, top)

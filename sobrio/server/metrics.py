@@ -3,14 +3,16 @@
 
 Every family carries vLLM's labels `model_name` and `engine` (always "0": one engine per served model), and
 every series of a served model exists from start-up (zero), not from its first request. vLLM's families that
-need a feature sobrio lacks (speculative decoding, LoRA, KV connectors, multi-modal caches, sleep mode) are
-absent. sobrio's own families keep the `sobrio:` prefix whichever is chosen (`sobrio:request_table_entries`).
+need a feature sobrio lacks (LoRA, KV connectors, multi-modal caches, sleep mode) are absent; the
+speculative-decoding ones (`spec_decode_*`) exist for a model served with `--speculative-config`. sobrio's
+own families keep the `sobrio:` prefix whichever is chosen (`sobrio:request_table_entries`).
 
 Where each value comes from:
 - scrape time, from each engine's `stats()`: the scheduler gauges, the prefix-cache and preemption counters,
   the engine-step token histogram (`iteration_tokens_total`, counted in the engine core), cache config info,
   structured output (`sobrio:structured_output_*`: requests, forced tokens, grammar cache hits and misses,
-  grammar compile time, all counted in the engine core);
+  grammar compile time, all counted in the engine core), speculative decoding (drafts, draft and accepted
+  tokens, accepted by position);
 - each output of each sequence (`observe`, on the engine's output thread): tokens, latencies, request sizes;
 - each finished embedding request (`observe_embedding`, on the embedding worker).
 """
@@ -94,6 +96,7 @@ class EngineStatsCollector:
         yield from counters.values()
         yield steps
         yield from structured_output_families(generating)
+        yield from spec_decode_families(p, generating)
         if cache_infos:  # one label set for the family: every engine's keys
             keys = list(dict.fromkeys(k for info in cache_infos for k in info))
             family = GaugeMetricFamily(f"{p}:cache_config_info", "Information of the LLMEngine CacheConfig",
@@ -137,6 +140,31 @@ def structured_output_families(generating: list[tuple[str, dict]]):
         compile_time.add_metric([model_name, ENGINE], cumulative_buckets(COMPILE_SECONDS_BUCKETS, counts), total)
     yield from counters.values()
     yield compile_time
+
+
+SPEC_DECODE_COUNTERS = (
+    ("num_drafts", "Number of spec decoding drafts."),
+    ("num_draft_tokens", "Number of draft tokens."),
+    ("num_accepted_tokens", "Number of accepted tokens."))
+
+
+def spec_decode_families(prefix: str, generating: list[tuple[str, dict]]):
+    """vLLM's speculative-decoding counters, for the models that speculate (absent for the others, as in
+    vLLM): drafts, draft tokens, accepted tokens, and accepted tokens by draft position."""
+    labels = ["model_name", "engine"]
+    counters = {key: CounterMetricFamily(f"{prefix}:spec_decode_{key}", doc, labels=labels)
+                for key, doc in SPEC_DECODE_COUNTERS}
+    per_position = CounterMetricFamily(f"{prefix}:spec_decode_num_accepted_tokens_per_pos",
+                                       "Accepted tokens per draft position.", labels=[*labels, "position"])
+    speculating = [(name, stats["spec_decode"]) for name, stats in generating if stats.get("spec_decode")]
+    for model_name, stats in speculating:
+        for key, family in counters.items():
+            family.add_metric([model_name, ENGINE], stats[key])
+        for position, count in enumerate(stats["accepted_per_position"]):
+            per_position.add_metric([model_name, ENGINE, str(position)], count)
+    if speculating:
+        yield from counters.values()
+        yield per_position
 
 
 def cache_config_info(engine, stats: dict) -> dict[str, str] | None:

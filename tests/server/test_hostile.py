@@ -169,8 +169,10 @@ bodies = st.one_of(st.tuples(st.just("/v1/chat/completions"), with_one_wild_fiel
 
 @pytest.fixture(scope="module")
 def small_server():
-    """A short context bounds the work any fuzzed request can ask for."""
-    srv = ServerProcess("--model", SMOL, "--max-model-len", "96", "--kv-cache-memory", str(32 << 20))
+    """A short context bounds the work any fuzzed request can ask for, and a chat that gives no max_tokens
+    gets 12 (as the valid ones ask at most): the fuzz is of the bodies, not of long answers."""
+    srv = ServerProcess("--model", SMOL, "--max-model-len", "96", "--kv-cache-memory", str(32 << 20),
+                        "--default-max-tokens", "12")
     yield srv
     srv.stop()
 

@@ -34,7 +34,7 @@ FLAGS = ["--dtype", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-l
          "--tokenizer", "--chat-template", "--generation-config", "--override-generation-config", "--max-logprobs",
          "--seed", "--quantization", "--enforce-eager", "--trust-remote-code", "--gpu-memory-utilization",
          "--enable-chunked-prefill",
-         "--structured-outputs-fast-forward", "--structured-outputs-compile-timeout"]
+         "--structured-outputs-fast-forward", "--structured-outputs-compile-timeout", "--speculative-config"]
 SERVE_FLAGS = ["--model", "--served-model-name", "--host", "--port", "--api-key", "--log-level",
                "--default-max-tokens", "--shutdown-timeout", "--engine-process", "--engine-restarts",
                "--max-body-bytes", "--max-prompts-per-request", "--max-seqs-per-request", "--max-request-tokens",
@@ -292,8 +292,7 @@ def test_a_bad_config_file_exits_2_naming_the_key(tmp_path, capsys, text, messag
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flags", [["--speculative-config", '{"method": "ngram"}'],
-                                   ["--enable-lora"], ["--pipeline-parallel-size", "2"],
+@pytest.mark.parametrize("flags", [["--enable-lora"], ["--pipeline-parallel-size", "2"],
                                    ["--tensor-parallel-size", "2"], ["--kv-transfer-config", "{}"],
                                    ["--lora-modules", "a=/x", "b=/y"], ["--reasoning-parser", "deepseek_r1"],
                                    ["--no-enable-chunked-prefill"]])
@@ -432,3 +431,24 @@ def test_tokenizer_and_chat_template_flags_replace_the_models_own():
     files = load_model_files(ModelConfig(model="gemma3-270m", tokenizer="smollm2-135m", chat_template="{{ 'X' }}"))
     assert len(files.tokenizer) < 60_000 < files.config.vocab_size  # SmolLM2's vocabulary, Gemma's config
     assert files.tokenizer.chat_template == "{{ 'X' }}" and files.default_sampling == {}
+
+
+@pytest.mark.parametrize("value, message", [
+    ('{"method": ', "--speculative-config must be a JSON object"),
+    ('{"method": "eagle", "num_speculative_tokens": 2}', "sobrio does not support method 'eagle' yet"),
+    ('{"method": "medusa", "num_speculative_tokens": 2}', 'method "medusa" needs "model"'),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be an integer in [1, 16]"),
+])
+def test_a_bad_speculative_config_exits_2_naming_the_problem(value, message, capsys):
+    try:
+        code = cli.main(["serve", "smollm2-135m", "--speculative-config", value])
+    except SystemExit as exc:  # argparse's own exit, for a value its converter refused
+        code = exc.code
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_speculative_config_takes_vllm_json_and_fills_the_defaults():
+    config = SobrioConfig.from_kwargs(speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
+    assert config.speculative_config.enabled and config.speculative_config.get("num_speculative_tokens") == 3
+    assert config.speculative_config.get("prompt_lookup_max") == 5 and not SobrioConfig().speculative_config.enabled

@@ -1,0 +1,100 @@
+"""Speculative decoding: vLLM's `--speculative-config` JSON (`LLM(speculative_config={...})`), checked once.
+
+`{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}` proposes the
+tokens that followed the latest earlier occurrence of the sequence's last n tokens (prompt lookup);
+`{"method": "medusa", "model": FOLDER, "num_speculative_tokens": 3}` drafts with heads `sobrio train-draft`
+trained for the model (spec/medusa.py). `disable_by_batch_size` turns speculation off for a step with more
+requests running than that (vLLM's key); `min_acceptance_rate` (sobrio's) stops it for a request whose drafts
+are rarely accepted.
+"""
+
+import argparse
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from sobrio.config.fields import Checked, flag
+from sobrio.errors import ConfigError
+
+OPTION = "--speculative-config"
+METHODS = ("ngram", "medusa")
+NOT_YET = ("draft_model", "eagle", "eagle3", "mlp_speculator", "deepseek_mtp")
+DEFAULTS: dict[str, Any] = {"method": None, "num_speculative_tokens": None, "prompt_lookup_min": 2,
+                            "prompt_lookup_max": 5, "disable_by_batch_size": 8, "min_acceptance_rate": 0.1,
+                            "model": None}
+
+
+def json_object(text: str) -> dict:
+    """The flag's converter: argparse shows its message (a ConfigError would read "invalid value")."""
+    try:
+        return parse_json_object(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def parse_json_object(text: str) -> dict:
+    """A JSON object, or a ConfigError naming the flag."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{OPTION} must be a JSON object: {exc}", OPTION) from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{OPTION} must be a JSON object, got {text!r}", OPTION)
+    return value
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig(Checked):
+    """Speculative decoding (vLLM's `SpeculativeConfig`, passed whole as one JSON object)."""
+
+    speculative_config: dict | None = flag(
+        None, 'speculative decoding as JSON, vLLM\'s keys: {"method": "ngram", "num_speculative_tokens": 4, '
+              '"prompt_lookup_min": 2, "prompt_lookup_max": 5, "disable_by_batch_size": 8}; sobrio\'s '
+              '"min_acceptance_rate" (0.1) stops a request\'s drafts when fewer are accepted', type=json_object)
+
+    def __post_init__(self) -> None:
+        spec = self.speculative_config
+        if isinstance(spec, str):
+            spec = parse_json_object(spec)
+        if spec is not None:
+            object.__setattr__(self, "speculative_config", self._checked(dict(spec)))
+
+    @staticmethod
+    def _checked(spec: dict) -> dict:
+        unknown = sorted(set(spec) - set(DEFAULTS))
+        if unknown:
+            raise ConfigError(f"{OPTION}: unknown key(s) {', '.join(unknown)}; known: {', '.join(DEFAULTS)}", OPTION)
+        spec = {**DEFAULTS, **spec}
+        method, k = spec["method"], spec["num_speculative_tokens"]
+        if method in NOT_YET:
+            raise ConfigError(f"{OPTION}: sobrio does not support method {method!r} yet (supported: "
+                              f"{', '.join(METHODS)})", OPTION)
+        _require(method in METHODS, f"method must be one of {', '.join(METHODS)}, got {method!r}")
+        _require(isinstance(k, int) and 1 <= k <= 16,
+                 f"num_speculative_tokens must be an integer in [1, 16], got {k!r}")
+        _require(method != "medusa" or isinstance(spec["model"], str),
+                 'method "medusa" needs "model": the folder `sobrio train-draft` wrote')
+        low, high = spec["prompt_lookup_min"], spec["prompt_lookup_max"]
+        _require(isinstance(low, int) and isinstance(high, int) and 1 <= low <= high,
+                 "prompt_lookup_min and prompt_lookup_max must be integers with 1 <= min <= max, "
+                 f"got {low!r}, {high!r}")
+        size = spec["disable_by_batch_size"]
+        _require(size is None or (isinstance(size, int) and size >= 1),
+                 f"disable_by_batch_size must be an integer >= 1 (or null: never), got {size!r}")
+        rate = spec["min_acceptance_rate"]
+        _require(isinstance(rate, int | float) and 0 <= rate <= 1,
+                 f"min_acceptance_rate must be in [0, 1], got {rate!r}")
+        return spec
+
+    @property
+    def enabled(self) -> bool:
+        return self.speculative_config is not None
+
+    def get(self, key: str) -> Any:
+        assert self.speculative_config is not None, "speculative decoding is off"
+        return self.speculative_config[key]
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{OPTION}: {message}", OPTION)

@@ -1,0 +1,168 @@
+"""Speculative decoding through the real engine: greedy output identical with drafts on and off (both models,
+prefix cache warm, prompts chunked, across preemption), every KV block back after runs with many rejections,
+and at temperature 1 the tokens after accepted drafts distributed as the target's."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from sobrio import LLM, SamplingParams
+from sobrio.errors import ConfigError
+from sobrio.spec.medusa import DraftHeads, DraftHeadsConfig
+from tests.conftest import engine_kwargs
+from tests.model.reference import hf_greedy, mixed_prompts
+from tests.unit.test_rejection import _chi_square_pvalue
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5,
+         "disable_by_batch_size": None, "min_acceptance_rate": 0.0}
+GREEDY = SamplingParams(temperature=0, max_tokens=32)
+TEXT = ("The committee met on Tuesday to review the budget. It approved the new library, delayed the road repairs "
+        "until spring, and asked the treasurer for a report on the water bills. ")
+
+
+def grounded_prompts(tokenizer) -> list[list[int]]:
+    """Prompts whose answers copy their input (where prompt lookup drafts), and some that do not."""
+    asks = [f"Repeat the following text word for word.\n\n{TEXT}\n\nRepeated text:\n",
+            f"{TEXT}\n\nCopy the first sentence of the text above:",
+            "def area(width, height):\n    return width * height\n\ndef perimeter(width, height):\n"
+            "    return 2 * (width + height)\n\n# The same two functions again:\ndef area(width, height):\n"]
+    return [tokenizer(a).input_ids for a in asks] + mixed_prompts(tokenizer)[2:4]
+
+
+def _ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def _no_blocks_held(llm: LLM) -> bool:
+    pool = llm.engine.scheduler.pool
+    return pool.num_free == pool.num_blocks and all(b.ref_count == 0 for b in pool.blocks)
+
+
+@pytest.mark.parametrize("alias", ["smollm2-135m", "gemma3-270m"])
+def test_greedy_output_is_the_same_with_drafts_chunked_and_cached(alias, request):
+    plain = request.getfixturevalue({"smollm2-135m": "smollm2", "gemma3-270m": "gemma3"}[alias])
+    prompts = [{"prompt_token_ids": p} for p in grounded_prompts(plain.get_tokenizer())]
+    expected = _ids(plain.generate(prompts, GREEDY, use_tqdm=False))
+    # 64-token steps: the long prompts come in chunks, and drafts share steps with them
+    spec = LLM(alias, **engine_kwargs(speculative_config=NGRAM, max_num_batched_tokens=64))
+    assert _ids(spec.generate(prompts, GREEDY, use_tqdm=False)) == expected
+    assert _ids(spec.generate(prompts, GREEDY, use_tqdm=False)) == expected  # prompts now in the prefix cache
+    one_at_a_time = [spec.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts[:3]]
+    assert one_at_a_time == expected[:3]
+    stats = spec.engine.core.stats()["spec_decode"]
+    assert stats["num_accepted_tokens"] > 0.3 * stats["num_draft_tokens"] > 0  # the copies were drafted
+    assert _no_blocks_held(spec)
+
+
+def test_greedy_output_is_the_same_across_preemption(smollm2):
+    tokenizer = smollm2.get_tokenizer()
+    prompts = [{"prompt_token_ids": p, "cache_salt": str(i)} for i, p in enumerate(grounded_prompts(tokenizer))]
+    params = SamplingParams(temperature=0, max_tokens=40)
+    expected = _ids(smollm2.generate(prompts, params, use_tqdm=False))
+    block_bytes = 2 * 30 * 16 * 3 * 64 * 4
+    tight = LLM("smollm2-135m", **engine_kwargs(kv_cache_memory=20 * block_bytes, max_model_len=320,
+                                                speculative_config=NGRAM))
+    assert _ids(tight.generate(prompts, params, use_tqdm=False)) == expected
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert tight.engine.core.stats()["spec_decode"]["num_accepted_tokens"] > 0
+    assert _no_blocks_held(tight)
+
+
+@pytest.fixture(scope="module")
+def smollm2_spec():
+    return LLM("smollm2-135m", **engine_kwargs(speculative_config=NGRAM))
+
+
+def test_every_block_returns_after_many_rejections_and_stops(smollm2_spec):
+    """Random sampling rejects most drafts; stop strings, stop tokens and max_tokens cut mid-draft."""
+    tokenizer = smollm2_spec.get_tokenizer()
+    prompts = [{"prompt_token_ids": p} for p in grounded_prompts(tokenizer)]
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=5 + 9 * s, stop=[" the"] if s % 2 else None,
+                             logprobs=1 if s == 3 else None)
+              for s in range(len(prompts))]
+    before = smollm2_spec.engine.core.stats()["spec_decode"]
+    outputs = smollm2_spec.generate(prompts, params, use_tqdm=False)
+    after = smollm2_spec.engine.core.stats()["spec_decode"]
+    rejected = (after["num_draft_tokens"] - before["num_draft_tokens"]) - (
+        after["num_accepted_tokens"] - before["num_accepted_tokens"])
+    assert rejected > 10
+    for out, p in zip(outputs, params):
+        completion = out.outputs[0]
+        assert len(completion.token_ids) <= p.max_tokens
+        assert " the" not in completion.text or not p.stop
+        if p.logprobs:
+            assert len(completion.logprobs) == len(completion.token_ids)
+    assert _no_blocks_held(smollm2_spec)
+
+
+def test_tokens_after_accepted_drafts_follow_the_targets_distribution(smollm2_spec):
+    """At temperature 1, the second output token of a prompt whose first token is likely (" Friday", 0.75),
+    among the draws that started with it: distributed as transformers' softmax after prompt + that token
+    (",": 0.92, then ".", " and", ...), though prompt lookup drafted it (accepted or not)."""
+    tokenizer = smollm2_spec.get_tokenizer()
+    prompt = tokenizer("Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday. Monday, Tuesday, Wednesday, "
+                       "Thursday,").input_ids
+    _, first_logits = hf_greedy("smollm2-135m", tuple(prompt), 1)
+    first = int(first_logits[0].argmax())
+    assert first_logits[0].softmax(-1)[first] > 0.6
+    _, second_logits = hf_greedy("smollm2-135m", tuple(prompt + [first]), 1)
+    draws = 1000
+    # max_tokens 3: the first token comes from the prompt's forward, the second is the first a draft can be for
+    params = [SamplingParams(temperature=1.0, max_tokens=3, seed=s, ignore_eos=True) for s in range(draws)]
+    before = smollm2_spec.engine.core.stats()["spec_decode"]["num_draft_tokens"]
+    outputs = smollm2_spec.generate([{"prompt_token_ids": prompt}] * draws, params, use_tqdm=False)
+    assert smollm2_spec.engine.core.stats()["spec_decode"]["num_draft_tokens"] > before + draws // 2
+    seconds = [o.outputs[0].token_ids[1] for o in outputs if o.outputs[0].token_ids[0] == first]
+    assert len(seconds) > 0.6 * draws
+    counts = torch.bincount(torch.tensor(seconds), minlength=second_logits.shape[-1])
+    assert _chi_square_pvalue(counts, second_logits[0].double().softmax(-1)) > 0.001
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"method": "ngram"}, "num_speculative_tokens must be an integer"),
+    ({"method": "eagle", "num_speculative_tokens": 2, "model": "x"}, "does not support method 'eagle'"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "unknown key(s) lookahead"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     "1 <= min <= max"),
+    ('{"method": ', "must be a JSON object"),
+])
+def test_bad_speculative_configs_are_refused_naming_the_problem(spec, message):
+    with pytest.raises(ConfigError, match="--speculative-config") as exc:
+        LLM("smollm2-135m", **engine_kwargs(speculative_config=spec))
+    assert message in str(exc.value)
+
+
+@pytest.fixture(scope="module")
+def untrained_heads(tmp_path_factory, smollm2) -> Path:
+    """Three draft heads as `sobrio train-draft` starts them (each block the identity), over SmolLM2's first
+    8,192 token ids: drafts that are sometimes right, enough to exercise acceptance and rejection."""
+    head = smollm2.engine.runner.model.lm_head_weight().float()
+    vocab = torch.arange(8192)
+    config = DraftHeadsConfig(3, head.shape[1], head.shape[0], len(vocab), "smollm2-135m")
+    heads = DraftHeads(config, vocab, head[vocab])
+    folder = tmp_path_factory.mktemp("heads")
+    heads.save(folder)
+    return folder
+
+
+def test_greedy_output_is_the_same_with_draft_heads(smollm2, untrained_heads):
+    prompts = [{"prompt_token_ids": p} for p in grounded_prompts(smollm2.get_tokenizer())]
+    expected = _ids(smollm2.generate(prompts, GREEDY, use_tqdm=False))
+    medusa = {"method": "medusa", "model": str(untrained_heads), "num_speculative_tokens": 3,
+              "disable_by_batch_size": None, "min_acceptance_rate": 0.0}
+    spec = LLM("smollm2-135m", **engine_kwargs(speculative_config=medusa, max_num_batched_tokens=64))
+    assert _ids(spec.generate(prompts, GREEDY, use_tqdm=False)) == expected
+    stats = spec.engine.core.stats()["spec_decode"]
+    assert stats["num_draft_tokens"] > 100 and stats["num_accepted_tokens"] > 0
+    assert _no_blocks_held(spec)
+
+
+def test_draft_heads_for_another_vocabulary_are_refused(tmp_path):
+    vocab = torch.arange(16)
+    DraftHeads(DraftHeadsConfig(2, 576, 32000, 16, "another-model"), vocab, torch.zeros(16, 576)).save(tmp_path)
+    spec = {"method": "medusa", "model": str(tmp_path), "num_speculative_tokens": 2}
+    with pytest.raises(ConfigError, match="trained for a vocabulary of 32000 tokens .* this model has 49152"):
+        LLM("smollm2-135m", **engine_kwargs(speculative_config=spec))
+    with pytest.raises(ConfigError, match="holds no draft heads"):
+        LLM("smollm2-135m", **engine_kwargs(speculative_config={**spec, "model": str(tmp_path / "none")}))

@@ -15,9 +15,9 @@ from sobrio.layers.int4 import dequantize_int4
 from sobrio.layers.quantization import (
     QuantizedEmbedding,
     QuantizedLinear,
-    int8_dot_products,
     dequant_mm,
     dequantize_weight,
+    int8_dot_products,
     int8_mm,
     onednn_int8_mm,
     onednn_pack,

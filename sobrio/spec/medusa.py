@@ -1,12 +1,12 @@
 """Medusa-style draft heads (Cai et al. 2024): head k reads the target's last hidden state h_t (after its final
-norm) and guesses the token k + 1 places ahead, x_{t+k+1}, while the target's own head gives x_{t+1}.
-Each head is one residual block, h + SiLU(W h + b), followed by the target's LM head restricted to a draft
+norm), and the token x_{t+1} the target chose from it, and guesses the token k places after that, x_{t+k+1}.
+Each head is one residual block, z + SiLU(W z + b), followed by the target's LM head restricted to a draft
 vocabulary: the tokens the target itself produced most often on the training prompts (FR-Spec's idea). On
 a small model the LM head is a fifth of the weights; 4,096 of SmolLM2's 49,152 rows cost each head 1/12 of
 that, and a token outside them is simply never drafted.
 
 The heads come from `sobrio train-draft` (spec/train.py): a folder with `draft_heads.safetensors` (the blocks,
-the draft vocabulary's ids and its rows of the target's head) and `config.json`.
+the draft vocabulary's ids, its rows of the target's head and input embedding) and `config.json`.
 """
 
 import json
@@ -42,23 +42,42 @@ class ResBlock(torch.nn.Module):
 
 
 class DraftHeads(torch.nn.Module):
-    def __init__(self, config: DraftHeadsConfig, vocab_ids: torch.Tensor, head_rows: torch.Tensor):
+    """Reads h_t and the token it produced, x_{t+1} (its input embedding; Hydra's and EAGLE's point: the heads
+    know which of the target's candidates was chosen): z = W [h_t; e(x_{t+1})], then head k is
+    block_k(z) against the draft vocabulary's head rows. A token outside the draft vocabulary embeds as 0."""
+
+    def __init__(self, config: DraftHeadsConfig, vocab_ids: torch.Tensor, head_rows: torch.Tensor,
+                 embed_rows: torch.Tensor):
         super().__init__()
-        assert head_rows.shape == (config.draft_vocab_size, config.hidden_size) and len(vocab_ids) == len(head_rows)
+        d = config.hidden_size
+        assert head_rows.shape == embed_rows.shape == (config.draft_vocab_size, d) and len(vocab_ids) == len(head_rows)
+        assert bool((vocab_ids[1:] > vocab_ids[:-1]).all()), "draft vocabulary: sorted token ids"
         self.config = config
-        self.blocks = torch.nn.ModuleList(ResBlock(config.hidden_size) for _ in range(config.num_heads))
+        self.fuse = torch.nn.Linear(2 * d, d)
+        with torch.no_grad():  # starts as z = h_t
+            self.fuse.weight.zero_()
+            self.fuse.weight[:, :d] = torch.eye(d)
+            self.fuse.bias.zero_()
+        self.blocks = torch.nn.ModuleList(ResBlock(d) for _ in range(config.num_heads))
         self.register_buffer("vocab_ids", vocab_ids.long())
         self.register_buffer("head_rows", head_rows.float())  # frozen: the target's head, draft vocabulary only
+        self.register_buffer("embed_rows", embed_rows.float())  # frozen: the target's input embeddings of it
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, d] -> [N, heads, draft vocabulary]."""
-        hidden = hidden.float()
-        return torch.stack([block(hidden) @ self.head_rows.T for block in self.blocks], dim=1)
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[N] target token ids -> [N, d]: their embedding in the draft vocabulary, 0 outside it."""
+        index = torch.searchsorted(self.vocab_ids, tokens).clamp(max=len(self.vocab_ids) - 1)
+        inside = self.vocab_ids[index] == tokens
+        return self.embed_rows[index] * inside[:, None]
+
+    def logits(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """hidden [N, d] and the tokens they produced [N] -> [N, heads, draft vocabulary]."""
+        z = self.fuse(torch.cat([hidden.float(), self.embed(tokens)], dim=-1))
+        return torch.stack([block(z) @ self.head_rows.T for block in self.blocks], dim=1)
 
     @torch.inference_mode()
-    def propose(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, d] -> [N, heads] token ids of the target's vocabulary: each head's most likely token."""
-        return self.vocab_ids[self.logits(hidden).argmax(dim=-1)]
+    def propose(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """-> [N, heads] token ids of the target's vocabulary: each head's most likely token."""
+        return self.vocab_ids[self.logits(hidden, tokens).argmax(dim=-1)]
 
     def save(self, folder: Path) -> None:
         folder.mkdir(parents=True, exist_ok=True)
@@ -74,7 +93,7 @@ class DraftHeads(torch.nn.Module):
                               "`sobrio train-draft` writes them)", "--speculative-config")
         config = DraftHeadsConfig(**json.loads((folder / CONFIG).read_text()))
         tensors = load_file(str(folder / WEIGHTS))
-        heads = cls(config, tensors["vocab_ids"], tensors["head_rows"])
+        heads = cls(config, tensors["vocab_ids"], tensors["head_rows"], tensors["embed_rows"])
         heads.load_state_dict(tensors)
         return heads.eval()
 
@@ -93,5 +112,7 @@ class DraftHeadProposer:
         todo = [(req, limit) for req, limit in todo if req.request_id in hidden]
         if not todo:
             return {}
-        guesses = self.heads.propose(torch.stack([hidden[req.request_id] for req, _ in todo]))[:, :self.k].tolist()
+        rows = torch.stack([hidden[req.request_id] for req, _ in todo])
+        newest = torch.tensor([req.output_token_ids[-1] for req, _ in todo])
+        guesses = self.heads.propose(rows, newest)[:, :self.k].tolist()
         return {req.request_id: row[:limit] for (req, limit), row in zip(todo, guesses)}

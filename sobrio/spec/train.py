@@ -4,7 +4,8 @@
    engine: the heads learn what this model says, not what a dataset says (Medusa-2's self-distillation).
 2. transformers computes the target's last hidden states over prompt + answer, once.
 3. The draft vocabulary is the answers' most frequent tokens; each head is trained with cross-entropy to
-   guess the token k + 1 places ahead from each answer position, with the head rows frozen.
+   guess, from each position's hidden state and the token it produced, the token k places after that,
+   with the head and embedding rows frozen.
 A tenth of the answers is held out: their top-1 accuracy per head is what the drafts' acceptance will be
 near. The folder gets the heads, `config.json`, `training.json` (figures) and `loss.png`.
 """
@@ -78,37 +79,39 @@ def draft_vocabulary(answers: Answers, size: int) -> torch.Tensor:
     return torch.tensor(sorted(t for t, _ in counts.most_common(size)), dtype=torch.long)
 
 
-def training_pairs(answers: Answers, hidden: list[torch.Tensor], num_heads: int,
-                   vocab_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hidden [N, d], labels [N, heads] in the draft vocabulary: IGNORE past the end, OUTSIDE for a token
-    not in it), one row per position from the last prompt token to the answer's end."""
+def training_pairs(answers: Answers, hidden: list[torch.Tensor], num_heads: int, vocab_ids: torch.Tensor,
+                   vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(hidden [N, d], the token each produced [N], labels [N, heads] in the draft vocabulary: IGNORE past
+    the end, OUTSIDE for a token not in it), one row per position from the last prompt token to the one
+    before the answer's end."""
     index = torch.full((vocab_size,), OUTSIDE, dtype=torch.long)
     index[vocab_ids] = torch.arange(len(vocab_ids))
-    xs, ys = [], []
+    xs, ts, ys = [], [], []
     for seq, start, h in zip(answers.sequences, answers.starts, hidden):
         ids = torch.tensor(seq + [IGNORE] * (num_heads + 1))
         positions = torch.arange(start - 1, len(seq) - 1)
         ahead = torch.stack([ids[positions + 1 + k] for k in range(1, num_heads + 1)], dim=1)
         ys.append(torch.where(ahead >= 0, index[ahead.clamp(min=0)], IGNORE))
         xs.append(h[positions])
-    return torch.cat(xs), torch.cat(ys)
+        ts.append(ids[positions + 1])
+    return torch.cat(xs), torch.cat(ts), torch.cat(ys)
 
 
-def head_loss(heads: DraftHeads, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def head_loss(heads: DraftHeads, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Cross-entropy over the draft vocabulary; positions past the end or outside it (OUTSIDE) do not count."""
     labels = torch.where(y == OUTSIDE, IGNORE, y).flatten()
-    return torch.nn.functional.cross_entropy(heads.logits(x).flatten(0, 1), labels, ignore_index=IGNORE)
+    return torch.nn.functional.cross_entropy(heads.logits(x, t).flatten(0, 1), labels, ignore_index=IGNORE)
 
 
 @torch.no_grad()
-def top1_accuracy(heads: DraftHeads, x: torch.Tensor, y: torch.Tensor) -> list[float]:
+def top1_accuracy(heads: DraftHeads, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> list[float]:
     """Per head, the share of positions whose guess is right (a token outside the draft vocabulary: a miss)."""
-    guess, valid = heads.logits(x).argmax(-1), y != IGNORE
+    guess, valid = heads.logits(x, t).argmax(-1), y != IGNORE
     return [float(((guess[:, k] == y[:, k]) & valid[:, k]).sum() / valid[:, k].sum().clamp(min=1))
             for k in range(y.shape[1])]
 
 
-def train(heads: DraftHeads, x: torch.Tensor, y: torch.Tensor, epochs: int, lr: float,
+def train(heads: DraftHeads, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor, epochs: int, lr: float,
           batch_size: int = 512) -> list[float]:
     """AdamW over shuffled batches; the loss of every step."""
     params = [p for p in heads.parameters() if p.requires_grad]
@@ -119,7 +122,7 @@ def train(heads: DraftHeads, x: torch.Tensor, y: torch.Tensor, epochs: int, lr: 
     with tqdm(total=steps, desc="training draft heads") as bar:
         for _ in range(epochs):
             for batch in torch.randperm(len(x), generator=generator).split(batch_size):
-                loss = head_loss(heads, x[batch], y[batch])
+                loss = head_loss(heads, x[batch], t[batch], y[batch])
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()
@@ -158,19 +161,20 @@ def train_draft(model: str, out: Path, num_heads: int = 3, draft_vocab_size: int
     train_part = Answers(answers.sequences[held:], answers.starts[held:])
     vocab_ids = draft_vocabulary(train_part, draft_vocab_size)
     head = hf.get_output_embeddings().weight.detach().float()
+    embed = hf.get_input_embeddings().weight.detach().float()
     config = DraftHeadsConfig(num_heads, head.shape[1], vocab_size, len(vocab_ids), model)
-    heads = DraftHeads(config, vocab_ids, head[vocab_ids])
-    x, y = training_pairs(train_part, hidden[held:], num_heads, vocab_ids, vocab_size)
-    x_held, y_held = training_pairs(Answers(answers.sequences[:held], answers.starts[:held]), hidden[:held],
-                                    num_heads, vocab_ids, vocab_size)
-    before = top1_accuracy(heads, x_held, y_held)
-    losses = train(heads, x, y, epochs, lr)
+    heads = DraftHeads(config, vocab_ids, head[vocab_ids], embed[vocab_ids])
+    x, t, y = training_pairs(train_part, hidden[held:], num_heads, vocab_ids, vocab_size)
+    held_out = training_pairs(Answers(answers.sequences[:held], answers.starts[:held]), hidden[:held],
+                              num_heads, vocab_ids, vocab_size)
+    before = top1_accuracy(heads, *held_out)
+    losses = train(heads, x, t, y, epochs, lr)
     heads.save(out)
     plot_losses(losses, out / "loss.png")
     figures = {"model": model, "prompts": len(prompts), "held_out_prompts": held, "positions": len(x),
                "draft_vocab_size": len(vocab_ids), "num_heads": num_heads, "epochs": epochs,
                "final_loss": sum(losses[-20:]) / len(losses[-20:]),
-               "held_out_top1_before": before, "held_out_top1": top1_accuracy(heads, x_held, y_held),
+               "held_out_top1_before": before, "held_out_top1": top1_accuracy(heads, *held_out),
                "seconds": time.monotonic() - started,
                "bytes": (out / "draft_heads.safetensors").stat().st_size}
     (out / "training.json").write_text(json.dumps(figures, indent=2) + "\n")

@@ -135,12 +135,13 @@ def test_bad_speculative_configs_are_refused_naming_the_problem(spec, message):
 
 @pytest.fixture(scope="module")
 def untrained_heads(tmp_path_factory, smollm2) -> Path:
-    """Three draft heads as `sobrio train-draft` starts them (each block the identity), over SmolLM2's first
-    8,192 token ids: drafts that are sometimes right, enough to exercise acceptance and rejection."""
+    """Three draft heads as `sobrio train-draft` starts them (each block the identity, so each guesses the
+    target's own next token from h_t), over SmolLM2's first 8,192 token ids: drafts that are sometimes right
+    (repeats), enough to exercise acceptance and rejection."""
     head = smollm2.engine.runner.model.lm_head_weight().float()
     vocab = torch.arange(8192)
     config = DraftHeadsConfig(3, head.shape[1], head.shape[0], len(vocab), "smollm2-135m")
-    heads = DraftHeads(config, vocab, head[vocab])
+    heads = DraftHeads(config, vocab, head[vocab], head[vocab])  # tied: the head's rows are the embedding's
     folder = tmp_path_factory.mktemp("heads")
     heads.save(folder)
     return folder
@@ -160,7 +161,8 @@ def test_greedy_output_is_the_same_with_draft_heads(smollm2, untrained_heads):
 
 def test_draft_heads_for_another_vocabulary_are_refused(tmp_path):
     vocab = torch.arange(16)
-    DraftHeads(DraftHeadsConfig(2, 576, 32000, 16, "another-model"), vocab, torch.zeros(16, 576)).save(tmp_path)
+    rows = torch.zeros(16, 576)
+    DraftHeads(DraftHeadsConfig(2, 576, 32000, 16, "another-model"), vocab, rows, rows).save(tmp_path)
     spec = {"method": "medusa", "model": str(tmp_path), "num_speculative_tokens": 2}
     with pytest.raises(ConfigError, match="trained for a vocabulary of 32000 tokens .* this model has 49152"):
         LLM("smollm2-135m", **engine_kwargs(speculative_config=spec))

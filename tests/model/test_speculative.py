@@ -58,11 +58,13 @@ def test_greedy_output_is_the_same_with_drafts_chunked_and_cached(alias, request
 def test_greedy_output_is_the_same_across_preemption(smollm2):
     tokenizer = smollm2.get_tokenizer()
     prompts = [{"prompt_token_ids": p, "cache_salt": str(i)} for i, p in enumerate(grounded_prompts(tokenizer))]
-    params = SamplingParams(temperature=0, max_tokens=40)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     expected = _ids(smollm2.generate(prompts, params, use_tqdm=False))
+    # 12 blocks of 16 = 192 tokens of KV for the 376 the five need at their end: preemption is certain
     block_bytes = 2 * 30 * 16 * 3 * 64 * 4
-    tight = LLM("smollm2-135m", **engine_kwargs(kv_cache_memory=20 * block_bytes, max_model_len=320,
+    tight = LLM("smollm2-135m", **engine_kwargs(kv_cache_memory=12 * block_bytes, max_model_len=192,
                                                 speculative_config=NGRAM))
+    assert tight.engine.scheduler.pool.num_blocks == 12
     assert _ids(tight.generate(prompts, params, use_tqdm=False)) == expected
     assert tight.engine.scheduler.num_preemptions > 0
     assert tight.engine.core.stats()["spec_decode"]["num_accepted_tokens"] > 0

@@ -81,7 +81,7 @@ class DraftHeads(torch.nn.Module):
 
     def save(self, folder: Path) -> None:
         folder.mkdir(parents=True, exist_ok=True)
-        tensors = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        tensors = {k: v.detach().clone() for k, v in self.state_dict().items()}  # tied rows may share storage
         save_file(tensors, str(folder / WEIGHTS))
         (folder / CONFIG).write_text(json.dumps(asdict(self.config), indent=2) + "\n")
 

@@ -1,9 +1,11 @@
 """The matmuls of a SmolLM2-135M decode step (30 layers' qkv, o, gate_up and down, then the LM head: 270 MB
 of bf16 weights, read from memory as a step reads them) through each kernel at a given row count:
-oneDNN with its packed weight, the C++ AMX kernel, and the C++ GEMV. Prints ms per step's matmuls and the
-weight bytes per second. Run it on a quiet machine; `--threads 1` times CPU, so it holds up under load.
+aten (F.linear), oneDNN with its packed weight, the C++ AMX kernel, the C++ GEMV and the C++ lane kernel
+(`invariant_linear`: what float32 takes on an AVX2-only CPU). Prints ms per step's matmuls, the weight
+bytes per second, and aten's time over the fastest other kernel's. Run it on a quiet machine;
+`--threads 1` times CPU, so it holds up under load.
 
-    .venv/bin/python benchmarks/linear_kernels.py [--rows 1 4 8 32 64 128 512] [--threads 2]
+    .venv/bin/python benchmarks/linear_kernels.py [--rows 1 4 8 32 64 128 512] [--threads 2] [--dtype float32]
 """
 
 import argparse
@@ -14,31 +16,35 @@ import sobrio  # noqa: F401  (first: it sets the OpenMP thread policy before tor
 # isort: on
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
-from sobrio.layers.cpu_ops import amx_available, cpu_ops, gemv_available  # noqa: E402
+from sobrio.layers.cpu_ops import amx_available, cpu_ops, gemv_available, invariant_linear_available  # noqa: E402
 from sobrio.layers.linear import amx_pack_weight, pack_weight  # noqa: E402
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): qkv, o, gate_up, down
 LAYERS, VOCAB, HIDDEN = 30, 49152, 576
 
 
-def weights() -> list[torch.Tensor]:
-    layers = [torch.randn(n, k).bfloat16() for _ in range(LAYERS) for (n, k) in LAYER_SHAPES]
-    return layers + [torch.randn(VOCAB, HIDDEN).bfloat16()]
+def weights(dtype: torch.dtype) -> list[torch.Tensor]:
+    layers = [torch.randn(n, k).to(dtype) for _ in range(LAYERS) for (n, k) in LAYER_SHAPES]
+    return layers + [torch.randn(VOCAB, HIDDEN).to(dtype)]
 
 
 def kernels(ws: list[torch.Tensor], rows: int) -> dict:
-    """name -> a function running every matmul once with `rows` input rows."""
-    xs = {k: torch.randn(rows, k).bfloat16() for k in {w.shape[1] for w in ws}}
-    found = {}
+    """name -> a function running every matmul once with `rows` input rows (the kernels this CPU has)."""
+    xs = {k: torch.randn(rows, k).to(ws[0].dtype) for k in {w.shape[1] for w in ws}}
+    found = {"aten": lambda: [F.linear(xs[w.shape[1]], w) for w in ws]}
     dnn = [pack_weight(w) for w in ws]
-    found["oneDNN"] = lambda: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
-                               for w, p in zip(ws, dnn)]
-    if amx_available():
-        amx = [amx_pack_weight(w) for w in ws]
+    if all(p is not None for p in dnn):
+        found["oneDNN"] = lambda: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+                                   for w, p in zip(ws, dnn)]
+    amx = [amx_pack_weight(w) for w in ws]
+    if amx_available() and all(p is not None for p in amx):
         found["AMX"] = lambda: [cpu_ops().amx_linear(xs[w.shape[1]], p, w.shape[0]) for w, p in zip(ws, amx)]
-    if gemv_available() and rows <= 8:
+    if gemv_available() and ws[0].dtype == torch.bfloat16 and rows <= 8:
         found["GEMV"] = lambda: [cpu_ops().gemv_bf16(xs[w.shape[1]], w) for w in ws]
+    if invariant_linear_available() and rows <= 64:
+        found["C++ lanes"] = lambda: [cpu_ops().invariant_linear(xs[w.shape[1]], w) for w in ws]
     return found
 
 
@@ -47,11 +53,12 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 32, 64, 128, 512])
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     clock = time.process_time if args.threads == 1 else time.perf_counter
-    ws = weights()
-    total = sum(w.numel() * 2 for w in ws)
+    ws = weights(getattr(torch, args.dtype))
+    total = sum(w.numel() * w.element_size() for w in ws)
     for rows in args.rows:
         found, best = kernels(ws, rows), {}
         for _ in range(args.repeats):  # interleaved, so a burst of load hits every kernel alike
@@ -60,8 +67,10 @@ def main() -> None:
                 run()
                 best[name] = min(best.get(name, float("inf")), clock() - start)
         cells = "  ".join(f"{n} {t * 1e3:6.1f} ms ({total / t / 1e9:4.1f} GB/s)" for n, t in best.items())
-        print(f"rows {rows:4d}, {args.threads} thread(s): {cells}  | oneDNN/AMX "
-              f"{best['oneDNN'] / best['AMX']:.2f}x" if "AMX" in best else f"rows {rows:4d}: {cells}")
+        others = {n: t for n, t in best.items() if n != "aten"}
+        fastest = min(others, key=others.get) if others else "aten"
+        print(f"rows {rows:4d}, {args.threads} thread(s), {args.dtype}: {cells}  | aten/{fastest} "
+              f"{best['aten'] / best[fastest]:.2f}x", flush=True)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -39,32 +39,74 @@ inline float round_to(float x) { return to_float(static_cast<T>(x)); }
 inline __mmask16 mask16(int64_t remaining) {
   return remaining <= 0 ? 0 : static_cast<__mmask16>((1u << std::min<int64_t>(remaining, 16)) - 1);
 }
-
-// float32 lanes, one FMA per element, 16 elements a step; bf16 and fp16 are widened on load.
-template <typename T_>
-struct LaneDot {
-  using T = T_;
-  using V = __m512;
-  static constexpr int64_t kStep = 16;
-  static __m512 load(const T* p, int64_t remaining);
-  static __m512 madd(__m512 acc, __m512 x, __m512 w) { return _mm512_fmadd_ps(x, w, acc); }
-};
-template <>
-inline __m512 LaneDot<float>::load(const float* p, int64_t remaining) {
-  return remaining >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(mask16(remaining), p);
-}
 inline __m256i load16_raw(const void* p, int64_t remaining) {
   return remaining >= 16 ? _mm256_loadu_si256(static_cast<const __m256i*>(p))
                          : _mm256_maskz_loadu_epi16(mask16(remaining), p);
 }
-template <>
-inline __m512 LaneDot<c10::BFloat16>::load(const c10::BFloat16* p, int64_t remaining) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(load16_raw(p, remaining)), 16));
-}
-template <>
-inline __m512 LaneDot<c10::Half>::load(const c10::Half* p, int64_t remaining) {
-  return _mm512_cvtph_ps(load16_raw(p, remaining));
-}
+
+// The float32 vector the kernel accumulates in: 16 lanes here, 8 on AVX2 (below).
+struct Lanes {
+  using F = __m512;
+  static constexpr int64_t kWidth = 16;
+  static constexpr bool kPairs = true;  // 32 registers: two weight rows per tile past 4 input rows
+  static F zero() { return _mm512_setzero_ps(); }
+  static F fmadd(F acc, F x, F w) { return _mm512_fmadd_ps(x, w, acc); }
+  static float sum(F a, F b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
+  static F load(const float* p, int64_t remaining) {
+    return remaining >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(mask16(remaining), p);
+  }
+  static F load(const c10::BFloat16* p, int64_t remaining) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(load16_raw(p, remaining)), 16));
+  }
+  static F load(const c10::Half* p, int64_t remaining) { return _mm512_cvtph_ps(load16_raw(p, remaining)); }
+};
+
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define SOBRIO_LINEAR 1
+
+// AVX2 without AVX-512 (AMD Zen 2/3, older Intel): 8 float lanes, 16 registers. There MKL's float32 GEMV
+// reads a weight that does not fit the cache at a third of the memory bandwidth and one of 2-8 rows at a
+// sixth; this kernel streams it once for up to 8 rows (`benchmarks/linear_kernels.py`).
+struct Lanes {
+  using F = __m256;
+  static constexpr int64_t kWidth = 8;
+  static constexpr bool kPairs = false;  // 16 registers: 4 rows x 2 accumulators x 2 weight rows would spill
+  static F zero() { return _mm256_setzero_ps(); }
+  static F fmadd(F acc, F x, F w) { return _mm256_fmadd_ps(x, w, acc); }
+  static float sum(F a, F b) {
+    const __m256 s = _mm256_add_ps(a, b);
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+  }
+  static F load(const float* p, int64_t remaining) {
+    if (remaining >= 8) return _mm256_loadu_ps(p);
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::max<int64_t>(remaining, 0))), lanes));
+  }
+  static __m128i load8_raw(const void* p, int64_t remaining) {
+    if (remaining >= 8) return _mm_loadu_si128(static_cast<const __m128i*>(p));
+    uint16_t buf[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    if (remaining > 0) std::memcpy(buf, p, remaining * sizeof(uint16_t));
+    return _mm_loadu_si128(reinterpret_cast<const __m128i*>(buf));
+  }
+  static F load(const c10::BFloat16* p, int64_t remaining) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(load8_raw(p, remaining)), 16));
+  }
+  static F load(const c10::Half* p, int64_t remaining) { return _mm256_cvtph_ps(load8_raw(p, remaining)); }
+};
+#endif
+
+#if defined(SOBRIO_LINEAR)
+// float32 lanes, one FMA per element; bf16 and fp16 are widened on load.
+template <typename T_>
+struct LaneDot {
+  using T = T_;
+  using V = Lanes::F;
+  static constexpr int64_t kStep = Lanes::kWidth;
+  static V load(const T* p, int64_t remaining) { return Lanes::load(p, remaining); }
+  static V madd(V acc, V x, V w) { return Lanes::fmadd(acc, x, w); }
+};
 
 #if defined(__AVX512BF16__)
 // AVX512-BF16: each lane adds a pair of bf16 products, 32 elements a step.
@@ -89,9 +131,9 @@ void linear_tile(const typename Dot::T* x, const typename Dot::T* w, const typen
   using T = typename Dot::T;
   constexpr int64_t S = Dot::kStep;
   for (int64_t n = n_begin; n + kN <= n_end; n += kN) {
-    __m512 a0[kM][kN], a1[kM][kN];
+    Lanes::F a0[kM][kN], a1[kM][kN];
     for (int m = 0; m < kM; ++m)
-      for (int j = 0; j < kN; ++j) a0[m][j] = a1[m][j] = _mm512_setzero_ps();
+      for (int j = 0; j < kN; ++j) a0[m][j] = a1[m][j] = Lanes::zero();
     int64_t k = 0;
     for (; k + 2 * S <= K; k += 2 * S) {
       typename Dot::V w0[kN], w1[kN];
@@ -109,7 +151,7 @@ void linear_tile(const typename Dot::T* x, const typename Dot::T* w, const typen
     }
     for (int j = 0; j < kN; ++j) {
       const float b = bias ? to_float(bias[n + j]) : 0.f;
-      for (int m = 0; m < kM; ++m) y[m * N + n + j] = static_cast<T>(_mm512_reduce_add_ps(_mm512_add_ps(a0[m][j], a1[m][j])) + b);
+      for (int m = 0; m < kM; ++m) y[m * N + n + j] = static_cast<T>(Lanes::sum(a0[m][j], a1[m][j]) + b);
     }
   }
 }
@@ -128,14 +170,15 @@ template <class Dot>
 void linear_block(const typename Dot::T* x, const typename Dot::T* w, const typename Dot::T* bias,
                   typename Dot::T* y, int64_t M, int64_t N, int64_t K, int64_t begin, int64_t end) {
   const bool many = M > 4;
+  const bool pairs = many && Lanes::kPairs;
   const int64_t block = many ? std::max<int64_t>(8, (256 << 10) / (K * sizeof(typename Dot::T))) : end - begin;
   for (int64_t nb = begin; nb < end; nb += block) {
     const int64_t ne = std::min(end, nb + block);
     int64_t m = 0;
-    for (; m + 4 <= M; m += 4) linear_rows<Dot, 4>(x + m * K, w, bias, y + m * N, N, K, nb, ne, many);
-    if (M - m == 3) linear_rows<Dot, 3>(x + m * K, w, bias, y + m * N, N, K, nb, ne, many);
-    if (M - m == 2) linear_rows<Dot, 2>(x + m * K, w, bias, y + m * N, N, K, nb, ne, many);
-    if (M - m == 1) linear_rows<Dot, 1>(x + m * K, w, bias, y + m * N, N, K, nb, ne, many);
+    for (; m + 4 <= M; m += 4) linear_rows<Dot, 4>(x + m * K, w, bias, y + m * N, N, K, nb, ne, pairs);
+    if (M - m == 3) linear_rows<Dot, 3>(x + m * K, w, bias, y + m * N, N, K, nb, ne, pairs);
+    if (M - m == 2) linear_rows<Dot, 2>(x + m * K, w, bias, y + m * N, N, K, nb, ne, pairs);
+    if (M - m == 1) linear_rows<Dot, 1>(x + m * K, w, bias, y + m * N, N, K, nb, ne, pairs);
   }
 }
 
@@ -165,7 +208,7 @@ torch::Tensor linear_run(const torch::Tensor& x, const torch::Tensor& w, const c
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) { linear_block<Dot>(xp, wp, b, yp, M, N, K, begin, end); });
   return y;
 }
-#endif  // AVX512 F / BW / VL
+#endif  // SOBRIO_LINEAR: AVX-512 F / BW / VL or AVX2
 
 void check_linear(const torch::Tensor& x, const torch::Tensor& w) {
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "x and w: one dtype");
@@ -201,7 +244,7 @@ bool invariant_linear_supported() {
 
 // The batch-invariant linear: float32, bf16 or fp16. For bf16 on AVX512-BF16 it is gemv_bf16 itself.
 torch::Tensor invariant_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(invariant_linear_supported(), "invariant_linear needs AVX-512 (F, BW, VL)");
+  TORCH_CHECK(invariant_linear_supported(), "invariant_linear needs AVX-512 (F, BW, VL) or AVX2 with FMA");
   check_linear(x, w);
 #if defined(SOBRIO_LINEAR)
   switch (x.scalar_type()) {
@@ -484,7 +527,7 @@ void register_cpu_ops(pybind11::module& m) {
   m.def("gemv_supported", &gemv_supported, "whether gemv_bf16 was built (AVX512-BF16)");
   m.def("gemv_bf16", &gemv_bf16, "few-row bf16 matmul x @ w.T (+ bias)", py::arg("x"), py::arg("w"),
         py::arg("bias") = py::none());
-  m.def("invariant_linear_supported", &invariant_linear_supported, "whether invariant_linear was built (AVX-512)");
+  m.def("invariant_linear_supported", &invariant_linear_supported, "whether invariant_linear was built (AVX-512 or AVX2)");
   m.def("invariant_linear", &invariant_linear, "x @ w.T (+ bias), each row's result independent of the others",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally adding x into residual first");

@@ -16,6 +16,12 @@ the weight packed in its tile layout and prefetched ahead: a step's matmuls then
 1.2x as fast as oneDNN's and the GEMV's at 1 to 64 rows (`benchmarks/linear_kernels.py --threads 1`),
 and a batch-32 decode step of SmolLM2-135M spends 15-20% less CPU time. Past that, prompt chunks are
 compute-bound and oneDNN's blocking wins. Its results equal aten's to rounding.
+
+On a CPU with AVX2 and no AVX-512 (AMD Zen 2/3), where `--dtype auto` is float32, MKL's float32 matmul reads
+a weight that is not in cache at 13 GB/s for one row and 6 GB/s for 2 to 16, of 38 GB/s the machine reads.
+There up to `FP32_KERNEL_MAX_ROWS` rows take the same C++ kernel in 8-lane form: 2x for one row, 3-4.6x
+for 2 to 8 (which is what speculative decoding verifies), 1.2-1.9x up to 48, where MKL's blocking catches up
+(`benchmarks/linear_kernels.py --dtype float32`). Unmeasured on AVX-512 CPUs, so float32 keeps aten there.
 """
 
 import functools
@@ -27,6 +33,7 @@ from sobrio.layers.cpu_ops import amx_available, cpu_ops, gemv_available, invari
 
 GEMV_MAX_ROWS = 4
 AMX_MAX_ROWS = 64
+FP32_KERNEL_MAX_ROWS = 48
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -43,6 +50,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             return cpu_ops().gemv_bf16(x, weight, bias)
         if packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    elif x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= FP32_KERNEL_MAX_ROWS and fp32_kernel_wins():
+        return cpu_ops().invariant_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -50,6 +59,12 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     """x @ weight.T + bias, each row's result the same whatever rows come with it."""
     assert x.dim() == 2 and invariant_linear_available(), "batch-invariant matmul: 2-D input, C++ operators"
     return cpu_ops().invariant_linear(x, weight, bias)
+
+
+@functools.cache
+def fp32_kernel_wins() -> bool:
+    """Whether few-row float32 matmuls take the C++ kernel: built, and the CPU is AVX2 without AVX-512."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX2" and invariant_linear_available()
 
 
 @functools.cache

@@ -9,7 +9,7 @@ from sobrio.layers.cpu_ops import invariant_linear_available
 from tests.conftest import engine_kwargs
 from tests.model.reference import mixed_prompts
 
-pytestmark = pytest.mark.skipif(not invariant_linear_available(), reason="needs the C++ operators and AVX-512")
+pytestmark = pytest.mark.skipif(not invariant_linear_available(), reason="needs the C++ operators and AVX-512 or AVX2")
 
 SENTENCES = [
     "The cat sat on the warm mat by the window.", "Rivers carry water and sand down to the sea.",

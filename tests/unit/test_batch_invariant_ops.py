@@ -8,10 +8,10 @@ import torch.nn.functional as F
 from sobrio.errors import InvalidRequestError
 from sobrio.layers.attention import AttentionMetadata, BatchInvariantAttention, ReferenceAttention
 from sobrio.layers.cpu_ops import cpu_ops, gemv_available, invariant_linear_available
-from sobrio.layers.linear import Linear, invariant_linear
+from sobrio.layers.linear import FP32_KERNEL_MAX_ROWS, Linear, fp32_kernel_wins, invariant_linear, linear
 from sobrio.models.registry import check_batch_invariant
 
-pytestmark = pytest.mark.skipif(not invariant_linear_available(), reason="needs the C++ operators and AVX-512")
+pytestmark = pytest.mark.skipif(not invariant_linear_available(), reason="needs the C++ operators and AVX-512 or AVX2")
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
@@ -40,6 +40,17 @@ def test_bf16_linear_is_the_default_gemv():
     x, w = torch.randn(4, 576, generator=gen).bfloat16(), torch.randn(960, 576, generator=gen).bfloat16()
     for rows in range(1, 5):
         assert torch.equal(cpu_ops().gemv_bf16(x[:rows], w), invariant_linear(x[:rows], w))
+
+
+@pytest.mark.skipif(not fp32_kernel_wins(), reason="float32 takes the C++ kernel on AVX2-only CPUs")
+def test_float32_few_rows_take_the_lane_kernel():
+    """Where MKL reads a weight at a third of the bandwidth, few-row float32 matmuls are the C++ kernel's."""
+    gen = torch.Generator().manual_seed(7)
+    x, w = torch.randn(FP32_KERNEL_MAX_ROWS + 1, 576, generator=gen), torch.randn(960, 576, generator=gen)
+    bias = torch.randn(960, generator=gen)
+    for rows in (1, 5, FP32_KERNEL_MAX_ROWS):
+        assert torch.equal(linear(x[:rows], w, bias), invariant_linear(x[:rows], w, bias)), rows
+    torch.testing.assert_close(linear(x, w, bias), F.linear(x, w, bias), atol=1e-4, rtol=1e-5)  # aten past it
 
 
 def test_linear_module_in_batch_invariant_mode_keeps_no_packed_copy():

@@ -33,9 +33,26 @@ def _best_time(fn, repeats: int = 5) -> float:
     return best
 
 
+PROBE_SECONDS = 0.2  # a peak probe grows its matrices until one product takes this long
+
+
+def sized_rate(matmul_of_size: Callable[[int], Callable[[], object]], n_max: int) -> float:
+    """Multiply-adds x 2 per second of an n x n by n x n product, n doubling from 128 until one takes
+    PROBE_SECONDS or reaches n_max: a slow kernel (bf16 without hardware support, int8 without VNNI, where
+    a 2048 product takes seconds) is timed small, and the report comes in seconds, not minutes."""
+    n = min(128, n_max)
+    while True:
+        seconds = _best_time(matmul_of_size(n), repeats=5 if n >= n_max else 2)
+        if seconds >= PROBE_SECONDS or n >= n_max:
+            return 2 * n ** 3 / seconds
+        n = min(2 * n, n_max)
+
+
 def peak_matmul_flops(dtype: torch.dtype, n: int = 2048) -> float:
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    return 2 * n ** 3 / _best_time(lambda: torch.mm(a, b))
+    def matmul(size: int) -> Callable[[], torch.Tensor]:
+        a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+        return lambda: torch.mm(a, b)
+    return sized_rate(matmul, n)
 
 
 def int8_matmul_kernels(n: int) -> dict[str, Callable[[], torch.Tensor]]:
@@ -58,7 +75,8 @@ def int8_matmul_kernels(n: int) -> dict[str, Callable[[], torch.Tensor]]:
 
 def peak_int8_ops(n: int = 2048) -> tuple[float, str]:
     """(int8 ops/s, kernel) of the fastest int8 matmul kernel: the ceiling of W8A8 at large batches."""
-    rates = {name: 2 * n ** 3 / _best_time(fn) for name, fn in int8_matmul_kernels(n).items()}
+    rates = {name: sized_rate(lambda size, name=name: int8_matmul_kernels(size)[name], n)
+             for name in int8_matmul_kernels(16)}
     best = max(rates, key=rates.get)
     return rates[best], best
 
@@ -148,12 +166,13 @@ def add_roofline_args(parser) -> None:
 def machine_peaks() -> dict[str, float]:
     """This machine's peak rates (per second; the floors divide by them), printed on one line with the
     int8 kernel that set int8's."""
+    print("measuring this machine's matmul peaks and memory bandwidth (about half a minute) ...", flush=True)
     int8, kernel = peak_int8_ops()
     peaks = {"bf16": peak_matmul_flops(torch.bfloat16), "fp32": peak_matmul_flops(torch.float32),
              "int8": int8, "bandwidth": memory_bandwidth()}
     print(f"machine: bf16 matmul {peaks['bf16'] / 1e12:.2f} TFLOP/s, fp32 matmul {peaks['fp32'] / 1e12:.2f} "
           f"TFLOP/s, int8 matmul {int8 / 1e12:.2f} TOPS ({kernel}), memory read {peaks['bandwidth'] / 1e9:.1f} "
-          f"GB/s, {torch.get_num_threads()} threads")
+          f"GB/s, {torch.get_num_threads()} threads", flush=True)
     return peaks
 
 

@@ -3,9 +3,11 @@
 `{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}` proposes the
 tokens that followed the latest earlier occurrence of the sequence's last n tokens (prompt lookup);
 `{"method": "medusa", "model": FOLDER, "num_speculative_tokens": 3}` drafts with heads `sobrio train-draft`
-trained for the model (spec/medusa.py). `disable_by_batch_size` turns speculation off for a step with more
-requests running than that (vLLM's key); `min_acceptance_rate` (sobrio's) stops it for a request whose drafts
-are rarely accepted.
+trained for the model (spec/medusa.py); `{"method": "layer_skip", "exit_layer": 15, "num_speculative_tokens": 3}`
+drafts with the model itself cut after its first `exit_layer` layers (LayerSkip's self-speculation: no second
+model, the draft's KV is the model's own for those layers; spec/layer_skip.py). `disable_by_batch_size` turns
+speculation off for a step with more requests running than that (vLLM's key); `min_acceptance_rate` (sobrio's)
+stops it for a request whose drafts are rarely accepted.
 """
 
 import argparse
@@ -17,11 +19,11 @@ from sobrio.config.fields import Checked, flag
 from sobrio.errors import ConfigError
 
 OPTION = "--speculative-config"
-METHODS = ("ngram", "medusa")
+METHODS = ("ngram", "medusa", "layer_skip")
 NOT_YET = ("draft_model", "eagle", "eagle3", "mlp_speculator", "deepseek_mtp")
 DEFAULTS: dict[str, Any] = {"method": None, "num_speculative_tokens": None, "prompt_lookup_min": 2,
                             "prompt_lookup_max": 5, "disable_by_batch_size": 8, "min_acceptance_rate": 0.1,
-                            "model": None}
+                            "model": None, "exit_layer": None}
 
 
 def json_object(text: str) -> dict:
@@ -74,6 +76,9 @@ class SpeculativeConfig(Checked):
                  f"num_speculative_tokens must be an integer in [1, 16], got {k!r}")
         _require(method != "medusa" or isinstance(spec["model"], str),
                  'method "medusa" needs "model": the folder `sobrio train-draft` wrote')
+        exit_layer = spec["exit_layer"]
+        _require(exit_layer is None or (isinstance(exit_layer, int) and exit_layer >= 1),
+                 f"exit_layer must be an integer >= 1 (the layers the draft runs; unset: half), got {exit_layer!r}")
         low, high = spec["prompt_lookup_min"], spec["prompt_lookup_max"]
         _require(isinstance(low, int) and isinstance(high, int) and 1 <= low <= high,
                  "prompt_lookup_min and prompt_lookup_max must be integers with 1 <= min <= max, "

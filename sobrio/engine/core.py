@@ -22,7 +22,7 @@ from sobrio.loader.load import LoadedModelFiles, load_tokenizer
 from sobrio.sample.params import SamplingParams
 from sobrio.sample.rejection import verify
 from sobrio.sample.sampler import SampledToken, Sampler
-from sobrio.spec.speculator import Speculator
+from sobrio.spec.speculator import ModelAccess, Speculator
 from sobrio.structured.backend import GrammarCompiler
 from sobrio.structured.manager import StructuredOutputManager
 
@@ -96,8 +96,9 @@ class EngineCore:
         speculative = config.speculative_config
         self.speculator = None
         if speculative.enabled:
-            vocab_size = self.executor.runner.hf_config.vocab_size
-            self.speculator = Speculator(speculative, self.max_model_len, vocab_size)
+            access = ModelAccess(self.executor.runner.hf_config.vocab_size, self.executor.num_layers,
+                                 self.executor.draft_by_early_exit, self.scheduler.kv.allocate_slots)
+            self.speculator = Speculator(speculative, self.max_model_len, access)
 
     # ---- requests in ----
     def add_request(self, creq: EngineCoreRequest) -> None:

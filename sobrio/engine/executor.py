@@ -30,6 +30,14 @@ class Executor:
         prompt log-probabilities of the requests that want them go into `prompt_logprobs` (by request id)."""
         return self.runner.execute(out, prompt_logprobs)
 
+    def draft_by_early_exit(self, reqs: list, num_tokens: list[int], exit_layer: int) -> list[list[int]]:
+        """Self-speculative drafts: `ModelRunner.draft_by_early_exit`."""
+        return self.runner.draft_by_early_exit(reqs, num_tokens, exit_layer)
+
+    @property
+    def num_layers(self) -> int:
+        return self.runner.kv_spec.num_layers
+
     @property
     def sampled_hidden(self) -> torch.Tensor:
         """The last step's final hidden states at the rows its logits came from, in the same order."""

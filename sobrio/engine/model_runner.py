@@ -98,17 +98,45 @@ class ModelRunner:
             query_start_loc.append(query_start_loc[-1] + num_new)
             if end >= req.num_tokens:
                 sample_rows += range(query_start_loc[-1] - 1 - len(drafts), query_start_loc[-1])
-        width = max(len(req.block_table) for req, _ in out.scheduled)
-        block_tables = torch.tensor([req.block_table + [0] * (width - len(req.block_table))
-                                     for req, _ in out.scheduled], dtype=torch.long)
         positions_t = torch.tensor(positions, dtype=torch.long)
         seq_of_token = torch.repeat_interleave(torch.arange(len(context_lens)),
                                                torch.tensor(query_start_loc[1:]) - torch.tensor(query_start_loc[:-1]))
-        block_ids = block_tables[seq_of_token, positions_t // self.block_size]
-        slot_mapping = block_ids * self.block_size + positions_t % self.block_size
-        meta = AttentionMetadata(slot_mapping, query_start_loc, context_lens, block_tables, self.block_size,
-                                 self.kv_cache)
+        meta = self._metadata([req for req, _ in out.scheduled], seq_of_token, positions_t, query_start_loc,
+                              context_lens)
         return torch.tensor(input_ids), positions_t, meta, torch.tensor(sample_rows, dtype=torch.long)
+
+    def _metadata(self, reqs: list, seq_of_token: torch.Tensor, positions: torch.Tensor,
+                  query_start_loc: list[int], context_lens: list[int]) -> AttentionMetadata:
+        """Attention metadata of a flat batch: each token's KV slot comes from its request's block table."""
+        width = max(len(req.block_table) for req in reqs)
+        block_tables = torch.tensor([req.block_table + [0] * (width - len(req.block_table)) for req in reqs],
+                                    dtype=torch.long)
+        block_ids = block_tables[seq_of_token, positions // self.block_size]
+        slot_mapping = block_ids * self.block_size + positions % self.block_size
+        return AttentionMetadata(slot_mapping, query_start_loc, context_lens, block_tables, self.block_size,
+                                 self.kv_cache)
+
+    @torch.inference_mode()
+    def draft_by_early_exit(self, reqs: list, num_tokens: list[int], exit_layer: int) -> list[list[int]]:
+        """Greedy drafts from the model's first `exit_layer` layers, its final norm and its head (LayerSkip's
+        self-speculation): request i gets num_tokens[i] of them. Each pass feeds every request its newest
+        token, at the first position not computed, into the KV cache of those layers; the verifying step
+        rewrites those slots through every layer, so the caller must have allocated them (positions up to
+        num_computed_tokens + num_tokens[i] - 1)."""
+        tokens = [req.all_token_ids[-1] for req in reqs]
+        positions = [req.num_computed_tokens for req in reqs]
+        assert all(p + n <= len(r.block_table) * self.block_size for r, p, n in zip(reqs, positions, num_tokens))
+        drafts: list[list[int]] = [[] for _ in reqs]
+        for step in range(max(num_tokens, default=0)):
+            active = [i for i, n in enumerate(num_tokens) if n > step]
+            pos = torch.tensor([positions[i] + step for i in active], dtype=torch.long)
+            meta = self._metadata([reqs[i] for i in active], torch.arange(len(active)), pos,
+                                  list(range(len(active) + 1)), (pos + 1).tolist())
+            hidden = self.model(torch.tensor([tokens[i] for i in active]), pos, meta, num_layers=exit_layer)
+            for i, token in zip(active, self.model.compute_logits(hidden).argmax(dim=-1).tolist()):
+                tokens[i] = token
+                drafts[i].append(token)
+        return drafts
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, prompt_logprobs: dict | None = None) -> torch.Tensor:

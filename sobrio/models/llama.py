@@ -96,12 +96,14 @@ class DecoderModel(torch.nn.Module):
         self.norm = norm
         self.embed_scale: float | None = None
 
-    def forward(self, input_ids, positions, meta):
+    def forward(self, input_ids, positions, meta, num_layers: int | None = None):
+        """The final norm of the residual stream after all layers, or after the first `num_layers` (an early
+        exit: the self-speculative draft)."""
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         residual = None
-        for layer in self.layers:
+        for layer in self.layers[:num_layers]:
             x, residual = layer(positions, x, residual, meta)
         return self.norm.add_and_norm(x, residual)[0]
 
@@ -180,8 +182,8 @@ class CausalLM(torch.nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
+    def forward(self, input_ids, positions, meta: AttentionMetadata, num_layers: int | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, meta, num_layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.quantized_lm_head is not None:

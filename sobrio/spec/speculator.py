@@ -17,17 +17,32 @@ import torch
 from sobrio.config.speculative import OPTION, SpeculativeConfig
 from sobrio.engine.request import Request
 from sobrio.errors import ConfigError
+from sobrio.spec.layer_skip import Drafter, LayerSkipProposer, Reserve
 from sobrio.spec.medusa import DraftHeadProposer, DraftHeads
 from sobrio.spec.ngram import NgramProposer
 
 PROBATION = 32  # draft tokens a request is judged on before `min_acceptance_rate` can stop it
 
 
-def make_proposer(config: SpeculativeConfig, vocab_size: int):
+class ModelAccess:
+    """What a proposer that runs the served model needs of the engine: the model's size, its early-exit
+    drafts, and KV slots ahead of the scheduler."""
+
+    def __init__(self, vocab_size: int, num_layers: int, draft: Drafter, reserve: Reserve):
+        self.vocab_size, self.num_layers, self.draft, self.reserve = vocab_size, num_layers, draft, reserve
+
+
+def make_proposer(config: SpeculativeConfig, model: ModelAccess):
     """The method's proposer; draft heads trained for another vocabulary (another tokenizer) are refused."""
-    k = config.get("num_speculative_tokens")
+    k, vocab_size = config.get("num_speculative_tokens"), model.vocab_size
     if config.get("method") == "ngram":
         return NgramProposer(config.get("prompt_lookup_min"), config.get("prompt_lookup_max"), k)
+    if config.get("method") == "layer_skip":
+        exit_layer = config.get("exit_layer") or model.num_layers // 2
+        if exit_layer >= model.num_layers:
+            raise ConfigError(f"{OPTION}: exit_layer {exit_layer} must be below the model's {model.num_layers} "
+                              "layers: the draft is the model cut short", OPTION)
+        return LayerSkipProposer(model.draft, model.reserve, exit_layer, k)
     heads = DraftHeads.load(config.get("model"))
     if heads.config.vocab_size != vocab_size:
         raise ConfigError(f"{OPTION}: the draft heads in {config.get('model')} were trained for a vocabulary of "
@@ -40,9 +55,9 @@ def make_proposer(config: SpeculativeConfig, vocab_size: int):
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, vocab_size: int):
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, model: ModelAccess):
         self.k = config.get("num_speculative_tokens")
-        self.proposer = make_proposer(config, vocab_size)
+        self.proposer = make_proposer(config, model)
         self.disable_by_batch_size = config.get("disable_by_batch_size")
         self.min_acceptance_rate = config.get("min_acceptance_rate")
         self.max_model_len = max_model_len

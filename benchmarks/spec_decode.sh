@@ -6,7 +6,7 @@
 #   benchmarks/spec_decode.sh [MODEL] [SPECULATIVE_CONFIG_JSON] [PROMPTS.jsonl] [TAG]
 #   -> results/spec-TAG-{off,on}-{one,batch32}.json, results/spec-TAG-on-metrics.txt, and a summary with ratios
 # Draft heads on open chat prompts (held out from `sobrio train-draft`'s):
-#   .venv/bin/sobrio train-draft smollm2-135m results/heads-smollm2
+#   .venv/bin/sobrio train-draft smollm2-135m results/heads-smollm2   # about 10 minutes on 2 cores
 #   benchmarks/spec_decode.sh smollm2-135m '{"method": "medusa", "model": "results/heads-smollm2",
 #     "num_speculative_tokens": 3}' benchmarks/data/open_chat_prompts.jsonl medusa
 set -euo pipefail
@@ -21,7 +21,14 @@ mkdir -p results
 SERVER=
 stop_server() { if [ -n "$SERVER" ]; then kill "$SERVER" 2>/dev/null || true; wait "$SERVER" 2>/dev/null || true; SERVER=; fi; }
 trap stop_server EXIT INT TERM
-wait_for() { for _ in $(seq 300); do curl -sf "$1" >/dev/null && return 0; sleep 1; done; echo "no answer from $1" >&2; return 1; }
+wait_for() {  # URL: until it answers, the server exits (its log says why), or 300 s pass
+  for _ in $(seq 300); do
+    curl -sf "$1" >/dev/null && return 0
+    kill -0 "$SERVER" 2>/dev/null || { echo "the server exited; see results/spec-$TAG-*-serve.log" >&2; return 1; }
+    sleep 1
+  done
+  echo "no answer from $1 in 300 s" >&2; return 1
+}
 
 run() {  # NAME [serve flags...]
   local name=$1; shift

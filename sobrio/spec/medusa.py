@@ -93,8 +93,12 @@ class DraftHeads(torch.nn.Module):
                               "`sobrio train-draft` writes them)", "--speculative-config")
         config = DraftHeadsConfig(**json.loads((folder / CONFIG).read_text()))
         tensors = load_file(str(folder / WEIGHTS))
-        heads = cls(config, tensors["vocab_ids"], tensors["head_rows"], tensors["embed_rows"])
-        heads.load_state_dict(tensors)
+        try:
+            heads = cls(config, tensors["vocab_ids"], tensors["head_rows"], tensors["embed_rows"])
+            heads.load_state_dict(tensors)
+        except (KeyError, RuntimeError, AssertionError) as exc:  # e.g. heads from before d80f941 (no embed_rows)
+            raise ConfigError(f"--speculative-config: {folder} holds draft heads of another layout ({exc}): train "
+                              "them again with this version's `sobrio train-draft`", "--speculative-config") from None
         return heads.eval()
 
 

@@ -45,11 +45,14 @@ def test_logprobs_match_transformers_logits(alias, request):
             assert top == int(reference[step].argmax())
 
 
+EXHAUSTIVE = pytest.mark.exhaustive  # `make test-exhaustive`: the default run keeps the chunked and uncached ones
+
+
 @pytest.mark.parametrize("overrides", [
     dict(max_num_batched_tokens=16),
-    dict(max_num_seqs=1),
-    dict(max_num_seqs=8, max_num_batched_tokens=64),
-    dict(block_size=32),
+    pytest.param(dict(max_num_seqs=1), marks=EXHAUSTIVE),
+    pytest.param(dict(max_num_seqs=8, max_num_batched_tokens=64), marks=EXHAUSTIVE),
+    pytest.param(dict(block_size=32), marks=EXHAUSTIVE),
     dict(block_size=16, enable_prefix_caching=False),
 ], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
 def test_same_output_under_other_schedules(overrides):

@@ -1,8 +1,11 @@
 """Draft heads (spec/medusa.py) and their training (spec/train.py) on synthetic data: the labels line up with
 the token k + 1 places ahead, training learns a rule the heads can express, and a saved folder loads back."""
 
+import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
+from sobrio.errors import ConfigError
 from sobrio.spec.medusa import DraftHeadProposer, DraftHeads, DraftHeadsConfig
 from sobrio.spec.train import IGNORE, OUTSIDE, Answers, draft_vocabulary, top1_accuracy, train, training_pairs
 
@@ -54,6 +57,17 @@ def test_saved_heads_load_back_and_propose_target_token_ids(tmp_path):
     assert set(loaded.propose(hidden, produced).flatten().tolist()) <= {3, 10, 42, 77, 99}
     assert torch.equal(heads.embed(produced)[2], torch.zeros(8)) and torch.equal(heads.embed(produced)[1],
                                                                                   heads.embed_rows[2])
+
+
+def test_heads_of_an_earlier_layout_are_refused_with_what_to_do(tmp_path):
+    """Heads saved before the token embedding joined them (no embed_rows, no fuse) name the fix."""
+    config = DraftHeadsConfig(2, 8, 100, 5, "m")
+    DraftHeads(config, torch.arange(5), torch.randn(5, 8), torch.randn(5, 8)).save(tmp_path)
+    tensors = load_file(str(tmp_path / "draft_heads.safetensors"))
+    save_file({k: v for k, v in tensors.items() if k not in ("embed_rows", "fuse.weight", "fuse.bias")},
+              str(tmp_path / "draft_heads.safetensors"))
+    with pytest.raises(ConfigError, match="another layout .*embed_rows.* train them again"):
+        DraftHeads.load(tmp_path)
 
 
 class _Req:

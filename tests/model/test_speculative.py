@@ -41,34 +41,25 @@ def _no_blocks_held(llm: LLM) -> bool:
     return pool.num_free == pool.num_blocks and all(b.ref_count == 0 for b in pool.blocks)
 
 
+@pytest.mark.parametrize("method", [NGRAM, LAYER_SKIP], ids=["ngram", "layer_skip"])
 @pytest.mark.parametrize("alias", ["smollm2-135m", "gemma3-270m"])
-def test_greedy_output_is_the_same_with_drafts_chunked_and_cached(alias, request):
+def test_greedy_output_is_the_same_with_drafts_chunked_and_cached(alias, method, request):
+    """Prompt lookup drafts the copies; the model's first layers draft into its own KV cache, at slots taken
+    ahead of the scheduler, which the verifying step must find and rewrite whatever was accepted (Gemma's
+    sliding windows too)."""
     plain = request.getfixturevalue({"smollm2-135m": "smollm2", "gemma3-270m": "gemma3"}[alias])
     prompts = [{"prompt_token_ids": p} for p in grounded_prompts(plain.get_tokenizer())]
     expected = _ids(plain.generate(prompts, GREEDY, use_tqdm=False))
     # 64-token steps: the long prompts come in chunks, and drafts share steps with them
-    spec = LLM(alias, **engine_kwargs(speculative_config=NGRAM, max_num_batched_tokens=64))
+    spec = LLM(alias, **engine_kwargs(speculative_config=method, max_num_batched_tokens=64))
     assert _ids(spec.generate(prompts, GREEDY, use_tqdm=False)) == expected
     assert _ids(spec.generate(prompts, GREEDY, use_tqdm=False)) == expected  # prompts now in the prefix cache
-    one_at_a_time = [spec.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts[:3]]
-    assert one_at_a_time == expected[:3]
-    stats = spec.engine.core.stats()["spec_decode"]
-    assert stats["num_accepted_tokens"] > 0.3 * stats["num_draft_tokens"] > 0  # the copies were drafted
-    assert _no_blocks_held(spec)
-
-
-@pytest.mark.parametrize("alias", ["smollm2-135m", "gemma3-270m"])
-def test_greedy_output_is_the_same_with_self_speculation(alias, request):
-    """The model's first layers draft into its own KV cache, at slots taken ahead of the scheduler: the
-    verifying step must find them, and rewrite them, whatever was accepted (Gemma's sliding windows too)."""
-    plain = request.getfixturevalue({"smollm2-135m": "smollm2", "gemma3-270m": "gemma3"}[alias])
-    prompts = [{"prompt_token_ids": p} for p in grounded_prompts(plain.get_tokenizer())]
-    expected = _ids(plain.generate(prompts, GREEDY, use_tqdm=False))
-    spec = LLM(alias, **engine_kwargs(speculative_config=LAYER_SKIP, max_num_batched_tokens=64))
-    assert _ids(spec.generate(prompts, GREEDY, use_tqdm=False)) == expected
-    assert _ids(spec.generate(prompts, GREEDY, use_tqdm=False)) == expected  # prompts now in the prefix cache
+    one_at_a_time = [spec.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts[:2]]
+    assert one_at_a_time == expected[:2]
     stats = spec.engine.core.stats()["spec_decode"]
     assert stats["num_draft_tokens"] > 100
+    if method is NGRAM:
+        assert stats["num_accepted_tokens"] > 0.3 * stats["num_draft_tokens"]  # the copies were drafted
     assert _no_blocks_held(spec)
 
 

@@ -51,8 +51,10 @@ class SpeculativeConfig(Checked):
 
     speculative_config: dict | None = flag(
         None, 'speculative decoding as JSON, vLLM\'s keys: {"method": "ngram", "num_speculative_tokens": 4, '
-              '"prompt_lookup_min": 2, "prompt_lookup_max": 5, "disable_by_batch_size": 8}; sobrio\'s '
-              '"min_acceptance_rate" (0.1) stops a request\'s drafts when fewer are accepted', type=json_object)
+              '"prompt_lookup_min": 2, "prompt_lookup_max": 5, "disable_by_batch_size": 8}, or method "medusa" '
+              'with "model": a folder from `sobrio train-draft`; sobrio\'s: method "layer_skip" with "exit_layer" '
+              '(default: half the layers) drafts with the model\'s own first layers, and "min_acceptance_rate" '
+              '(0.1) stops a request\'s drafts when fewer are accepted', type=json_object)
 
     def __post_init__(self) -> None:
         spec = self.speculative_config

@@ -64,9 +64,10 @@ struct Lanes {
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define SOBRIO_LINEAR 1
 
-// AVX2 without AVX-512 (AMD Zen 2/3, older Intel): 8 float lanes, 16 registers. There MKL's float32 GEMV
-// reads a weight that does not fit the cache at a third of the memory bandwidth and one of 2-8 rows at a
-// sixth; this kernel streams it once for up to 8 rows (`benchmarks/linear_kernels.py`).
+// AVX2 without AVX-512 (AMD Zen 2/3, older Intel): 8 float lanes, 16 registers. There MKL's float32 matmul
+// reads a weight that does not fit the cache at a third of the memory bandwidth for one row and at a sixth
+// for 2-16; this kernel streams it once for up to 4 rows, in L2-sized blocks past that, and layers/linear.py
+// sends it float32 matmuls of up to 48 rows (`benchmarks/linear_kernels.py --dtype float32`).
 struct Lanes {
   using F = __m256;
   static constexpr int64_t kWidth = 8;

@@ -12,6 +12,8 @@ Not every request speculates:
   token, and min_tokens bans EOS by position: such requests decode one token at a time (same output).
 """
 
+from dataclasses import dataclass
+
 import torch
 
 from sobrio.config.speculative import OPTION, SpeculativeConfig
@@ -24,12 +26,15 @@ from sobrio.spec.ngram import NgramProposer
 PROBATION = 32  # draft tokens a request is judged on before `min_acceptance_rate` can stop it
 
 
+@dataclass(frozen=True)
 class ModelAccess:
     """What a proposer that runs the served model needs of the engine: the model's size, its early-exit
     drafts, and KV slots ahead of the scheduler."""
 
-    def __init__(self, vocab_size: int, num_layers: int, draft: Drafter, reserve: Reserve):
-        self.vocab_size, self.num_layers, self.draft, self.reserve = vocab_size, num_layers, draft, reserve
+    vocab_size: int
+    num_layers: int
+    draft: Drafter
+    reserve: Reserve
 
 
 def make_proposer(config: SpeculativeConfig, model: ModelAccess):

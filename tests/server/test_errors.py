@@ -1,6 +1,7 @@
 """Bad input, unknown models, auth and overload: OpenAI error bodies, and the server stays healthy."""
 
 import asyncio
+import os
 
 import httpx
 import pytest
@@ -80,4 +81,6 @@ def test_auth_overload_and_graceful_shutdown():
         assert _post(srv, "/v1/completions", json={"model": SMOL, "prompt": "x", "max_tokens": 2},
                      headers=auth).status_code == 200
     finally:
-        assert srv.stop() == 0  # SIGTERM: graceful exit with status 0
+        status = srv.stop()
+        os.unlink(srv.log.name)
+    assert status == 0  # SIGTERM: graceful exit with status 0

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.server.conftest import ServerProcess
+from tests.server.conftest import ServerProcess, serving
 
 SMOL = "smollm2-135m"
 HEALTHY_TOKENS = 24
@@ -171,10 +171,9 @@ bodies = st.one_of(st.tuples(st.just("/v1/chat/completions"), with_one_wild_fiel
 def small_server():
     """A short context bounds the work any fuzzed request can ask for, and a chat that gives no max_tokens
     gets 12 (as the valid ones ask at most): the fuzz is of the bodies, not of long answers."""
-    srv = ServerProcess("--model", SMOL, "--max-model-len", "96", "--kv-cache-memory", str(32 << 20),
-                        "--default-max-tokens", "12")
-    yield srv
-    srv.stop()
+    with serving("--model", SMOL, "--max-model-len", "96", "--kv-cache-memory", str(32 << 20),
+                 "--default-max-tokens", "12") as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

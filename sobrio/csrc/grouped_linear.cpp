@@ -7,7 +7,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -26,11 +26,49 @@ constexpr int64_t kMaxRows = 4;  // rows computed per pass over the weights
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define SOBRIO_GROUPED 1
 
-// 16 int8 codes from element k of a channel as float32 lanes.
-inline __m512 widen16(const int8_t* row, int64_t k) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k))));
-}
+// 16 float32 lanes, 32 registers: 4 channels x 4 rows of sums.
+struct Lanes {
+  using F = __m512;
+  static constexpr int64_t kWidth = 16;
+  static constexpr int kChannels = 4;
+  static F zero() { return _mm512_setzero_ps(); }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fmadd(F x, F w, F acc) { return _mm512_fmadd_ps(x, w, acc); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static F widen(const int8_t* p) {  // 16 int8 codes as float32 lanes
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static float sum(F a) { return _mm512_reduce_add_ps(a); }
+};
 
+#elif defined(__AVX2__) && defined(__FMA__)
+#define SOBRIO_GROUPED 1
+
+// AVX2 without AVX-512 (AMD Zen 2/3): 8 lanes, 16 registers, so 2 channels x 4 rows of sums. There
+// PyTorch's int8 weight kernels run slower than its float32 matmul (no VNNI): `--quantization
+// int8-weight-only` takes this kernel (layers/quantization.py, `grouped_int8_preferred`).
+struct Lanes {
+  using F = __m256;
+  static constexpr int64_t kWidth = 8;
+  static constexpr int kChannels = 2;
+  static F zero() { return _mm256_setzero_ps(); }
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fmadd(F x, F w, F acc) { return _mm256_fmadd_ps(x, w, acc); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static F widen(const int8_t* p) {  // 8 int8 codes as float32 lanes
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static float sum(F a) {
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+  }
+};
+#endif
+
+#if defined(SOBRIO_GROUPED)
 // kM rows of x (float32, [kM, K]) against kN output channels from n: each channel's codes widened once
 // and scaled by their group's scale, then one FMA per row; kN channels keep kN * kM independent sums
 // (one chain of dependent FMAs per channel would wait on their latency, not on memory).
@@ -38,17 +76,17 @@ template <int kM, int kN>
 void grouped_tile(const float* x, const float* xsum, const int8_t* codes, const float* scales,
                   const float* offsets, int64_t K, int64_t group, int64_t n, float* y, int64_t ldy) {
   const int64_t groups = K / group;
-  __m512 acc[kM][kN];
+  Lanes::F acc[kM][kN];
   float off[kM][kN] = {};
   for (int m = 0; m < kM; ++m)
-    for (int j = 0; j < kN; ++j) acc[m][j] = _mm512_setzero_ps();
+    for (int j = 0; j < kN; ++j) acc[m][j] = Lanes::zero();
   for (int64_t g = 0; g < groups; ++g) {
-    __m512 s[kN];
-    for (int j = 0; j < kN; ++j) s[j] = _mm512_set1_ps(scales[(n + j) * groups + g]);
-    for (int64_t k = g * group; k < (g + 1) * group; k += 16) {
+    Lanes::F s[kN];
+    for (int j = 0; j < kN; ++j) s[j] = Lanes::set1(scales[(n + j) * groups + g]);
+    for (int64_t k = g * group; k < (g + 1) * group; k += Lanes::kWidth) {
       for (int j = 0; j < kN; ++j) {
-        const __m512 w = _mm512_mul_ps(widen16(codes + (n + j) * K, k), s[j]);
-        for (int m = 0; m < kM; ++m) acc[m][j] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * K + k), w, acc[m][j]);
+        const Lanes::F w = Lanes::mul(Lanes::widen(codes + (n + j) * K + k), s[j]);
+        for (int m = 0; m < kM; ++m) acc[m][j] = Lanes::fmadd(Lanes::load(x + m * K + k), w, acc[m][j]);
       }
     }
     if (offsets)
@@ -56,7 +94,7 @@ void grouped_tile(const float* x, const float* xsum, const int8_t* codes, const 
         for (int m = 0; m < kM; ++m) off[m][j] += offsets[(n + j) * groups + g] * xsum[m * groups + g];
   }
   for (int m = 0; m < kM; ++m)
-    for (int j = 0; j < kN; ++j) y[m * ldy + n + j] = _mm512_reduce_add_ps(acc[m][j]) + off[m][j];
+    for (int j = 0; j < kN; ++j) y[m * ldy + n + j] = Lanes::sum(acc[m][j]) + off[m][j];
 }
 
 template <int kM>
@@ -64,7 +102,8 @@ void grouped_rows(const float* x, const float* xsum, const int8_t* codes, const 
                   const float* offsets, int64_t K, int64_t group, int64_t begin, int64_t end, float* y,
                   int64_t ldy) {
   int64_t n = begin;
-  for (; n + 4 <= end; n += 4) grouped_tile<kM, 4>(x, xsum, codes, scales, offsets, K, group, n, y, ldy);
+  constexpr int kN = Lanes::kChannels;
+  for (; n + kN <= end; n += kN) grouped_tile<kM, kN>(x, xsum, codes, scales, offsets, K, group, n, y, ldy);
   for (; n < end; ++n) grouped_tile<kM, 1>(x, xsum, codes, scales, offsets, K, group, n, y, ldy);
 }
 
@@ -90,7 +129,7 @@ void grouped_block(const float* x, const float* xsum, const int8_t* codes, const
     }
   }
 }
-#endif  // AVX512 F / BW
+#endif  // SOBRIO_GROUPED
 
 // [M, N] float32 sums (+ bias) rounded once to x's dtype.
 torch::Tensor finish(const std::vector<float>& yf, int64_t M, int64_t N, const torch::Tensor& x,
@@ -119,7 +158,7 @@ bool grouped_linear_supported() {
 torch::Tensor grouped_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
                                   c10::optional<torch::Tensor> offsets, int64_t group,
                                   c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(grouped_linear_supported(), "grouped_linear needs AVX-512");
+  TORCH_CHECK(grouped_linear_supported(), "grouped_linear needs AVX-512 or AVX2 with FMA");
   TORCH_CHECK(codes.scalar_type() == at::kChar && codes.is_contiguous() && codes.dim() == 2,
               "codes: contiguous int8 [N, K]");
   const int64_t M = x.size(0), N = codes.size(0), K = codes.size(1);
@@ -159,7 +198,7 @@ torch::Tensor grouped_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor
 }  // namespace
 
 void register_grouped_ops(pybind11::module& m) {
-  m.def("grouped_linear_supported", &grouped_linear_supported, "whether grouped_linear was built (AVX-512)");
+  m.def("grouped_linear_supported", &grouped_linear_supported, "whether grouped_linear was built (AVX-512, or AVX2 with FMA)");
   m.def("grouped_linear", &grouped_linear,
         "few-row x @ W.T for group-wise int8 W = codes * scale + offset per group (+ bias)",
         py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("offsets") = py::none(), py::arg("group"),

@@ -22,7 +22,7 @@ def gemv_available() -> bool:
 
 @functools.cache
 def grouped_linear_available() -> bool:
-    """Whether the group-wise int8 matmul was built (it needs AVX-512)."""
+    """Whether the group-wise int8 matmul was built (it needs AVX-512, or AVX2 with FMA)."""
     ops = cpu_ops()
     return ops is not None and ops.grouped_linear_supported()
 

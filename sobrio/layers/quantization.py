@@ -76,6 +76,8 @@ import torch.nn.functional as F
 from sobrio.csrc import cpu_flags
 from sobrio.errors import ConfigError
 from sobrio.layers import vnni
+from sobrio.layers.cpu_ops import grouped_linear_available
+from sobrio.layers.grouped import GroupedCodes, GroupedLinear
 from sobrio.layers.int4 import Int4Linear, check_int4_shape
 
 INT8PACK_MAX_ROWS = 4  # int8 on a plain int8 weight: _weight_int8pack_mm up to here, torch._int_mm past it
@@ -273,6 +275,20 @@ def vnni_int8_preferred(in_features: int) -> bool:
     return in_features % 16 == 0 and vnni.usable(16) and not onednn_signed_activations()
 
 
+def grouped_int8_preferred(in_features: int) -> bool:
+    """Whether `int8-weight-only` takes the C++ grouped kernel (layers/grouped.py, one group a row): on an
+    AVX2 CPU without AVX-512, where PyTorch's int8 weight kernels ran slower than float32 (AMD EPYC Zen 3,
+    2 threads, SmolLM2 batch-1 decode: float32 29.9 tok/s, int8pack 8.2; `benchmarks/step_overhead.py
+    --quantization int8-weight-only` gives this kernel's figure)."""
+    return (in_features % 16 == 0 and torch.backends.cpu.get_cpu_capability() == "AVX2"
+            and grouped_linear_available())
+
+
+def grouped_int8_codes(q: torch.Tensor, scale: torch.Tensor) -> GroupedCodes:
+    """An int8 weight per output channel as one group of all its inputs, for `grouped_linear`."""
+    return GroupedCodes(q, scale.float()[:, None].contiguous(), None, q.shape[1])
+
+
 def vnni_int8_codes(weight: torch.Tensor) -> vnni.VnniCodes:
     """A float weight as int8 per output channel (`quantize_weight`, the scale rounded to fp16 first) packed
     for `vnni_linear`: the channel's scale repeated for each group of 32 inputs (16 where 32 does not divide),
@@ -291,6 +307,9 @@ def quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, method: st
         return int4_linear_from_float(weight, bias, name)
     if vnni_int8_preferred(weight.shape[1]):
         return vnni_int8_codes(weight).linear(None if bias is None else bias.detach(), vnni.INT8_ACT_BITS[method])
+    if method == "int8-weight-only" and grouped_int8_preferred(weight.shape[1]):
+        return GroupedLinear(grouped_int8_codes(*quantize_weight(weight, weight.dtype)),
+                             None if bias is None else bias.detach())
     return QuantizedLinear.from_float(weight, bias, method)
 
 
@@ -329,10 +348,13 @@ class QuantizedEmbedding(torch.nn.Module):
         rows = F.embedding(input_ids, self.weight).to(self.weight_scale.dtype)
         return rows * F.embedding(input_ids, self.weight_scale[:, None])
 
-    def lm_head(self, method: str, max_abs_x: torch.Tensor | None = None) -> QuantizedLinear:
+    def lm_head(self, method: str, max_abs_x: torch.Tensor | None = None) -> torch.nn.Module:
         """The tied LM head: a QuantizedLinear over this same int8 matrix and scales (no copy, not even
-        oneDNN's packed one: a quarter of SmolLM2's weights, 60% of Gemma 3 270M's). In `int8`, given its
-        inputs' calibrated max |x|, its `OUTLIER_CHANNELS` largest input channels are kept in float."""
+        oneDNN's packed one: a quarter of SmolLM2's weights, 60% of Gemma 3 270M's), or weight-only on an
+        AVX2 CPU the grouped kernel on it. In `int8`, given its inputs' calibrated max |x|, its
+        `OUTLIER_CHANNELS` largest input channels are kept in float."""
+        if method == "int8-weight-only" and grouped_int8_preferred(self.weight.shape[1]):
+            return GroupedLinear(grouped_int8_codes(self.weight, self.weight_scale), None)
         head = QuantizedLinear(self.weight, self.weight_scale, None, method, pack=False)
         if method == "int8" and max_abs_x is not None:
             head.keep_in_float(max_abs_x)

@@ -9,8 +9,9 @@ import pytest
 import torch
 from transformers import Qwen2Config
 
+from sobrio.layers.grouped import GroupedLinear
 from sobrio.layers.linear import Linear
-from sobrio.layers.quantization import QuantizedLinear, vnni_int8_preferred
+from sobrio.layers.quantization import QuantizedLinear, grouped_int8_preferred, vnni_int8_preferred
 from sobrio.layers.vnni import VnniLinear
 from sobrio.models.registry import build_model
 
@@ -78,7 +79,8 @@ def test_quantize_then_touches_only_the_float_layers_left():
     model.quantize("int8-weight-only")
     assert isinstance(model.model.layers[0].mlp.down_proj, torch.nn.Linear)  # the record's module, untouched
     o_proj = model.model.layers[0].self_attn.o_proj
-    expected = VnniLinear if vnni_int8_preferred(CONFIG.hidden_size) else QuantizedLinear  # by the CPU
+    expected = (VnniLinear if vnni_int8_preferred(CONFIG.hidden_size)  # by the CPU
+                else GroupedLinear if grouped_int8_preferred(CONFIG.hidden_size) else QuantizedLinear)
     assert type(o_proj) is expected
 
 

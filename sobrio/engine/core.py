@@ -97,7 +97,7 @@ class EngineCore:
         self.speculator = None
         if speculative.enabled:
             access = ModelAccess(self.executor.runner.hf_config.vocab_size, self.executor.num_layers,
-                                 self.executor.draft_by_early_exit, self.scheduler.kv.allocate_slots)
+                                 self.executor.draft, self.scheduler.kv.allocate_slots)
             self.speculator = Speculator(speculative, self.max_model_len, access)
 
     # ---- requests in ----

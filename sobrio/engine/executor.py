@@ -10,11 +10,15 @@ from sobrio.config import SobrioConfig
 from sobrio.engine.model_runner import ModelRunner
 from sobrio.engine.scheduler import SchedulerOutput
 from sobrio.loader.load import LoadedModelFiles
+from sobrio.spec.model_draft import load_draft_model
 
 
 class Executor:
     def __init__(self, config: SobrioConfig, files: LoadedModelFiles):
-        self.runner = ModelRunner(config, files)
+        spec, draft = config.speculative_config, None
+        if spec.enabled and spec.get("method") == "draft_model":
+            draft = load_draft_model(spec.get("model"), spec.get("quantization"), files)
+        self.runner = ModelRunner(config, files, draft)
 
     @property
     def num_blocks(self) -> int:
@@ -30,9 +34,9 @@ class Executor:
         prompt log-probabilities of the requests that want them go into `prompt_logprobs` (by request id)."""
         return self.runner.execute(out, prompt_logprobs)
 
-    def draft_by_early_exit(self, reqs: list, num_tokens: list[int], exit_layer: int) -> list[list[int]]:
-        """Self-speculative drafts: `ModelRunner.draft_by_early_exit`."""
-        return self.runner.draft_by_early_exit(reqs, num_tokens, exit_layer)
+    def draft(self, reqs: list, num_tokens: list[int], exit_layer: int | None) -> list[list[int]]:
+        """Greedy drafts of the model cut after `exit_layer` layers, or of the draft model: `ModelRunner.draft`."""
+        return self.runner.draft(reqs, num_tokens, exit_layer)
 
     @property
     def num_layers(self) -> int:

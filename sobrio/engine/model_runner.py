@@ -44,7 +44,9 @@ def quantization_in_use(model: ModelConfig, files: LoadedModelFiles) -> str | No
 
 
 class ModelRunner:
-    def __init__(self, config: SobrioConfig, files: LoadedModelFiles):
+    def __init__(self, config: SobrioConfig, files: LoadedModelFiles, draft: LoadedModelFiles | None = None):
+        """`draft`: a smaller model of the same tokenizer (`draft_model` speculation), which gets its own KV
+        cache of the same blocks; the KV memory budget is shared between the two in proportion."""
         model, cache = config.model_config, config.cache_config
         if config.parallel_config.num_threads:
             torch.set_num_threads(config.parallel_config.num_threads)
@@ -52,23 +54,35 @@ class ModelRunner:
         self.hf_config = files.config
         self.dtype = resolve_dtype(model.dtype)
         self.block_size = cache.block_size
-        model_max = getattr(files.config, "max_position_embeddings", 2048)
+        model_max = _max_positions(files.config, draft)
         if model.max_model_len is not None and model.max_model_len > model_max:
             raise InvalidRequestError(f"max_model_len {model.max_model_len} exceeds the model's {model_max}")
-        self.kv_spec = kv_cache_spec(files.config, self.dtype, self.block_size, KV_CACHE_DTYPES[cache.kv_cache_dtype])
+        cache_dtype = KV_CACHE_DTYPES[cache.kv_cache_dtype]
+        self.kv_spec = kv_cache_spec(files.config, self.dtype, self.block_size, cache_dtype)
+        draft_spec = None if draft is None else kv_cache_spec(draft.config, self.dtype, self.block_size, cache_dtype)
         budget = kv_budget(cache.kv_cache_memory, cache.kv_cache_memory_fraction, cache.kv_cache_memory_cap)
+        if draft_spec is not None:
+            budget = budget * self.kv_spec.block_bytes // (self.kv_spec.block_bytes + draft_spec.block_bytes)
         self.num_blocks = self.kv_spec.num_blocks_for(budget)
         self.max_model_len = min(model.max_model_len or model_max, self.num_blocks * self.block_size)
-        with log_step(logger, "loading the weights of %s", files.source.name):
-            self.model = build_model(files.config, self.max_model_len, files.iter_weights(), self.dtype,
-                                     model.attention_backend, model.batch_invariant, model.quantization)
+        self.model = self._build(files, model.quantization, model.batch_invariant)
         assert [a.layer_idx for a in self.model.attention_layers()] == list(range(self.kv_spec.num_layers))
         self.kv_cache = KVCache.allocate(self.kv_spec, self.num_blocks)
+        self.draft_model = self.draft_kv_cache = None
+        if draft is not None:
+            self.draft_model = self._build(draft, config.speculative_config.get("quantization"), False)
+            self.draft_kv_cache = KVCache.allocate(draft_spec, self.num_blocks)
         logger.info("model %s loaded: dtype=%s quantization=%s kv_cache_dtype=%s kv_blocks=%d max_model_len=%d "
-                    "batch_invariant=%s", files.source.name, self.dtype, quantization_in_use(model, files),
-                    cache.kv_cache_dtype, self.num_blocks, self.max_model_len, model.batch_invariant)
+                    "batch_invariant=%s%s", files.source.name, self.dtype, quantization_in_use(model, files),
+                    cache.kv_cache_dtype, self.num_blocks, self.max_model_len, model.batch_invariant,
+                    "" if draft is None else f" draft_model={draft.source.name}")
         with log_step(logger, "warming up %s", files.source.name):
             self.warm_up()
+
+    def _build(self, files: LoadedModelFiles, quantization: str | None, batch_invariant: bool):
+        with log_step(logger, "loading the weights of %s", files.source.name):
+            return build_model(files.config, self.max_model_len, files.iter_weights(), self.dtype,
+                               self.config.model_config.attention_backend, batch_invariant, quantization)
 
     def warm_up(self) -> None:
         """One small prompt through the model, so the first request does not pay for loading the C++
@@ -106,37 +120,58 @@ class ModelRunner:
         return torch.tensor(input_ids), positions_t, meta, torch.tensor(sample_rows, dtype=torch.long)
 
     def _metadata(self, reqs: list, seq_of_token: torch.Tensor, positions: torch.Tensor,
-                  query_start_loc: list[int], context_lens: list[int]) -> AttentionMetadata:
-        """Attention metadata of a flat batch: each token's KV slot comes from its request's block table."""
+                  query_start_loc: list[int], context_lens: list[int], kv_cache: KVCache | None = None
+                  ) -> AttentionMetadata:
+        """Attention metadata of a flat batch: each token's KV slot comes from its request's block table;
+        `kv_cache` defaults to the served model's."""
         width = max(len(req.block_table) for req in reqs)
         block_tables = torch.tensor([req.block_table + [0] * (width - len(req.block_table)) for req in reqs],
                                     dtype=torch.long)
         block_ids = block_tables[seq_of_token, positions // self.block_size]
         slot_mapping = block_ids * self.block_size + positions % self.block_size
         return AttentionMetadata(slot_mapping, query_start_loc, context_lens, block_tables, self.block_size,
-                                 self.kv_cache)
+                                 self.kv_cache if kv_cache is None else kv_cache)
 
     @torch.inference_mode()
-    def draft_by_early_exit(self, reqs: list, num_tokens: list[int], exit_layer: int) -> list[list[int]]:
-        """Greedy drafts from the model's first `exit_layer` layers, its final norm and its head (LayerSkip's
-        self-speculation): request i gets num_tokens[i] of them. Each pass feeds every request its newest
-        token, at the first position not computed, into the KV cache of those layers; the verifying step
-        rewrites those slots through every layer, so the caller must have allocated them (positions up to
-        num_computed_tokens + num_tokens[i] - 1)."""
-        tokens = [req.all_token_ids[-1] for req in reqs]
+    def draft(self, reqs: list, num_tokens: list[int], exit_layer: int | None = None) -> list[list[int]]:
+        """Greedy drafts, num_tokens[i] for request i: from the model's first `exit_layer` layers, its final
+        norm and its head (LayerSkip's self-speculation), or without `exit_layer` from the draft model on its
+        own KV cache. The first pass feeds each request its newest token at the first position not computed
+        (the draft model also the tokens before it whose KV it lacks: `Request.num_draft_kv`), each later
+        pass the previous draft. The verifying step rewrites those slots, so the caller must have allocated
+        them (positions up to num_computed_tokens + num_tokens[i] - 1)."""
+        model, cache = (self.model, self.kv_cache) if exit_layer else (self.draft_model, self.draft_kv_cache)
+        assert model is not None, "no draft model was loaded"
         positions = [req.num_computed_tokens for req in reqs]
         assert all(p + n <= len(r.block_table) * self.block_size for r, p, n in zip(reqs, positions, num_tokens))
-        drafts: list[list[int]] = [[] for _ in reqs]
-        for step in range(max(num_tokens, default=0)):
+        starts = [p if exit_layer else min(r.num_draft_kv, p) for r, p in zip(reqs, positions)]
+        tokens = self._draft_pass(model, cache, reqs, [r.all_token_ids[s:p + 1] for r, s, p in
+                                                       zip(reqs, starts, positions)], starts, exit_layer)
+        drafts: list[list[int]] = [[t] for t in tokens]
+        for step in range(1, max(num_tokens, default=0)):
             active = [i for i, n in enumerate(num_tokens) if n > step]
-            pos = torch.tensor([positions[i] + step for i in active], dtype=torch.long)
-            meta = self._metadata([reqs[i] for i in active], torch.arange(len(active)), pos,
-                                  list(range(len(active) + 1)), (pos + 1).tolist())
-            hidden = self.model(torch.tensor([tokens[i] for i in active]), pos, meta, num_layers=exit_layer)
-            for i, token in zip(active, self.model.compute_logits(hidden).argmax(dim=-1).tolist()):
-                tokens[i] = token
+            guesses = self._draft_pass(model, cache, [reqs[i] for i in active], [[drafts[i][-1]] for i in active],
+                                       [positions[i] + step for i in active], exit_layer)
+            for i, token in zip(active, guesses):
                 drafts[i].append(token)
+        if not exit_layer:  # the draft model's KV now holds every position it was fed
+            for req, p, n in zip(reqs, positions, num_tokens):
+                req.num_draft_kv = p + n
         return drafts
+
+    def _draft_pass(self, model, cache: KVCache, reqs: list, token_ids: list[list[int]], starts: list[int],
+                    exit_layer: int | None) -> list[int]:
+        """One forward of the drafting model: request i's `token_ids[i]` at positions from `starts[i]`; the
+        argmax after each request's last token (over the served model's vocabulary: a draft's may be
+        padded)."""
+        lengths = torch.tensor([len(t) for t in token_ids])
+        query_start_loc = [0] + torch.cumsum(lengths, 0).tolist()
+        pos = torch.cat([torch.arange(s, s + len(t)) for s, t in zip(starts, token_ids)])
+        meta = self._metadata(reqs, torch.repeat_interleave(torch.arange(len(reqs)), lengths), pos,
+                              query_start_loc, [s + len(t) for s, t in zip(starts, token_ids)], cache)
+        hidden = model(torch.tensor([t for ids in token_ids for t in ids]), pos, meta, num_layers=exit_layer)
+        logits = model.compute_logits(hidden[torch.tensor(query_start_loc[1:]) - 1])
+        return logits[:, :self.hf_config.vocab_size].argmax(dim=-1).tolist()
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, prompt_logprobs: dict | None = None) -> torch.Tensor:
@@ -182,6 +217,12 @@ def _score(model, rows: torch.Tensor, targets: torch.Tensor, top_n: int, chunk: 
             top = [list(zip(i_row, v_row)) for i_row, v_row in zip(ids.tolist(), values.tolist())]
         entries += [(lp, rank, t) for lp, rank, t in zip(chosen.squeeze(1).tolist(), ranks, top)]
     return entries
+
+
+def _max_positions(target, draft: LoadedModelFiles | None) -> int:
+    """The longest context both the model and its draft model (if any) were built for."""
+    sizes = [getattr(c, "max_position_embeddings", 2048) for c in (target, draft and draft.config) if c is not None]
+    return min(sizes)
 
 
 def kv_cache_spec(hf_config, dtype: torch.dtype, block_size: int,

@@ -56,6 +56,7 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_draft_kv: int = 0  # draft_model: positions whose KV the draft model wrote for this request (its blocks)
 
     def __post_init__(self) -> None:
         if self.sampling_params.seed is not None:

@@ -216,7 +216,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
         req.spec_token_ids.clear()
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = req.num_draft_kv = 0  # the blocks of both KV caches are gone
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1

@@ -19,8 +19,8 @@ import torch
 from sobrio.config.speculative import OPTION, SpeculativeConfig
 from sobrio.engine.request import Request
 from sobrio.errors import ConfigError
-from sobrio.spec.layer_skip import Drafter, LayerSkipProposer, Reserve
 from sobrio.spec.medusa import DraftHeadProposer, DraftHeads
+from sobrio.spec.model_draft import Drafter, ModelDraftProposer, Reserve
 from sobrio.spec.ngram import NgramProposer
 
 PROBATION = 32  # draft tokens a request is judged on before `min_acceptance_rate` can stop it
@@ -28,8 +28,8 @@ PROBATION = 32  # draft tokens a request is judged on before `min_acceptance_rat
 
 @dataclass(frozen=True)
 class ModelAccess:
-    """What a proposer that runs the served model needs of the engine: the model's size, its early-exit
-    drafts, and KV slots ahead of the scheduler."""
+    """What a proposer that runs a model needs of the engine: the served model's size, greedy drafts (its
+    early exit, or the draft model), and KV slots ahead of the scheduler."""
 
     vocab_size: int
     num_layers: int
@@ -47,7 +47,9 @@ def make_proposer(config: SpeculativeConfig, model: ModelAccess):
         if exit_layer >= model.num_layers:
             raise ConfigError(f"{OPTION}: exit_layer {exit_layer} must be below the model's {model.num_layers} "
                               "layers: the draft is the model cut short", OPTION)
-        return LayerSkipProposer(model.draft, model.reserve, exit_layer, k)
+        return ModelDraftProposer(model.draft, model.reserve, exit_layer, k)
+    if config.get("method") == "draft_model":  # the executor loaded it and checked its tokenizer
+        return ModelDraftProposer(model.draft, model.reserve, None, k)
     heads = DraftHeads.load(config.get("model"))
     if heads.config.vocab_size != vocab_size:
         raise ConfigError(f"{OPTION}: the draft heads in {config.get('model')} were trained for a vocabulary of "

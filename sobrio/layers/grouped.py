@@ -4,7 +4,7 @@ w = code * scale + offset. This is how `--quantization gguf` keeps a GGUF's 8-, 
 weight costs one byte (Q8_0 stores 1.06, Q6_K 0.82, Q5_0 0.69) and the scales stay exactly the file's.
 Where the CPU has AVX512-VNNI, `linear` and `embedding` hand the codes to layers/vnni.py instead (int8 dot
 products, 3-4x this module's kernel on SmolLM2's Q8_0 head at 1 to 32 rows); this module's kernels serve
-the CPUs without it.
+the CPUs without it (AVX-512, or AVX2 with FMA: there `int8-weight-only` takes them too, layers/quantization.py).
 (Its 4-bit blocks take PyTorch's int4 kernel: `loader/gguf_blocks.py`. This kernel on Q4_1's own nibbles,
 scales and minimums in float32, read 0.75 bytes a weight against the int4 kernel's 0.625 and was 1.3x
 slower over a SmolLM2 step's 120 matrices; tried and removed, 2026-12-01.)

@@ -132,7 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_quantize(sub)
     _add_train_draft(sub)
     from sobrio.bench.cli import add_bench_parser
+    from sobrio.gateway.admin import add_admin_parser
 
+    add_admin_parser(sub)
     add_bench_parser(sub)
     parser.commands = sub.choices  # name -> subparser: `--config FILE` sets that parser's defaults
     return parser

@@ -1,0 +1,89 @@
+"""`sobrio admin tenants create|list|delete` and `sobrio admin keys create|list|revoke`: the tenants and keys
+the gateway checks (gateway/tenants.py), in the database `sobrio serve` reads by default."""
+
+import argparse
+import time
+
+from sobrio.gateway.tenants import Limits, TenantStore, default_db_path
+
+
+def add_admin_parser(sub) -> None:
+    admin = sub.add_parser("admin", help="manage the gateway's tenants and API keys (an embedded SQLite file)")
+    admin.add_argument("--db", default=None, help=f"the database (default: $SOBRIO_DB or {default_db_path()})")
+    objects = admin.add_subparsers(dest="object", required=True)
+    tenants = objects.add_parser("tenants", help="create, list or delete tenants").add_subparsers(
+        dest="action", required=True)
+    create = tenants.add_parser("create", help="a new tenant (its limits optional)")
+    create.add_argument("name")
+    create.add_argument("--requests-per-minute", type=int, default=None)
+    create.add_argument("--tokens-per-day", type=int, default=None, help="prompt and completion tokens")
+    create.add_argument("--max-concurrent", type=int, default=None, help="requests in flight at once")
+    create.add_argument("--models", default=None, help="comma-separated models it may use (default: all)")
+    create.add_argument("--regions", default=None, help="comma-separated regions that may serve it (default: all)")
+    tenants.add_parser("list", help="every tenant and its limits")
+    tenants.add_parser("delete", help="a tenant and all its keys").add_argument("name")
+    keys = objects.add_parser("keys", help="create, list or revoke API keys").add_subparsers(
+        dest="action", required=True)
+    keys.add_parser("create", help="a new key, printed once").add_argument("--tenant", required=True)
+    keys.add_parser("list", help="key ids, tenants, dates (never the keys)").add_argument("--tenant", default=None)
+    keys.add_parser("revoke", help="a key, by its id").add_argument("key_id")
+    admin.set_defaults(func=cmd_admin)
+
+
+def cmd_admin(args: argparse.Namespace) -> int:
+    store = TenantStore(args.db)
+    try:
+        ACTIONS[(args.object, args.action)](store, args)
+    finally:
+        store.close()
+    return 0
+
+
+def _create_tenant(store: TenantStore, args: argparse.Namespace) -> None:
+    limits = Limits(args.requests_per_minute, args.tokens_per_day, args.max_concurrent,
+                    _names(args.models), _names(args.regions))
+    tenant = store.create_tenant(args.name, limits)
+    print(f"created tenant {tenant.name} (id {tenant.id})")
+
+
+def _list_tenants(store: TenantStore, args: argparse.Namespace) -> None:
+    for t in store.tenants():
+        lim = t.limits
+        print(f"{t.name}\tid={t.id}\tcreated={_date(t.created_at)}\trpm={lim.requests_per_minute or '-'}\t"
+              f"tokens/day={lim.tokens_per_day or '-'}\tconcurrent={lim.max_concurrent or '-'}\t"
+              f"models={','.join(lim.allowed_models or ('*',))}\tregions={','.join(lim.allowed_regions or ('*',))}")
+
+
+def _delete_tenant(store: TenantStore, args: argparse.Namespace) -> None:
+    store.delete_tenant(args.name)
+    print(f"deleted tenant {args.name} and its keys")
+
+
+def _create_key(store: TenantStore, args: argparse.Namespace) -> None:
+    key, text = store.create_key(args.tenant)
+    print(text)
+    print(f"key {key.key_id} of tenant {key.tenant}: shown this once, stored only as a keyed hash")
+
+
+def _list_keys(store: TenantStore, args: argparse.Namespace) -> None:
+    for k in store.keys(args.tenant):
+        state = "active" if k.revoked_at is None else f"revoked {_date(k.revoked_at)}"
+        print(f"{k.key_id}\t{k.tenant}\tcreated={_date(k.created_at)}\t{state}")
+
+
+def _revoke_key(store: TenantStore, args: argparse.Namespace) -> None:
+    store.revoke_key(args.key_id)
+    print(f"revoked key {args.key_id}")
+
+
+ACTIONS = {("tenants", "create"): _create_tenant, ("tenants", "list"): _list_tenants,
+           ("tenants", "delete"): _delete_tenant, ("keys", "create"): _create_key, ("keys", "list"): _list_keys,
+           ("keys", "revoke"): _revoke_key}
+
+
+def _names(text: str | None) -> tuple[str, ...] | None:
+    return None if text is None else tuple(n.strip() for n in text.split(",") if n.strip())
+
+
+def _date(ts: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))

@@ -221,8 +221,8 @@ def _score(model, rows: torch.Tensor, targets: torch.Tensor, top_n: int, chunk: 
 
 def _max_positions(target, draft: LoadedModelFiles | None) -> int:
     """The longest context both the model and its draft model (if any) were built for."""
-    sizes = [getattr(c, "max_position_embeddings", 2048) for c in (target, draft and draft.config) if c is not None]
-    return min(sizes)
+    configs = [target] if draft is None else [target, draft.config]
+    return min(getattr(c, "max_position_embeddings", 2048) for c in configs)
 
 
 def kv_cache_spec(hf_config, dtype: torch.dtype, block_size: int,

@@ -14,19 +14,23 @@ def add_admin_parser(sub) -> None:
     tenants = objects.add_parser("tenants", help="create, list or delete tenants").add_subparsers(
         dest="action", required=True)
     create = tenants.add_parser("create", help="a new tenant (its limits optional)")
-    create.add_argument("name")
-    create.add_argument("--requests-per-minute", type=int, default=None)
-    create.add_argument("--tokens-per-day", type=int, default=None, help="prompt and completion tokens")
-    create.add_argument("--max-concurrent", type=int, default=None, help="requests in flight at once")
+    create.add_argument("name", help="1-64 letters, digits, '.', '_' or '-'")
+    create.add_argument("--requests-per-minute", type=int, default=None, help="(default: no limit)")
+    create.add_argument("--tokens-per-day", type=int, default=None,
+                        help="prompt and completion tokens (default: no limit)")
+    create.add_argument("--max-concurrent", type=int, default=None,
+                        help="requests in flight at once (default: no limit)")
     create.add_argument("--models", default=None, help="comma-separated models it may use (default: all)")
     create.add_argument("--regions", default=None, help="comma-separated regions that may serve it (default: all)")
     tenants.add_parser("list", help="every tenant and its limits")
-    tenants.add_parser("delete", help="a tenant and all its keys").add_argument("name")
+    tenants.add_parser("delete", help="a tenant and all its keys").add_argument("name", help="the tenant")
     keys = objects.add_parser("keys", help="create, list or revoke API keys").add_subparsers(
         dest="action", required=True)
-    keys.add_parser("create", help="a new key, printed once").add_argument("--tenant", required=True)
-    keys.add_parser("list", help="key ids, tenants, dates (never the keys)").add_argument("--tenant", default=None)
-    keys.add_parser("revoke", help="a key, by its id").add_argument("key_id")
+    keys.add_parser("create", help="a new key, printed once").add_argument("--tenant", required=True,
+                                                                          help="the tenant's name")
+    keys.add_parser("list", help="key ids, tenants, dates (never the keys)").add_argument(
+        "--tenant", default=None, help="only this tenant's (default: every tenant's)")
+    keys.add_parser("revoke", help="a key, by its id").add_argument("key_id", help="as `keys list` shows it")
     admin.set_defaults(func=cmd_admin)
 
 

@@ -6,12 +6,20 @@ the fallback everywhere.
 
 import functools
 
+import torch
+
 
 @functools.cache
 def cpu_ops():
     from sobrio.csrc import load
 
     return load()
+
+
+def avx2_without_avx512() -> bool:
+    """An AVX2 CPU without AVX-512 (AMD Zen 2/3): there the 8-lane forms of the C++ kernels beat PyTorch's
+    float32 and int8 weight matmuls for few rows, and the callers route those to them."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX2"
 
 
 @functools.cache

@@ -29,7 +29,13 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from sobrio.layers.cpu_ops import amx_available, cpu_ops, gemv_available, invariant_linear_available
+from sobrio.layers.cpu_ops import (
+    amx_available,
+    avx2_without_avx512,
+    cpu_ops,
+    gemv_available,
+    invariant_linear_available,
+)
 
 GEMV_MAX_ROWS = 4
 AMX_MAX_ROWS = 64
@@ -64,7 +70,7 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 @functools.cache
 def fp32_kernel_wins() -> bool:
     """Whether few-row float32 matmuls take the C++ kernel: built, and the CPU is AVX2 without AVX-512."""
-    return torch.backends.cpu.get_cpu_capability() == "AVX2" and invariant_linear_available()
+    return avx2_without_avx512() and invariant_linear_available()
 
 
 @functools.cache

@@ -76,7 +76,7 @@ import torch.nn.functional as F
 from sobrio.csrc import cpu_flags
 from sobrio.errors import ConfigError
 from sobrio.layers import vnni
-from sobrio.layers.cpu_ops import grouped_linear_available
+from sobrio.layers.cpu_ops import avx2_without_avx512, grouped_linear_available
 from sobrio.layers.grouped import GroupedCodes, GroupedLinear
 from sobrio.layers.int4 import Int4Linear, check_int4_shape
 
@@ -281,8 +281,7 @@ def grouped_int8_preferred(in_features: int) -> bool:
     2 threads, SmolLM2 batch-1 decode: float32 29.9 tok/s, int8pack 8.2). With this kernel
     (`benchmarks/step_overhead.py --batch 1 --quantization int8-weight-only`): a batch-1 step 22.4 ms against
     31.6 in float32, a batch-32 one 201.6 against 177.8 (past a few rows float32's GEMM wins: not tuned)."""
-    return (in_features % 16 == 0 and torch.backends.cpu.get_cpu_capability() == "AVX2"
-            and grouped_linear_available())
+    return in_features % 16 == 0 and avx2_without_avx512() and grouped_linear_available()
 
 
 def grouped_int8_codes(q: torch.Tensor, scale: torch.Tensor) -> GroupedCodes:

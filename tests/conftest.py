@@ -1,6 +1,9 @@
 """Shared fixtures: real models loaded once per session, and their transformers references."""
 
+import functools
 import os
+import pathlib
+import re
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs a worker per core: one thread each (no contention)
@@ -23,6 +26,27 @@ def pytest_collection_modifyitems(items) -> None:
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's own order stays
 
 
+def pytest_xdist_make_scheduler(config, log):
+    """Each file runs whole on one worker (its module fixtures start once, as `--dist loadfile`), and the files
+    that take the session's `server` (two models, 30-70 s to start) share one worker, so it starts once.
+    (xdist's own `xdist_group` marks do nothing under pytest 9: they rename a node id pytest 9 no longer keeps.)"""
+    from xdist.scheduler import LoadFileScheduling
+
+    class SessionServerOnOneWorker(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "session-server" if _takes_session_server(path) else path
+
+    return SessionServerOnOneWorker(config, log)
+
+
+@functools.cache
+def _takes_session_server(path: str) -> bool:
+    """Whether a test file's functions or fixtures take the `server` fixture (the controller sees node ids only)."""
+    source = (pathlib.Path(__file__).parent.parent / path).read_text()
+    return re.search(r"def \w+\([^)]*\bserver\b", source) is not None
+
+
 def engine_kwargs(**overrides) -> dict:
     """Small KV cache and fp32: fast to allocate, exact against the reference."""
     kwargs = dict(dtype="float32", kv_cache_memory=256 << 20, max_model_len=1024)
@@ -42,3 +66,4 @@ def gemma3():
     from sobrio import LLM
 
     return LLM("gemma3-270m", **engine_kwargs())
+

@@ -67,25 +67,44 @@ def apply_masks(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     return logits
 
 
+TOP_CANDIDATES = 256  # the nucleus is looked for among a row's best tokens first (topk), the whole row if need be
+
+
 def filter_top_k_top_p_min_p(logits: torch.Tensor, top_k: list[int], top_p: list[float],
                              min_p: list[float]) -> torch.Tensor:
     """Set the logits outside each row's top-k, top-p nucleus and min-p floor to -inf."""
-    if any(top_k) or any(p < 1.0 for p in top_p):
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        keep = torch.ones_like(sorted_logits, dtype=torch.bool)
-        k = torch.tensor([kk if kk > 0 else logits.shape[-1] for kk in top_k]).unsqueeze(1)
-        keep &= torch.arange(logits.shape[-1]).unsqueeze(0) < k
-        probs = sorted_logits.softmax(dim=-1)
-        before = probs.cumsum(dim=-1) - probs  # mass of the strictly better tokens
-        keep &= before < torch.tensor(top_p, dtype=probs.dtype).unsqueeze(1)
-        keep[:, 0] = True
-        kept = sorted_logits.masked_fill(~keep, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(1, order, kept)
+    vocab = logits.shape[-1]
+    rows = [r for r, (k, p) in enumerate(zip(top_k, top_p)) if 0 < k < vocab or p < 1.0]
+    if rows:
+        k = torch.tensor([top_k[r] if 0 < top_k[r] < vocab else vocab for r in rows]).unsqueeze(1)
+        p = torch.tensor([top_p[r] for r in rows], dtype=logits.dtype).unsqueeze(1)
+        width = min(vocab, max([TOP_CANDIDATES] + [top_k[r] for r in rows if top_k[r] > 0]))
+        chosen = logits[rows]
+        kept, exact = _keep_top_k_top_p(chosen, k, p, width)
+        if not exact.all():  # a nucleus wider than the candidates: sort those rows whole
+            redo = exact.logical_not().nonzero().squeeze(1)
+            kept[redo] = _keep_top_k_top_p(chosen[redo], k[redo], p[redo], vocab)[0]
+        logits = logits.index_copy(0, torch.tensor(rows), kept)
     if any(min_p):
         probs = logits.softmax(dim=-1)
         floor = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_p, dtype=probs.dtype).unsqueeze(1)
         logits = logits.masked_fill(probs < floor, float("-inf"))
     return logits
+
+
+def _keep_top_k_top_p(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor,
+                      width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows filtered to their top k and top-p nucleus, looking at their `width` best tokens only; and, per row,
+    whether that was exact (the cut fell among them). A [300, 49k] sort costs 1.4 s on one AMD EPYC core,
+    a top-256 70 ms: most nuclei hold a few dozen tokens."""
+    values, order = logits.topk(width, dim=-1) if width < logits.shape[-1] else logits.sort(dim=-1, descending=True)
+    probs = (values - logits.logsumexp(dim=-1, keepdim=True)).exp()
+    before = probs.cumsum(dim=-1) - probs  # mass of the strictly better tokens
+    keep = (torch.arange(width).unsqueeze(0) < k) & (before < p)
+    keep[:, 0] = True
+    exact = (k.squeeze(1) <= width) | (before[:, -1] + probs[:, -1] >= p.squeeze(1))
+    kept = torch.full_like(logits, float("-inf")).scatter_(1, order, values.masked_fill_(~keep, float("-inf")))
+    return kept, exact
 
 
 def sample_random(logits: torch.Tensor, meta: SamplingMetadata, rows: list[int]) -> torch.Tensor:

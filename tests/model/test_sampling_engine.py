@@ -20,7 +20,11 @@ def expected_distribution(logits: torch.Tensor, temperature: float, top_p: float
 
 
 def test_first_token_distribution_matches_filtered_softmax(smollm2):
-    prompt = smollm2.get_tokenizer()("My favourite colour is").input_ids
+    # one block and one token: every draw after the first reads the block from the prefix cache and computes
+    # one position (a third of the time of a 4-token prompt computed whole)
+    text = "I asked my friends what they like. Lucia told me that her favourite colour is"
+    prompt = smollm2.get_tokenizer()(text).input_ids
+    assert len(prompt) == smollm2.engine.config.cache_config.block_size + 1
     _, logits = hf_greedy("smollm2-135m", tuple(prompt), 1)
     expected = expected_distribution(logits[0], 0.8, 0.9)
     draws = 2000

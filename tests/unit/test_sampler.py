@@ -39,6 +39,32 @@ def test_top_k_and_min_p():
     assert torch.isfinite(filter_top_k_top_p_min_p(logits, [0], [1.0], [0.6])).tolist() == [[False, True, True, False]]
 
 
+def _sorted_reference(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """The definition: sort each row whole, keep rank < k and strictly-better mass < p (and the best)."""
+    out = torch.full_like(logits, float("-inf"))
+    for row, (k, p) in enumerate(zip(top_k, top_p)):
+        values, order = logits[row].sort(descending=True)
+        probs = values.softmax(-1)
+        keep = (torch.arange(len(values)) < (k or len(values))) & (probs.cumsum(-1) - probs < p)
+        keep[0] = True
+        out[row, order[keep]] = values[keep]
+    return out
+
+
+def test_nucleus_from_the_best_candidates_equals_sorting_the_whole_row():
+    """Peaked rows cut among the top candidates; flat ones (a nucleus of thousands) and large top-k fall back
+    to the full sort; unfiltered rows pass untouched."""
+    generator = torch.Generator().manual_seed(0)
+    vocab = 5000
+    scales = [8.0, 8.0, 0.1, 0.1, 8.0, 3.0, 0.5]
+    logits = torch.stack([torch.randn(vocab, generator=generator) * s for s in scales])
+    top_k = [0, 40, 0, 0, 3000, 0, 0]
+    top_p = [0.9, 1.0, 0.95, 1.0, 0.99, 0.5, 1.0]
+    kept = filter_top_k_top_p_min_p(logits, top_k, top_p, [0.0] * len(scales))
+    assert torch.equal(kept, _sorted_reference(logits, top_k, top_p))
+    assert torch.isfinite(kept[2]).sum() > 1000 and torch.equal(kept[3], logits[3])
+
+
 def test_greedy_and_penalties():
     logits = torch.tensor([[1.0, 3.0, 2.9, 0.0]])
     sampler = Sampler()

@@ -17,6 +17,14 @@ class UnknownModelError(SobrioError, LookupError):
     """No model of that name is known or installed (HTTP 404)."""
 
 
+class PermissionDeniedError(SobrioError):
+    """The caller's tenant may not use this model, or no backend in its allowed regions serves it (HTTP 403)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
 class EngineOverloadedError(SobrioError):
     """The waiting queue is full (HTTP 429)."""
 

@@ -1,9 +1,12 @@
 """Shared fixtures: real models loaded once per session, and their transformers references."""
 
+import atexit
 import functools
 import os
 import pathlib
 import re
+import shutil
+import tempfile
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs a worker per core: one thread each (no contention)
@@ -11,8 +14,13 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs a worker per core:
     os.environ.setdefault("MKL_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Servers started by tests keep their tenants and usage ledger in a folder of this test process, removed at
+# its end, never in the user's own ~/.local/share/sobrio/gateway.db.
+_GATEWAY_DIR = tempfile.mkdtemp(prefix="sobrio-test-gateway-")
+atexit.register(shutil.rmtree, _GATEWAY_DIR, ignore_errors=True)
+os.environ["SOBRIO_DB"] = os.path.join(_GATEWAY_DIR, "gateway.db")
 
-import pytest
+import pytest  # noqa: E402 - after the environment it reads
 
 # The files that take minutes (slowest first): with two workers (`make test`) both start on them, and the
 # small files fill in at the end, instead of one worker finishing a long file alone while the other idles.

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sobrio.config import SobrioConfig
+from sobrio.engine.energy import StepFlops, open_meter, split_by_flops
 from sobrio.engine.executor import Executor
 from sobrio.engine.request import Request, RequestStatus
 from sobrio.engine.sampling import build_sampling_metadata
@@ -65,6 +66,8 @@ class EngineCoreOutput:
     # prompt_logprobs: once, with the first token; entry k is for prompt token k + 1 (token 0 has none)
     prompt_logprobs: list[TokenLogprob] | None = None
     error: str | None = None  # "error" by the request's own fault (its grammar): what its client is told (400)
+    energy_j: float = 0.0  # the request's so far (engine/energy.py)
+    energy_source: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -87,6 +90,8 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.executor.num_blocks)
         self.sampler = Sampler()
         self.step_tokens = StepTokenCounts()  # /metrics: iteration_tokens_total
+        self.meter, self.flops = open_meter(), StepFlops(self.executor.runner.hf_config)  # engine/energy.py
+        self.draft_energy = 0.0
         self.deferred: dict[str, _Deferred] = {}  # first request id -> siblings not yet scheduled
         # structured output: grammars compile on a worker thread (the tokenizer is read at the first one)
         structured = config.structured_outputs_config
@@ -174,17 +179,28 @@ class EngineCore:
                 self.structured.wait(0.01)  # nothing to compute but grammars: do not spin
             return outputs
         self.step_tokens.observe(sum(n for _, n in out.scheduled))
+        flops = [self.flops(n, req.num_computed_tokens) for req, n in out.scheduled]
+        start = self.meter.read()
         failed: list[Request] = []
         sampled = self._execute_isolating_failures(out, failed)
         outputs += [self._fail(req) for req in failed]
         self.scheduler.update_after_step(out)
         now = time.monotonic()
         hidden = self._hidden_of_last_tokens(sampled) if self.speculator and self.speculator.needs_hidden else {}
+        self._charge_energy(out, flops, self.meter.read() - start)
         outputs += [self._append(req, tokens, now) for req, tokens in sampled]
         if self.speculator is not None:
+            start = self.meter.read()
             self.speculator.propose(self.scheduler.running, hidden)
+            self.draft_energy += self.meter.read() - start  # the drafts' forward: charged with the next step
         self._release_siblings()
         return outputs
+
+    def _charge_energy(self, out: SchedulerOutput, flops: list[float], joules: float) -> None:
+        """The step's energy (and the drafting before it) to its requests, by their share of its FLOPs."""
+        joules, self.draft_energy = joules + self.draft_energy, 0.0
+        for (req, _), share in zip(out.scheduled, split_by_flops(joules, flops)):
+            req.energy_j += share
 
     def _execute(self, out: SchedulerOutput) -> list[tuple[Request, list[SampledToken]]]:
         """Each sampling request's new tokens: one, or with drafts the accepted ones and the token after."""
@@ -341,12 +357,12 @@ class EngineCore:
         if req.status.finished:
             self.structured.free(req.request_id)
 
-    @staticmethod
-    def _output(req: Request, new_token_ids: list[int], logprobs: list[TokenLogprob] | None) -> EngineCoreOutput:
+    def _output(self, req: Request, new_token_ids: list[int], logprobs: list[TokenLogprob] | None) -> EngineCoreOutput:
         stop_reason = req.stop_reason if isinstance(req.stop_reason, int) else None
         return EngineCoreOutput(req.request_id, new_token_ids, logprobs, req.finish_reason, stop_reason,
                                 req.num_cached_tokens, req.num_preemptions, req.first_scheduled_time,
-                                req.first_token_time, req.finished_time, error=req.error)
+                                req.first_token_time, req.finished_time, error=req.error, energy_j=req.energy_j,
+                                energy_source=self.meter.source)
 
     # ---- introspection ----
     def table_sizes(self) -> dict[str, int]:

@@ -233,7 +233,8 @@ class LLMEngine:
         finished_time = ((out and out.finished_time) or time.monotonic()) if finished else None
         metrics = RequestMetrics(seq.arrival_time, out and out.first_scheduled_time, out and out.first_token_time,
                                  finished_time, out.num_preemptions if out else 0,
-                                 len(self.children.get(seq.parent_id, ())) or 1, seq.params.max_tokens)
+                                 len(self.children.get(seq.parent_id, ())) or 1, seq.params.max_tokens,
+                                 out.energy_j if out else 0.0, out and out.energy_source)
         result = RequestOutput(seq.parent_id, seq.prompt, seq.prompt_token_ids, [completion], finished, metrics,
                                out.num_cached_tokens if out else 0, seq.detok.delta(finished), delta_ids,
                                seq.prompt_logprobs, seq.error)

@@ -46,6 +46,7 @@ class Request:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    energy_j: float = 0.0  # its share of the steps it was in (engine/energy.py)
     priority: int = 0  # --scheduling-policy priority: lower first, then earlier arrival
     prompt_logprobs: list | None = None  # prompt_logprobs: entry k is for prompt token k + 1 (core.TokenLogprob)
     prompt_logprobs_sent: bool = False

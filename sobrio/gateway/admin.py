@@ -13,15 +13,12 @@ def add_admin_parser(sub) -> None:
     objects = admin.add_subparsers(dest="object", required=True)
     tenants = objects.add_parser("tenants", help="create, list or delete tenants").add_subparsers(
         dest="action", required=True)
-    create = tenants.add_parser("create", help="a new tenant (its limits optional)")
-    create.add_argument("name", help="1-64 letters, digits, '.', '_' or '-'")
-    create.add_argument("--requests-per-minute", type=int, default=None, help="(default: no limit)")
-    create.add_argument("--tokens-per-day", type=int, default=None,
-                        help="prompt and completion tokens (default: no limit)")
-    create.add_argument("--max-concurrent", type=int, default=None,
-                        help="requests in flight at once (default: no limit)")
-    create.add_argument("--models", default=None, help="comma-separated models it may use (default: all)")
-    create.add_argument("--regions", default=None, help="comma-separated regions that may serve it (default: all)")
+    for action, text in (("create", "a new tenant (its limits optional)"),
+                         ("set-limits", "replace a tenant's limits (those not given: no limit); the running "
+                                        "server applies them to its next request")):
+        parser = tenants.add_parser(action, help=text)
+        parser.add_argument("name", help="1-64 letters, digits, '.', '_' or '-'")
+        _add_limit_args(parser)
     tenants.add_parser("list", help="every tenant and its limits")
     tenants.add_parser("delete", help="a tenant and all its keys").add_argument("name", help="the tenant")
     keys = objects.add_parser("keys", help="create, list or revoke API keys").add_subparsers(
@@ -34,6 +31,16 @@ def add_admin_parser(sub) -> None:
     admin.set_defaults(func=cmd_admin)
 
 
+def _add_limit_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--requests-per-minute", type=int, default=None, help="(default: no limit)")
+    parser.add_argument("--tokens-per-day", type=int, default=None,
+                        help="prompt and completion tokens, from midnight UTC (default: no limit)")
+    parser.add_argument("--max-concurrent", type=int, default=None,
+                        help="requests in flight at once (default: no limit)")
+    parser.add_argument("--models", default=None, help="comma-separated models it may use (default: all)")
+    parser.add_argument("--regions", default=None, help="comma-separated regions that may serve it (default: all)")
+
+
 def cmd_admin(args: argparse.Namespace) -> int:
     store = TenantStore(args.db)
     try:
@@ -43,11 +50,19 @@ def cmd_admin(args: argparse.Namespace) -> int:
     return 0
 
 
+def _limits(args: argparse.Namespace) -> Limits:
+    return Limits(args.requests_per_minute, args.tokens_per_day, args.max_concurrent, _names(args.models),
+                  _names(args.regions))
+
+
 def _create_tenant(store: TenantStore, args: argparse.Namespace) -> None:
-    limits = Limits(args.requests_per_minute, args.tokens_per_day, args.max_concurrent,
-                    _names(args.models), _names(args.regions))
-    tenant = store.create_tenant(args.name, limits)
+    tenant = store.create_tenant(args.name, _limits(args))
     print(f"created tenant {tenant.name} (id {tenant.id})")
+
+
+def _set_limits(store: TenantStore, args: argparse.Namespace) -> None:
+    store.set_limits(args.name, _limits(args))
+    print(f"new limits for tenant {args.name}")
 
 
 def _list_tenants(store: TenantStore, args: argparse.Namespace) -> None:
@@ -80,9 +95,9 @@ def _revoke_key(store: TenantStore, args: argparse.Namespace) -> None:
     print(f"revoked key {args.key_id}")
 
 
-ACTIONS = {("tenants", "create"): _create_tenant, ("tenants", "list"): _list_tenants,
-           ("tenants", "delete"): _delete_tenant, ("keys", "create"): _create_key, ("keys", "list"): _list_keys,
-           ("keys", "revoke"): _revoke_key}
+ACTIONS = {("tenants", "create"): _create_tenant, ("tenants", "set-limits"): _set_limits,
+           ("tenants", "list"): _list_tenants, ("tenants", "delete"): _delete_tenant,
+           ("keys", "create"): _create_key, ("keys", "list"): _list_keys, ("keys", "revoke"): _revoke_key}
 
 
 def _names(text: str | None) -> tuple[str, ...] | None:

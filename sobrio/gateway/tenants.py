@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from sobrio.errors import SobrioError
+from sobrio.errors import PermissionDeniedError, SobrioError
 
 KEY_PREFIX = "sk-sobrio-"
 _KEY = re.compile(r"sk-sobrio-([0-9a-f]{12})-([A-Za-z0-9_-]{43})")
@@ -137,6 +137,11 @@ class TenantStore:
         """Once one exists, every request needs a valid key."""
         return self.db.execute("SELECT 1 FROM tenants LIMIT 1").fetchone() is not None
 
+    def set_limits(self, name: str, limits: Limits) -> None:
+        tenant = Tenant(self.tenant(name).id, name, 0.0, limits)
+        self.db.execute("UPDATE tenants SET requests_per_minute = ?, tokens_per_day = ?, max_concurrent = ?, "
+                        "allowed_models = ?, allowed_regions = ? WHERE id = ?", (*_tenant_row(tenant)[3:], tenant.id))
+
     def delete_tenant(self, name: str) -> None:
         """The tenant and its keys."""
         if self.db.execute("DELETE FROM tenants WHERE name = ?", (name,)).rowcount == 0:
@@ -183,6 +188,13 @@ class TenantStore:
 
     def _hash(self, text: str) -> bytes:
         return hmac.new(self.secret, text.encode(), hashlib.sha256).digest()
+
+
+def check_model_allowed(tenant: Tenant, *names: str) -> None:
+    """A tenant limited to some models may use a model under any of its served names (403 otherwise)."""
+    allowed = tenant.limits.allowed_models
+    if allowed is not None and not set(names) & set(allowed):
+        raise PermissionDeniedError(f"tenant {tenant.name!r} may not use model {names[0]!r}", param="model")
 
 
 def _tenant_row(tenant: Tenant) -> tuple:

@@ -20,7 +20,17 @@ from sobrio.engine.async_llm import AsyncLLM, EngineStepError
 from sobrio.engine.client import EngineClient
 from sobrio.engine.outputs import RequestOutput
 from sobrio.engine_args import add_config_args, add_engine_args, config_from_args, engine_kwargs
-from sobrio.errors import ConfigError, EngineOverloadedError, InvalidRequestError, SobrioError, UnknownModelError
+from sobrio.errors import (
+    ConfigError,
+    EngineOverloadedError,
+    InvalidRequestError,
+    PermissionDeniedError,
+    SobrioError,
+    UnknownModelError,
+)
+from sobrio.gateway.energy import region_code
+from sobrio.gateway.ledger import Ledger, LedgerEntry
+from sobrio.gateway.tenants import TenantStore, check_model_allowed
 from sobrio.loader.resolve import ALIASES, DEFAULT_MODELS, check_model_name, is_installed, resolve_model
 from sobrio.sample.params import SamplingParams
 from sobrio.server import responses_api, routes_tokenize, tools
@@ -32,7 +42,7 @@ from sobrio.server.limits import check_fanout, check_prompt_tokens
 from sobrio.server.limits import protocol_class as guarded_protocol_class
 from sobrio.server.metrics import ServerMetrics
 from sobrio.server.protocol import ChatCompletionRequest, CompletionRequest, ignored_fields, log_ignored, new_id, now
-from sobrio.server.responses import ChoiceState, chat_chunk, completion_chunk, final_response, usage_of
+from sobrio.server.responses import ChoiceState, chat_chunk, completion_chunk, final_response, note_usage, usage_of
 from sobrio.server.startup import RootPath, StatsLogger, bind_socket, listening_url, served_names
 from sobrio.timing import log_step
 
@@ -77,6 +87,8 @@ def sobrio_error_response(exc: Exception) -> JSONResponse:
         return error_response(400, str(exc), "invalid_request_error", exc.param)
     if isinstance(exc, UnknownModelError):
         return error_response(404, str(exc), "invalid_request_error", "model", "model_not_found")
+    if isinstance(exc, PermissionDeniedError):
+        return error_response(403, str(exc), "permission_error", exc.param, "model_not_allowed")
     if isinstance(exc, EngineOverloadedError):
         return error_response(429, str(exc), "rate_limit_error", headers={"Retry-After": "1"})
     if isinstance(exc, EngineStepError):
@@ -95,6 +107,7 @@ class OpenAIServer:
         self.metrics = ServerMetrics(engines, metrics_prefix)
         self.aliases: dict[str, str] = {}  # a model's further --served-model-name -> its main name
         self.log_requests = True  # --disable-log-requests: False
+        self.ledger: Ledger | None = None  # run_server's: the gateway's usage ledger
         for name, engine in engines.items():
             engine.on_output = lambda output, t, name=name: self._on_output(name, output, t)
             engine.on_abort = self.metrics.forget
@@ -109,12 +122,20 @@ class OpenAIServer:
                         len(output.prompt_token_ids), output.num_cached_tokens, len(c.token_ids), ttft,
                         t - m.arrival_time, c.finish_reason)
 
-    def engine_for(self, model: str | None, task: str | None = None) -> tuple[str, EngineClient]:
+    def engine_for(self, model: str | None, task: str | None = None, state=None) -> tuple[str, EngineClient]:
         """`task` "generate" or "embed": a model of the other kind is a 400 (None: any model). A further
-        --served-model-name of a model reaches it, and answers carry the name the request used (as vLLM)."""
+        --served-model-name of a model reaches it, and answers carry the name the request used (as vLLM).
+        `state` (a request's): its tenant must be allowed the model (403), and its ledger row names it."""
         if model in self.aliases:
-            return model, select_engine(self.engines, self.aliases[model], task)[1]
-        return select_engine(self.engines, model, task)
+            name, engine = model, select_engine(self.engines, self.aliases[model], task)[1]
+        else:
+            name, engine = select_engine(self.engines, model, task)
+        tenant, entry = getattr(state, "tenant", None), getattr(state, "ledger", None)
+        if tenant is not None:
+            check_model_allowed(tenant, name, self.aliases.get(name, name))
+        if entry is not None:
+            entry.requested_model, entry.served_model = name, self.aliases.get(name, name)
+        return name, engine
 
     def check_fanout(self, engine: EngineClient, num_prompts: int, n: int) -> None:
         """Prompts and sequences against the limits and the waiting queue, before any tokenizing."""
@@ -184,7 +205,7 @@ def create_app(engines: dict[str, EngineClient], limits: LimitsConfig | None = N
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        name, engine = server.engine_for(body.model, "generate")
+        name, engine = server.engine_for(body.model, "generate", request.state)
         tool_plan = tools.plan(body.tools, body.tool_choice, body.parallel_tool_calls)
         params = tools.with_tool_grammar(body.to_sampling_params(), tool_plan)
         server.check_fanout(engine, 1, params.n)
@@ -201,7 +222,7 @@ def create_app(engines: dict[str, EngineClient], limits: LimitsConfig | None = N
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        name, engine = server.engine_for(body.model, "generate")
+        name, engine = server.engine_for(body.model, "generate", request.state)
         params = body.to_sampling_params()
         prompts = body.prompts()
         server.check_fanout(engine, len(prompts), params.n)
@@ -209,6 +230,19 @@ def create_app(engines: dict[str, EngineClient], limits: LimitsConfig | None = N
         ids = await asyncio.to_thread(lambda: [tokenize(p) for p in prompts])
         echo = await asyncio.to_thread(echo_texts, engine, prompts) if body.echo else None
         return await _respond(server, request, body, params, name, engine, ids, "completion", echo)
+
+    @app.get("/v1/usage")
+    async def usage(request: Request, since: float = 0.0, limit: int = 100):
+        """The caller's own ledger rows (newest first) and totals since `since` (epoch seconds): a tenant's
+        key sees its tenant's, the operator's key (or no key on an open server) the requests without one."""
+        if server.ledger is None:
+            raise InvalidRequestError("this server keeps no usage ledger")
+        if not 1 <= limit <= 1000:
+            raise InvalidRequestError("limit must be in [1, 1000]", param="limit")
+        tenant = getattr(request.state, "tenant", None)
+        tenant_id = tenant.id if tenant is not None else None
+        return {"object": "list", "tenant": tenant.name if tenant is not None else None,
+                "data": server.ledger.rows(tenant_id, since, limit), "totals": server.ledger.totals(tenant_id, since)}
 
     routes_tokenize.register(app, server)  # /tokenize, /detokenize, /v1/models/{id}, /ping
     responses_api.register(app, server, _collect_unless_disconnected, sobrio_error_response)  # /v1/responses
@@ -227,14 +261,15 @@ async def _respond(server: OpenAIServer, request: Request, body, params: Samplin
     request.state.request_id = base_id  # X-Request-Id of the answer, unless the client sent its own
     log_ignored(ignored_fields(body), base_id)
     queue: asyncio.Queue = asyncio.Queue()
-    request_ids = await server.submit(engine, base_id, prompts, per_prompt, body.cache_salt, queue, body.priority)
+    salt = getattr(request.state, "tenant_salt", None) or body.cache_salt  # a tenant's replaces the client's
+    request_ids = await server.submit(engine, base_id, prompts, per_prompt, salt, queue, body.priority)
     stream = engine.stream_outputs(request_ids, params.n, queue)
     choices = ChoiceState(request_ids, params.n, params.logprobs, echo, params.prompt_logprobs,
                           engine.input_processor.decode)
     choices.tool_calls = tool_calls
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        sse = _sse(stream, choices, base_id, model_name, kind, include_usage)
+        sse = _sse(stream, choices, base_id, model_name, kind, include_usage, getattr(request.state, "ledger", None))
         return StreamingResponse(sse, media_type="text/event-stream")
     try:
         outputs = await _collect_unless_disconnected(stream, request)
@@ -244,6 +279,7 @@ async def _respond(server: OpenAIServer, request: Request, body, params: Samplin
         return Response(status_code=499)
     for output in outputs:
         choices.add(output)
+    note_usage(getattr(request.state, "ledger", None), choices)
     return final_response(choices, base_id, model_name, kind)
 
 
@@ -271,13 +307,16 @@ async def _collect(stream: AsyncIterator[RequestOutput]) -> list[RequestOutput]:
 
 
 async def _sse(stream: AsyncIterator[RequestOutput], choices: ChoiceState, base_id: str, model_name: str,
-               kind: str, include_usage: bool) -> AsyncIterator[str]:
+               kind: str, include_usage: bool, entry: LedgerEntry | None = None) -> AsyncIterator[str]:
     """The stream's chunks; a failure (the engine's, a shutdown's, or a bug) ends it with an OpenAI error
-    event and then `[DONE]`, so a client can tell a cut from a finished answer."""
+    event and then `[DONE]`, so a client can tell a cut from a finished answer. The ledger row gets the
+    tokens streamed, however the stream ends."""
     created = now()
     make_chunk = chat_chunk if kind == "chat" else completion_chunk
     try:
         async for output in stream:
+            if entry is not None and entry.ttft_s is None:
+                entry.ttft_s = time.time() - entry.created_at
             choice = choices.add(output)
             chunk = make_chunk(choices, choice, output, base_id, model_name, created)
             if include_usage:
@@ -289,11 +328,17 @@ async def _sse(stream: AsyncIterator[RequestOutput], choices: ChoiceState, base_
                      "usage": usage_of(choices).model_dump()}
             yield f"data: {json.dumps(final)}\n\n"
     except SobrioError as exc:
-        yield f"data: {json.dumps(json.loads(sobrio_error_response(exc).body))}\n\n"
+        error = sobrio_error_response(exc)
+        if entry is not None:
+            entry.status = error.status_code
+        yield f"data: {json.dumps(json.loads(error.body))}\n\n"
     except Exception as exc:  # noqa: BLE001 - a bug mid-stream: say so in the stream, log no message
         log_unexpected(exc, "stream")
+        if entry is not None:
+            entry.status = 500
         yield f"data: {json.dumps(json.loads(error_response(500, 'internal server error', 'server_error').body))}\n\n"
     finally:
+        note_usage(entry, choices)
         await stream.aclose()
     yield "data: [DONE]\n\n"
 
@@ -339,6 +384,7 @@ def run_server(args) -> int:
     config = config_from_args(args, ServerConfig)
     _configure_logging(config.log_level)
     models = _served_models(config)
+    region = region_code(config.region)  # an unknown one fails now, before anything loads
     names = served_names([m if m in ALIASES else resolve_model(m).name for m in models], config.served_model_name)
     configs = [SobrioConfig.from_kwargs(model=model, **engine_kwargs(args)) for model in models]
     sock = bind_socket(config.host, config.port)  # a busy port fails now, not after loading
@@ -360,7 +406,10 @@ def run_server(args) -> int:
     app.state.server.aliases = {alias: group[0] for group in names for alias in group[1:]}
     app.state.server.log_requests = not config.disable_log_requests
     stats = None if config.disable_log_stats else StatsLogger(engines)
-    asgi, limits_layer = edge_stack(app, config.api_key, config.limits, config.cors)
+    store = TenantStore(config.db)
+    ledger = app.state.server.ledger = Ledger(store.db)
+    logger.info("tenants, keys and usage ledger: %s (%d tenant(s))", store.path, len(store.tenants()))
+    asgi, limits_layer = edge_stack(app, config.api_key, config.limits, config.cors, store, ledger, region)
     if config.root_path:
         asgi = RootPath(asgi, config.root_path)
     url = listening_url(config, sock)
@@ -378,6 +427,7 @@ def run_server(args) -> int:
             stats.stop()
         for engine in engines.values():
             engine.shutdown()
+        store.close()
 
     server = _uvicorn_server(config, asgi, list(engines.values()))
     limits_layer.count_connections = lambda: len(server.server_state.connections)

@@ -1,10 +1,10 @@
 """The HTTP edge around the FastAPI app, pure ASGI (no BaseHTTPMiddleware: it hides disconnects).
 
 From the outside in: `HttpEdge` (X-Request-Id on every answer, one access-log line without the query,
-no exception escapes as plain text), CORS, `LimitsMiddleware`, `ApiKeyAuth`, then FastAPI.
+no exception escapes as plain text), CORS, `LimitsMiddleware`, the gateway's `TenantGate` (keys, tenants,
+their limits, the usage ledger), then FastAPI.
 """
 
-import hmac
 import logging
 import re
 import time
@@ -14,6 +14,9 @@ from fastapi.openapi.utils import get_openapi
 from starlette.middleware.cors import CORSMiddleware
 
 from sobrio.config import CorsConfig, LimitsConfig
+from sobrio.gateway.gate import TenantGate, header
+from sobrio.gateway.ledger import Ledger
+from sobrio.gateway.tenants import TenantStore
 from sobrio.server.errors import ErrorResponse, log_unexpected, send_error
 from sobrio.server.limits import LimitsMiddleware
 from sobrio.server.protocol import new_id
@@ -22,13 +25,6 @@ access_logger = logging.getLogger("sobrio.access")
 
 _CLIENT_ID = re.compile(rb"[\x21-\x7e]{1,128}")  # visible ASCII: echoed as sent, never logged
 LOOPBACK_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"
-
-
-def _header(scope, name: bytes) -> bytes | None:
-    for key, value in scope["headers"]:
-        if key == name:
-            return value
-    return None
 
 
 class HttpEdge:
@@ -43,7 +39,7 @@ class HttpEdge:
             await self.app(scope, receive, send)
             return
         state = scope.setdefault("state", {})
-        client_id = _header(scope, b"x-request-id")
+        client_id = header(scope, b"x-request-id")
         client_id = client_id if client_id is not None and _CLIENT_ID.fullmatch(client_id) else None
         start, status = time.monotonic(), None
 
@@ -72,27 +68,12 @@ def _path(scope) -> str:
     return raw.split(b"?", 1)[0][:200].decode("latin-1")
 
 
-class ApiKeyAuth:
-    """`/v1` needs `Authorization: Bearer <key>` when a key is set, compared in constant time. OPTIONS is never
-    refused: CORS preflights carry no credentials."""
-
-    def __init__(self, app, api_key: str | None):
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
-
-    async def __call__(self, scope, receive, send) -> None:
-        if (self.expected is not None and scope["type"] == "http" and scope["method"] != "OPTIONS"
-                and scope["path"].startswith("/v1")
-                and not hmac.compare_digest(_header(scope, b"authorization") or b"", self.expected)):
-            await send_error(send, 401, "invalid or missing API key", "invalid_request_error", "invalid_api_key")
-            return
-        await self.app(scope, receive, send)
-
-
-def edge_stack(app: FastAPI, api_key: str | None, limits: LimitsConfig,
-               cors: CorsConfig) -> tuple[HttpEdge, LimitsMiddleware]:
-    """The ASGI app to serve, and its limits layer (run_server gives it uvicorn's connection count)."""
-    limited = LimitsMiddleware(ApiKeyAuth(app, api_key), limits)
+def edge_stack(app: FastAPI, api_key: str | None, limits: LimitsConfig, cors: CorsConfig,
+               store: TenantStore | None = None, ledger: Ledger | None = None,
+               region: str = "WLD") -> tuple[HttpEdge, LimitsMiddleware]:
+    """The ASGI app to serve, and its limits layer (run_server gives it uvicorn's connection count). Without
+    a tenant store the gateway's layer checks `--api-key` alone."""
+    limited = LimitsMiddleware(TenantGate(app, api_key, store, ledger, region), limits)
     with_cors = CORSMiddleware(limited, allow_origins=cors.allowed_origins,
                                allow_origin_regex=None if cors.allowed_origins else LOOPBACK_ORIGINS,
                                allow_methods=cors.allowed_methods, allow_headers=cors.allowed_headers,

@@ -79,7 +79,7 @@ def install_embedding_routes(app: FastAPI, server) -> None:
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request):
         arrival = time.monotonic()
-        name, engine = select_engine(server.engines, body.model, "embed")
+        name, engine = server.engine_for(body.model, "embed", request.state)
         request_id = new_id("embd")
         request.state.request_id = request_id
         inputs = body.inputs()
@@ -96,6 +96,8 @@ def install_embedding_routes(app: FastAPI, server) -> None:
         if vectors is None:
             return Response(status_code=499)
         num_tokens = sum(len(r) for r in rows)
+        if getattr(request.state, "ledger", None) is not None:
+            request.state.ledger.prompt_tokens = num_tokens
         return {"id": request_id, "object": "list", "created": now(), "model": name,
                 "data": [{"object": "embedding", "index": i, "embedding": _encode(v, body.encoding_format)}
                          for i, v in enumerate(vectors)],

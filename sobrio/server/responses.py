@@ -19,6 +19,7 @@ class Choice:
     role_sent: bool = False
     echo_sent: bool = False
     tool_parser: tools.ToolCallParser | None = None  # a stream's, when the answer may hold tool calls
+    energy_j: float = 0.0  # the sequence's so far (engine/energy.py)
 
 
 class ChoiceState:
@@ -39,6 +40,7 @@ class ChoiceState:
         self.prompt_token_ids: dict[str, list[int]] = {}
         self.prompt_logprobs: dict[str, list[dict[int, Logprob] | None]] = {}
         self.tool_calls = False  # chat with tools: the answers are parsed for tool calls (server/tools.py)
+        self.energy_source: str | None = None
 
     def add(self, output: RequestOutput) -> Choice:
         completion = output.outputs[0]
@@ -47,6 +49,8 @@ class ChoiceState:
         choice.text, choice.token_ids = completion.text, completion.token_ids
         choice.finish_reason, choice.stop_reason = completion.finish_reason, completion.stop_reason
         choice.logprobs = completion.logprobs
+        choice.energy_j = output.metrics.energy_j
+        self.energy_source = output.metrics.energy_source or self.energy_source
         self.prompt_tokens[output.request_id] = len(output.prompt_token_ids)
         self.cached_tokens[output.request_id] = output.num_cached_tokens
         if output.prompt_logprobs is not None:
@@ -69,6 +73,16 @@ def usage_of(state: ChoiceState) -> UsageInfo:
     completion = sum(len(c.token_ids) for c in state.choices.values())
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                      prompt_tokens_details={"cached_tokens": sum(state.cached_tokens.values())})
+
+
+def note_usage(entry, state: ChoiceState) -> None:
+    """The request's token counts and energy into its ledger row (`LedgerEntry`; None: no ledger)."""
+    if entry is not None:
+        usage = usage_of(state)
+        entry.prompt_tokens, entry.completion_tokens = usage.prompt_tokens, usage.completion_tokens
+        entry.cached_tokens = usage.prompt_tokens_details["cached_tokens"]
+        entry.energy_j = sum(c.energy_j for c in state.choices.values())
+        entry.energy_source = state.energy_source
 
 
 def _top(entry: dict[int, Logprob], top_n: int) -> list[Logprob]:

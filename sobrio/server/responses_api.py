@@ -27,7 +27,7 @@ from sobrio.sample.params import INT32_MAX, MAX_LOGIT_BIAS, SamplingParams, Stru
 from sobrio.server.errors import log_unexpected
 from sobrio.server.limits import check_prompt_tokens
 from sobrio.server.protocol import Priority, StrictModel, log_ignored, logit_bias_ids, new_id, now
-from sobrio.server.responses import ChoiceState
+from sobrio.server.responses import ChoiceState, note_usage
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 # accepted, no effect (no storage, no tools, no reasoning models): logged by name at DEBUG
@@ -244,7 +244,7 @@ def register(app: FastAPI, server, collect: Callable, error_response: Callable) 
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request):
-        name, engine = server.engine_for(body.model, "generate")
+        name, engine = server.engine_for(body.model, "generate", request.state)
         params = body.to_sampling_params()
         server.check_fanout(engine, 1, 1)
         messages = body.messages()
@@ -257,8 +257,8 @@ def register(app: FastAPI, server, collect: Callable, error_response: Callable) 
         log_ignored(body.ignored_fields(), reply.id)
         queue: asyncio.Queue = asyncio.Queue()
         try:
-            request_ids = await server.submit(engine, reply.id, [ids], [params], body.cache_salt, queue,
-                                              body.priority)
+            salt = getattr(request.state, "tenant_salt", None) or body.cache_salt  # a tenant's replaces the client's
+            request_ids = await server.submit(engine, reply.id, [ids], [params], salt, queue, body.priority)
         except InvalidRequestError as exc:  # a bad schema: name the field this API gave it in
             if exc.param != "structured_outputs":
                 raise
@@ -266,7 +266,7 @@ def register(app: FastAPI, server, collect: Callable, error_response: Callable) 
         stream = engine.stream_outputs(request_ids, 1, queue)
         state = ChoiceState(request_ids, 1, None)
         if body.stream:
-            events = _events(stream, state, reply, error_response)
+            events = _events(stream, state, reply, error_response, getattr(request.state, "ledger", None))
             return StreamingResponse(events, media_type="text/event-stream")
         try:
             outputs = await collect(stream, request)
@@ -276,6 +276,7 @@ def register(app: FastAPI, server, collect: Callable, error_response: Callable) 
             return Response(status_code=499)
         for output in outputs:
             state.add(output)
+        note_usage(getattr(request.state, "ledger", None), state)
         choice = state.choices[0]
         status = "incomplete" if choice.finish_reason == "length" else "completed"
         return reply.snapshot("completed", [_message(reply.msg_id, choice.text, status)], state, choice.finish_reason)
@@ -288,8 +289,9 @@ def _sse(event: dict, seq: list[int]) -> str:
 
 
 async def _events(stream: AsyncIterator[RequestOutput], state: ChoiceState, reply: _Reply,
-                  error_response) -> AsyncIterator[str]:
-    """The stream's events; a failure mid-way ends it with an `error` event (OpenAI's shape)."""
+                  error_response, entry=None) -> AsyncIterator[str]:
+    """The stream's events; a failure mid-way ends it with an `error` event (OpenAI's shape). The ledger row
+    (`entry`) gets the tokens streamed, however the stream ends."""
     seq = [0]
     where = {"item_id": reply.msg_id, "output_index": 0, "content_index": 0}
     try:
@@ -313,11 +315,15 @@ async def _events(stream: AsyncIterator[RequestOutput], state: ChoiceState, repl
         final = reply.snapshot("completed", [item], state, choice.finish_reason)
         yield _sse({"type": "response.completed", "response": final}, seq)
     except SobrioError as exc:
-        error = json.loads(error_response(exc).body)["error"]
+        answer = error_response(exc)
+        if entry is not None:
+            entry.status = answer.status_code
+        error = json.loads(answer.body)["error"]
         yield _sse({"type": "error", "code": error["code"] or error["type"], "message": error["message"],
                     "param": error["param"]}, seq)
     except Exception as exc:  # noqa: BLE001 - a bug mid-stream: say so in the stream, log no message
         log_unexpected(exc, "responses stream")
         yield _sse({"type": "error", "code": "server_error", "message": "internal server error", "param": None}, seq)
     finally:
+        note_usage(entry, state)
         await stream.aclose()

@@ -3,12 +3,16 @@ its tenant is deleted, nothing but a keyed hash of it reaches the database, and 
 salt is its own and stable across restarts."""
 
 import os
+import sqlite3
 import stat
+import time
 
 import pytest
 
 from sobrio import cli
-from sobrio.gateway.tenants import Limits, TenantError, TenantStore
+from sobrio.gateway.gate import TenantLimiter
+from sobrio.gateway.ledger import Ledger, LedgerEntry, start_of_utc_day
+from sobrio.gateway.tenants import Limits, Tenant, TenantError, TenantStore
 
 
 @pytest.fixture
@@ -89,6 +93,34 @@ def test_admin_commands_print_the_key_once(tmp_path, capsys):
     assert cli.main(db + ["keys", "revoke", key_id]) == 0
     assert cli.main(db + ["keys", "create", "--tenant", "nobody"]) == 1
     assert "no tenant named 'nobody'" in capsys.readouterr().err
+    assert cli.main(db + ["tenants", "set-limits", "acme", "--requests-per-minute", "5"]) == 0
     store = TenantStore(tmp_path / "admin.db")
-    assert store.resolve(text) is None and store.tenant("acme").limits.allowed_models == ("a", "b")
+    assert store.resolve(text) is None and store.tenant("acme").limits == Limits(requests_per_minute=5)
     store.close()
+
+
+def test_limiter_window_concurrency_and_daily_tokens_reset():
+    """The sliding minute frees a slot when its oldest request is 60 s old; a finished request frees its
+    concurrency slot; the day's tokens come from the ledger and count from midnight UTC."""
+    now = [1000.0]
+    ledger = Ledger(sqlite3.connect(":memory:"))
+    limiter = TenantLimiter(ledger, clock=lambda: now[0])
+    minute = Tenant("t1", "minute", 0.0, Limits(requests_per_minute=2))
+    assert limiter.admit(minute) is None and limiter.admit(minute) is None
+    now[0] += 20
+    refusal = limiter.admit(minute)
+    assert refusal is not None and refusal.retry_after == 40 and "2 requests per minute" in refusal.message
+    now[0] += 40
+    assert limiter.admit(minute) is None  # the first left the window
+    single = Tenant("t2", "single", 0.0, Limits(max_concurrent=1))
+    assert limiter.admit(single) is None and limiter.admit(single) is not None
+    limiter.release(single)
+    assert limiter.admit(single) is None
+    frugal = Tenant("t3", "frugal", 0.0, Limits(tokens_per_day=100))
+    yesterday = start_of_utc_day() - 10
+    ledger.record(LedgerEntry("old", "t3", yesterday, "/v1/chat/completions", prompt_tokens=500, status=200))
+    assert limiter.admit(frugal) is None  # yesterday's tokens do not count today
+    ledger.record(LedgerEntry("new", "t3", time.time(), "/v1/chat/completions", prompt_tokens=60,
+                              completion_tokens=40, status=200))
+    refusal = limiter.admit(frugal)
+    assert refusal is not None and 0 < refusal.retry_after <= 86400

@@ -1,0 +1,234 @@
+"""The gateway through the official `openai` client, on a real server: tenants and keys (401 once one
+exists), per-tenant prefix-cache salts, limits (429 with Retry-After, 403 for a model not allowed), and the
+usage ledger: one row per request, each tenant sees only its own, and nothing of any text anywhere (ZDR)."""
+
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from sobrio.gateway.ledger import COLUMNS
+from sobrio.gateway.tenants import Limits, TenantStore
+from tests.server.conftest import SMALL, serving
+
+CANARY = "zq7canaryxv"  # in prompts, and forced as completions (a regex), on every path
+PROJECT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Gateway:
+    srv: object
+    store: TenantStore
+    db: Path
+    keys: dict[str, str]
+
+    def client(self, tenant: str | None, **kwargs) -> openai.OpenAI:
+        key = self.keys[tenant] if tenant else "sk-none"
+        return openai.OpenAI(base_url=f"{self.srv.base_url}/v1", api_key=key, max_retries=0, **kwargs)
+
+    def usage(self, tenant: str) -> dict:
+        answer = httpx.get(f"{self.srv.base_url}/v1/usage", headers={"Authorization": f"Bearer {self.keys[tenant]}"})
+        assert answer.status_code == 200, answer.text
+        return answer.json()
+
+
+TENANTS = {"acme": Limits(), "globex": Limits(), "minute": Limits(requests_per_minute=3),
+           "single": Limits(max_concurrent=1), "frugal": Limits(tokens_per_day=30),
+           "restricted": Limits(allowed_models=("another-model",))}
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    db = tmp_path_factory.mktemp("gateway") / "gateway.db"
+    store = TenantStore(db)
+    keys = {}
+    for name, limits in TENANTS.items():
+        store.create_tenant(name, limits)
+        keys[name] = store.create_key(name)[1]
+    try:
+        with serving(*SMALL, "--db", str(db), "--log-level", "debug", "--region", "ITA") as srv:
+            yield Gateway(srv, store, db, keys)
+    finally:
+        store.close()
+
+
+def chat(client: openai.OpenAI, text: str, **kwargs):
+    return client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": text}],
+                                          max_tokens=kwargs.pop("max_tokens", 4), temperature=0, **kwargs)
+
+
+def test_keys_once_tenants_exist_and_revocation(gateway):
+    with pytest.raises(openai.AuthenticationError) as exc:
+        chat(gateway.client(None), "hello")
+    assert exc.value.body["code"] == "invalid_api_key"
+    no_header = httpx.post(f"{gateway.srv.base_url}/v1/completions", json={"model": "smollm2-135m", "prompt": "x"})
+    assert no_header.status_code == 401 and no_header.json()["error"]["code"] == "invalid_api_key"
+    key, text = gateway.store.create_key("acme")
+    client = openai.OpenAI(base_url=f"{gateway.srv.base_url}/v1", api_key=text, max_retries=0)
+    assert chat(client, "hello").choices[0].message.content
+    gateway.store.revoke_key(key.key_id)
+    with pytest.raises(openai.AuthenticationError):
+        chat(client, "hello")
+    assert httpx.get(f"{gateway.srv.base_url}/health").status_code == 200  # probes need no key
+
+
+def test_each_tenant_sees_only_its_own_usage(gateway):
+    mine = chat(gateway.client("acme"), "Say one word.")
+    theirs = chat(gateway.client("globex"), "Say two words.")
+    acme, globex = gateway.usage("acme"), gateway.usage("globex")
+    assert acme["tenant"] == "acme" and globex["tenant"] == "globex"
+    assert mine.id in {row["request_id"] for row in acme["data"]}
+    assert theirs.id not in {row["request_id"] for row in acme["data"]}
+    assert {row["tenant_id"] for row in acme["data"]} == {gateway.store.tenant("acme").id}
+    row = next(r for r in acme["data"] if r["request_id"] == mine.id)
+    assert (row["prompt_tokens"], row["completion_tokens"]) == (mine.usage.prompt_tokens, mine.usage.completion_tokens)
+    assert row["status"] == 200 and row["served_model"] == "smollm2-135m" and row["duration_s"] > 0
+    assert acme["totals"]["requests"] >= 1 and acme["totals"]["prompt_tokens"] >= mine.usage.prompt_tokens
+
+
+def test_energy_and_co2_per_request_in_headers_and_ledger(gateway):
+    raw = gateway.client("acme").chat.completions.with_raw_response.create(
+        model="smollm2-135m", messages=[{"role": "user", "content": "Name three rivers."}], max_tokens=16)
+    answer = raw.parse()
+    joules, grams = float(raw.headers["x-sobrio-energy-joules"]), float(raw.headers["x-sobrio-co2-grams"])
+    assert joules > 0 and raw.headers["x-sobrio-energy-source"] in ("rapl", "cpu-model")
+    assert grams == pytest.approx(joules / 3.6e6 * 330.7, rel=1e-2)  # Italy's grid, 2023
+    row = next(r for r in gateway.usage("acme")["data"] if r["request_id"] == answer.id)
+    assert row["energy_j"] == pytest.approx(joules, rel=1e-3) and row["co2_g"] == pytest.approx(grams, rel=1e-3)
+    assert row["backend"] == "local:ITA" and row["energy_source"] == raw.headers["x-sobrio-energy-source"]
+
+
+def test_no_tenant_reads_another_tenants_cached_prefix_whatever_salt_it_sends(gateway):
+    """globex caches three documents; acme asks for each, sending globex's own salt, none, or another: none
+    of globex's blocks. acme's salt is its tenant's whatever it sends, so its own repeats still hit its cache."""
+    globex, acme = gateway.client("globex"), gateway.client("acme")
+    documents = [f"Document {i}: a long report on the history of bread and of mills. " * 12 for i in range(3)]
+    for document in documents:
+        chat(globex, document)
+        assert chat(globex, document).usage.prompt_tokens_details.cached_tokens > 0  # its own cache works
+    # acme's own cache holds the chat template's first block (its earlier requests): a document nobody sent
+    # shows how much of any document acme can get from it
+    own = chat(acme, "Cheese, a study. " * 30).usage.prompt_tokens_details.cached_tokens
+    assert own < 32
+    globex_salt = gateway.store.cache_salt(gateway.store.tenant("globex"))
+    for document, extra in zip(documents, ({"cache_salt": globex_salt}, {}, {"cache_salt": "anything-else"})):
+        assert chat(acme, document, extra_body=extra).usage.prompt_tokens_details.cached_tokens == own, extra
+    again = chat(acme, documents[2], extra_body={"cache_salt": "yet-another"})
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_requests_per_minute_and_tokens_per_day_give_429_with_retry_after(gateway):
+    client = gateway.client("minute")
+    for _ in range(3):
+        chat(client, "hi", max_tokens=1)
+    with pytest.raises(openai.RateLimitError) as exc:
+        chat(client, "hi", max_tokens=1)
+    assert 1 <= int(exc.value.response.headers["retry-after"]) <= 60
+    assert "3 requests per minute" in exc.value.body["message"]
+    frugal = gateway.client("frugal")
+    chat(frugal, "Count to ten.", max_tokens=24)  # over 30 tokens with the chat template
+    with pytest.raises(openai.RateLimitError) as exc:
+        chat(frugal, "hi", max_tokens=1)
+    assert 1 <= int(exc.value.response.headers["retry-after"]) <= 86400  # until midnight UTC
+    assert "30 tokens for today" in exc.value.body["message"]
+
+
+def test_concurrent_requests_limit_and_its_reset(gateway):
+    client = gateway.client("single")
+    stream = client.completions.create(model="smollm2-135m", prompt="Once upon a time", max_tokens=200,
+                                       stream=True, temperature=0, extra_body={"ignore_eos": True})
+    next(iter(stream))  # streaming: one request in flight
+    with pytest.raises(openai.RateLimitError) as exc:
+        chat(client, "hi", max_tokens=1)
+    assert "1 request(s) in flight" in exc.value.body["message"]
+    for _ in stream:
+        pass
+    assert chat(client, "hi", max_tokens=1).choices  # the slot came back
+
+
+def test_a_model_the_tenant_may_not_use_is_403(gateway):
+    with pytest.raises(openai.PermissionDeniedError) as exc:
+        chat(gateway.client("restricted"), "hi")
+    assert exc.value.body["code"] == "model_not_allowed" and exc.value.body["param"] == "model"
+
+
+def test_admin_cli_makes_a_key_that_the_running_server_takes(gateway):
+    out = subprocess.run([sys.executable, "-m", "sobrio.cli", "admin", "--db", str(gateway.db), "keys", "create",
+                          "--tenant", "globex"], capture_output=True, text=True, timeout=120, check=True).stdout
+    key = next(word for word in out.split() if word.startswith("sk-sobrio-"))
+    client = openai.OpenAI(base_url=f"{gateway.srv.base_url}/v1", api_key=key, max_retries=0)
+    assert chat(client, "hello").choices[0].message.content
+
+
+def _every_path_with_the_canary(gateway) -> None:
+    """Success, stream, completions, responses, embeddings-free 4xx, a stream the client drops, a 429."""
+    acme = gateway.client("acme")
+    forced = {"structured_outputs": {"regex": CANARY}}
+    assert chat(acme, f"Repeat {CANARY}", max_tokens=12, extra_body=forced).choices[0].message.content == CANARY
+    streamed = chat(acme, f"Repeat {CANARY}", max_tokens=12, stream=True, extra_body=forced)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == CANARY
+    assert acme.completions.create(model="smollm2-135m", prompt=f"{CANARY} {CANARY}", max_tokens=12,
+                                   extra_body=forced).choices[0].text == CANARY
+    assert acme.responses.create(model="smollm2-135m", input=f"Say {CANARY}", max_output_tokens=12)
+    with pytest.raises(openai.BadRequestError):
+        chat(acme, f"Repeat {CANARY}", extra_body={"structured_outputs": {"regex": f"({CANARY}"}})
+    dropped = acme.completions.create(model="smollm2-135m", prompt=f"{CANARY} story", max_tokens=300, stream=True,
+                                      extra_body={"ignore_eos": True})
+    next(iter(dropped))
+    dropped.close()
+    minute = gateway.client("minute")
+    with pytest.raises(openai.RateLimitError):
+        for _ in range(4):
+            chat(minute, f"{CANARY}", max_tokens=1)
+
+
+def _files_written_since(start: float) -> list[Path]:
+    """Files modified since `start` under the project, the temp directory and the home directory (less the
+    toolchains there: rustup, pyenv, maven)."""
+    skip = {PROJECT / ".git", *(Path.home() / d for d in (".rustup", ".pyenv", ".m2"))}
+    found = []
+    for root in (PROJECT, Path(os.environ.get("TMPDIR", "/tmp")), Path.home()):
+        for folder, dirs, files in os.walk(root):
+            dirs[:] = [d for d in dirs if Path(folder, d) not in skip]
+            for name in files:
+                path = Path(folder, name)
+                try:
+                    if path.is_file() and path.stat().st_mtime >= start:
+                        found.append(path)
+                except OSError:
+                    continue
+    return found
+
+
+def test_zero_data_retention_canary_is_nowhere(gateway):
+    start = time.time() - 1
+    _every_path_with_the_canary(gateway)
+    time.sleep(0.5)  # the dropped stream's row is written when the server sees the disconnect
+    needle = CANARY.encode()
+    written = _files_written_since(start)
+    sqlite_files = [p for p in gateway.db.parent.iterdir() if p.name.startswith("gateway.db")]
+    assert any(p.name == "gateway.db-wal" for p in sqlite_files)
+    for path in {*written, *sqlite_files, Path(gateway.srv.log.name)}:
+        assert needle not in path.read_bytes(), f"the canary was written to {path}"
+    for endpoint in ("/metrics",):
+        assert CANARY not in httpx.get(gateway.srv.base_url + endpoint).text
+    assert CANARY not in str(gateway.usage("acme")) and CANARY not in str(gateway.usage("minute"))
+    assert "DEBUG" in gateway.srv.log_text()  # the log was at debug level
+
+
+def test_the_ledger_holds_only_the_allow_listed_columns_and_a_row_per_path(gateway):
+    with sqlite3.connect(gateway.db) as db:
+        columns = tuple(row[1] for row in db.execute("PRAGMA table_info(usage)"))
+        statuses = {row[0] for row in db.execute("SELECT status FROM usage")}
+    assert columns == COLUMNS == (
+        "request_id", "tenant_id", "created_at", "endpoint", "requested_model", "served_model", "backend",
+        "prompt_tokens", "completion_tokens", "cached_tokens", "ttft_s", "duration_s", "status", "energy_j",
+        "co2_g", "energy_source")
+    assert {200, 400, 403, 429} <= statuses

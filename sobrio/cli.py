@@ -133,8 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_draft(sub)
     from sobrio.bench.cli import add_bench_parser
     from sobrio.gateway.admin import add_admin_parser
+    from sobrio.gateway.router_cli import add_router_parser
 
     add_admin_parser(sub)
+    add_router_parser(sub)
     add_bench_parser(sub)
     parser.commands = sub.choices  # name -> subparser: `--config FILE` sets that parser's defaults
     return parser

@@ -89,6 +89,12 @@ class ServerConfig(Checked):
                                      "operator's key (no tenant, no limits)")
     region: str | None = flag(None, "where this server runs, for the CO2 of its energy: an ISO 3166 alpha-3 code "
                                      "(ITA, FRA, DEU, SWE, ...) or a country's name (default: the world average)")
+    router_weights: str | None = flag(None, 'model "auto"\'s difficulty classifier (`sobrio router train --out`); '
+                                            "default: sobrio's own, for smollm2-135m and gemma3-270m. The "
+                                            "router runs when both of its models are served")
+    router_threshold: float | None = flag(None, 'score from which model "auto" goes to the large model, in [0, 1]: '
+                                                "lower, more quality and more large calls (`sobrio router eval`); "
+                                                "default: the weights' own")
     db: str | None = flag(None, "the gateway's SQLite file: tenants, their keys (`sobrio admin`) and the usage ledger "
                                 "(default: $SOBRIO_DB, else gateway.db under ~/.local/share/sobrio); once a tenant "
                                 "exists, every /v1 request needs a tenant's key")
@@ -140,3 +146,5 @@ class ServerConfig(Checked):
         self._require("ssl_cert_reqs", self.ssl_cert_reqs in (0, 1, 2), "0, 1 or 2")
         self._at_least(0, "default_max_tokens", "engine_restarts")
         self._require("shutdown_timeout", self.shutdown_timeout > 0, "> 0 seconds")
+        self._require("router_threshold", self.router_threshold is None or 0 <= self.router_threshold <= 1,
+                      "in [0, 1]")

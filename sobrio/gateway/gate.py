@@ -114,8 +114,11 @@ class TenantGate:
         async def send_noting_status(message) -> None:
             if message["type"] == "http.response.start":
                 entry.status = entry.status or message["status"]
+                extra = state.get("response_headers", [])  # the router's choice
                 if entry.energy_j is not None:  # known before the answer starts unless it streams
-                    message = {**message, "headers": [*message.get("headers", []), *self._energy_headers(entry)]}
+                    extra = [*extra, *self._energy_headers(entry)]
+                if extra:
+                    message = {**message, "headers": [*message.get("headers", []), *extra]}
             await send(message)
 
         try:

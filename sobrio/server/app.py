@@ -30,6 +30,7 @@ from sobrio.errors import (
 )
 from sobrio.gateway.energy import region_code
 from sobrio.gateway.ledger import Ledger, LedgerEntry
+from sobrio.gateway.router import Router, RouterWeights, open_embedder
 from sobrio.gateway.tenants import TenantStore, check_model_allowed
 from sobrio.loader.resolve import ALIASES, DEFAULT_MODELS, check_model_name, is_installed, resolve_model
 from sobrio.sample.params import SamplingParams
@@ -108,6 +109,7 @@ class OpenAIServer:
         self.aliases: dict[str, str] = {}  # a model's further --served-model-name -> its main name
         self.log_requests = True  # --disable-log-requests: False
         self.ledger: Ledger | None = None  # run_server's: the gateway's usage ledger
+        self.router: Router | None = None  # run_server's, when both of its models are served: model "auto"
         for name, engine in engines.items():
             engine.on_output = lambda output, t, name=name: self._on_output(name, output, t)
             engine.on_abort = self.metrics.forget
@@ -134,8 +136,24 @@ class OpenAIServer:
         if tenant is not None:
             check_model_allowed(tenant, name, self.aliases.get(name, name))
         if entry is not None:
-            entry.requested_model, entry.served_model = name, self.aliases.get(name, name)
+            entry.requested_model = entry.requested_model or name
+            entry.served_model = self.aliases.get(name, name)
         return name, engine
+
+    async def resolve_auto(self, model: str | None, text: str, state) -> str | None:
+        """Model "auto": the router's choice for this request's text, said in response headers; any other
+        name as it is."""
+        if model != "auto":
+            return model
+        if self.router is None:
+            raise InvalidRequestError('model "auto" needs the router, which needs both of its models served: '
+                                      "sobrio serve smollm2-135m --model gemma3-270m", param="model")
+        chosen, score = await self.router.choose(text)
+        state.response_headers = [(b"x-sobrio-routed-to", chosen.encode()),
+                                  (b"x-sobrio-router-score", f"{score:.3f}".encode())]
+        if getattr(state, "ledger", None) is not None:
+            state.ledger.requested_model = "auto"
+        return chosen
 
     def check_fanout(self, engine: EngineClient, num_prompts: int, n: int) -> None:
         """Prompts and sequences against the limits and the waiting queue, before any tokenizing."""
@@ -205,7 +223,9 @@ def create_app(engines: dict[str, EngineClient], limits: LimitsConfig | None = N
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        name, engine = server.engine_for(body.model, "generate", request.state)
+        users = [m.content for m in body.messages if m.role == "user" and isinstance(m.content, str)]
+        model = await server.resolve_auto(body.model, users[-1] if users else "", request.state)
+        name, engine = server.engine_for(model, "generate", request.state)
         tool_plan = tools.plan(body.tools, body.tool_choice, body.parallel_tool_calls)
         params = tools.with_tool_grammar(body.to_sampling_params(), tool_plan)
         server.check_fanout(engine, 1, params.n)
@@ -222,9 +242,11 @@ def create_app(engines: dict[str, EngineClient], limits: LimitsConfig | None = N
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        name, engine = server.engine_for(body.model, "generate", request.state)
-        params = body.to_sampling_params()
         prompts = body.prompts()
+        text = prompts[0] if prompts and isinstance(prompts[0], str) else ""
+        name, engine = server.engine_for(await server.resolve_auto(body.model, text, request.state), "generate",
+                                         request.state)
+        params = body.to_sampling_params()
         server.check_fanout(engine, len(prompts), params.n)
         tokenize = engine.input_processor.tokenize
         ids = await asyncio.to_thread(lambda: [tokenize(p) for p in prompts])
@@ -405,6 +427,7 @@ def run_server(args) -> int:
     app = create_app(engines, config.limits, config.default_max_tokens, config.metrics_prefix)
     app.state.server.aliases = {alias: group[0] for group in names for alias in group[1:]}
     app.state.server.log_requests = not config.disable_log_requests
+    app.state.server.router = _start_router(config, engines)
     stats = None if config.disable_log_stats else StatsLogger(engines)
     store = TenantStore(config.db)
     ledger = app.state.server.ledger = Ledger(store.db)
@@ -427,6 +450,9 @@ def run_server(args) -> int:
             stats.stop()
         for engine in engines.values():
             engine.shutdown()
+        router = app.state.server.router
+        if router is not None and router.embedder not in engines.values():
+            router.embedder.shutdown()
         store.close()
 
     server = _uvicorn_server(config, asgi, list(engines.values()))
@@ -434,6 +460,18 @@ def run_server(args) -> int:
     threading.Thread(target=_exit_on_fatal, args=(fatal, server), daemon=True).start()
     server.run(sockets=[sock])
     return 1 if fatal.is_set() else 0
+
+
+def _start_router(config: ServerConfig, engines: dict[str, EngineClient]) -> Router | None:
+    """Model "auto", when the served models include both of the router's (its sentence embedder loads here,
+    or is the served one)."""
+    weights = RouterWeights.load(config.router_weights)
+    if not {weights.small, weights.large} <= set(engines):
+        logger.info('model "auto" is off: the router needs %s and %s served', weights.small, weights.large)
+        return None
+    with log_step(logger, 'starting the router for model "auto" (%s)', weights.embedder):
+        embedder = engines.get(weights.embedder) or open_embedder()
+    return Router(weights, embedder, config.router_threshold)
 
 
 def _uvicorn_server(config: ServerConfig, asgi, engines: list[EngineClient]):

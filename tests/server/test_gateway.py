@@ -59,8 +59,8 @@ def gateway(tmp_path_factory):
         store.close()
 
 
-def chat(client: openai.OpenAI, text: str, **kwargs):
-    return client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": text}],
+def chat(client: openai.OpenAI, text: str, model: str = "smollm2-135m", **kwargs):
+    return client.chat.completions.create(model=model, messages=[{"role": "user", "content": text}],
                                           max_tokens=kwargs.pop("max_tokens", 4), temperature=0, **kwargs)
 
 
@@ -232,3 +232,9 @@ def test_the_ledger_holds_only_the_allow_listed_columns_and_a_row_per_path(gatew
         "prompt_tokens", "completion_tokens", "cached_tokens", "ttft_s", "duration_s", "status", "energy_j",
         "co2_g", "energy_source")
     assert {200, 400, 403, 429} <= statuses
+
+
+def test_model_auto_without_both_router_models_is_a_400(gateway):
+    with pytest.raises(openai.BadRequestError) as exc:
+        chat(gateway.client("acme"), "hi", model="auto")
+    assert exc.value.body["param"] == "model" and "needs the router" in exc.value.body["message"]

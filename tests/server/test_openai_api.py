@@ -121,3 +121,20 @@ def test_metrics_exposed(server, client):
                  "request_queue_time_seconds_bucket"]:
         assert f"sobrio:{name}" in text, name
     assert 'model_name="smollm2-135m"' in text and 'finished_reason="length"' in text
+
+
+def test_model_auto_is_routed_and_says_where(client, server):
+    """Both models served: "auto" goes through the router; the answer names the model that answered, the
+    headers say so with the score, and the ledger row keeps "auto" beside the model that served it."""
+    routed = set()
+    for question in ("What is the capital of Peru? Answer in one word.", "What is 7 + 2?",
+                     "How many grams are in 3 kilograms?", "What is 48 x 97? Answer with the number only."):
+        raw = client.completions.with_raw_response.create(model="auto", prompt=f"Question: {question}\nAnswer:",
+                                                          max_tokens=8, temperature=0)
+        answer = raw.parse()
+        assert answer.model == raw.headers["x-sobrio-routed-to"] in (SMOL, GEMMA)
+        assert 0.0 <= float(raw.headers["x-sobrio-router-score"]) <= 1.0
+        routed.add(answer.model)
+        rows = httpx.get(f"{server.base_url}/v1/usage", params={"limit": 5}).json()["data"]
+        row = next(r for r in rows if r["request_id"] == answer.id)
+        assert (row["requested_model"], row["served_model"]) == ("auto", answer.model)

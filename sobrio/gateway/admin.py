@@ -38,7 +38,8 @@ def _add_limit_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-concurrent", type=int, default=None,
                         help="requests in flight at once (default: no limit)")
     parser.add_argument("--models", default=None, help="comma-separated models it may use (default: all)")
-    parser.add_argument("--regions", default=None, help="comma-separated regions that may serve it (default: all)")
+    parser.add_argument("--regions", default=None, help="comma-separated regions that may serve it: ISO 3166 "
+                                                       "alpha-3 codes (ITA, FRA, ...) or EU (default: all)")
 
 
 def cmd_admin(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from sobrio.gateway.energy import grams_co2
 from sobrio.gateway.ledger import Ledger, LedgerEntry, start_of_utc_day
+from sobrio.gateway.regions import region_allowed
 from sobrio.gateway.tenants import Tenant, TenantStore
 from sobrio.server.errors import send_error
 from sobrio.server.protocol import new_id
@@ -86,6 +87,11 @@ class TenantGate:
         tenant = None if operator or self.store is None else self.store.resolve(_bearer(authorization))
         if tenant is None and not operator and (self.operator is not None or self._has_tenants()):
             await send_error(send, 401, "invalid or missing API key", "invalid_request_error", "invalid_api_key")
+            return
+        if tenant is not None and not region_allowed(self.region, tenant.limits.allowed_regions):
+            await send_error(send, 403, f"tenant {tenant.name!r} may be served only in "
+                             f"{', '.join(tenant.limits.allowed_regions)}; this server runs in {self.region}",
+                             "permission_error", "region_not_allowed")
             return
         state = scope.setdefault("state", {})
         state["tenant"] = tenant

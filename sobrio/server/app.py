@@ -2,6 +2,7 @@
 
 import asyncio
 import dataclasses
+import hmac
 import json
 import logging
 import threading
@@ -10,7 +11,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -28,6 +29,8 @@ from sobrio.errors import (
     SobrioError,
     UnknownModelError,
 )
+from sobrio.gateway.dashboard import dashboard_data
+from sobrio.gateway.dashboard import render as render_dashboard
 from sobrio.gateway.energy import region_code
 from sobrio.gateway.ledger import Ledger, LedgerEntry
 from sobrio.gateway.router import Router, RouterWeights, open_embedder
@@ -110,6 +113,8 @@ class OpenAIServer:
         self.log_requests = True  # --disable-log-requests: False
         self.ledger: Ledger | None = None  # run_server's: the gateway's usage ledger
         self.router: Router | None = None  # run_server's, when both of its models are served: model "auto"
+        self.store: TenantStore | None = None  # run_server's: tenants (the dashboard names them)
+        self.operator_key: str | None = None  # --api-key: opens /dashboard
         for name, engine in engines.items():
             engine.on_output = lambda output, t, name=name: self._on_output(name, output, t)
             engine.on_abort = self.metrics.forget
@@ -265,6 +270,18 @@ def create_app(engines: dict[str, EngineClient], limits: LimitsConfig | None = N
         tenant_id = tenant.id if tenant is not None else None
         return {"object": "list", "tenant": tenant.name if tenant is not None else None,
                 "data": server.ledger.rows(tenant_id, since, limit), "totals": server.ledger.totals(tenant_id, since)}
+
+    @app.get("/dashboard", response_class=HTMLResponse, include_in_schema=False)
+    async def dashboard(request: Request, key: str | None = None):
+        """The operator's page (gateway/dashboard.py): the server's --api-key as a Bearer header or ?key=."""
+        if server.operator_key is None or server.ledger is None:
+            return error_response(403, "the dashboard opens with the server's --api-key; start it with one",
+                                  "permission_error")
+        given = key or request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(given.encode(), server.operator_key.encode()):
+            return error_response(401, "invalid or missing API key", "invalid_request_error", code="invalid_api_key")
+        models = (server.router.weights.small, server.router.weights.large) if server.router else None
+        return HTMLResponse(render_dashboard(dashboard_data(server.ledger, server.store, models)))
 
     routes_tokenize.register(app, server)  # /tokenize, /detokenize, /v1/models/{id}, /ping
     responses_api.register(app, server, _collect_unless_disconnected, sobrio_error_response)  # /v1/responses
@@ -431,6 +448,7 @@ def run_server(args) -> int:
     stats = None if config.disable_log_stats else StatsLogger(engines)
     store = TenantStore(config.db)
     ledger = app.state.server.ledger = Ledger(store.db)
+    app.state.server.store, app.state.server.operator_key = store, config.api_key
     logger.info("tenants, keys and usage ledger: %s (%d tenant(s))", store.path, len(store.tenants()))
     asgi, limits_layer = edge_stack(app, config.api_key, config.limits, config.cors, store, ledger, region)
     if config.root_path:

@@ -3,11 +3,13 @@ exists), per-tenant prefix-cache salts, limits (429 with Retry-After, 403 for a 
 usage ledger: one row per request, each tenant sees only its own, and nothing of any text anywhere (ZDR)."""
 
 import os
+import shutil
 import sqlite3
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from html.parser import HTMLParser
 from pathlib import Path
 
 import httpx
@@ -18,7 +20,8 @@ from sobrio.gateway.ledger import COLUMNS
 from sobrio.gateway.tenants import Limits, TenantStore
 from tests.server.conftest import SMALL, serving
 
-CANARY = "zq7canaryxv"  # in prompts, and forced as completions (a regex), on every path
+CANARY = "zq7canaryxv"
+OPERATOR = "operator-key-for-tests"  # in prompts, and forced as completions (a regex), on every path
 PROJECT = Path(__file__).resolve().parents[2]
 
 
@@ -41,7 +44,8 @@ class Gateway:
 
 TENANTS = {"acme": Limits(), "globex": Limits(), "minute": Limits(requests_per_minute=3),
            "single": Limits(max_concurrent=1), "frugal": Limits(tokens_per_day=30),
-           "restricted": Limits(allowed_models=("another-model",))}
+           "restricted": Limits(allowed_models=("another-model",)), "in-eu": Limits(allowed_regions=("EU",)),
+           "us-only": Limits(allowed_regions=("USA",))}
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +57,7 @@ def gateway(tmp_path_factory):
         store.create_tenant(name, limits)
         keys[name] = store.create_key(name)[1]
     try:
-        with serving(*SMALL, "--db", str(db), "--log-level", "debug", "--region", "ITA") as srv:
+        with serving(*SMALL, "--db", str(db), "--log-level", "debug", "--region", "ITA", "--api-key", OPERATOR) as srv:
             yield Gateway(srv, store, db, keys)
     finally:
         store.close()
@@ -159,6 +163,14 @@ def test_a_model_the_tenant_may_not_use_is_403(gateway):
     assert exc.value.body["code"] == "model_not_allowed" and exc.value.body["param"] == "model"
 
 
+def test_a_tenant_restricted_to_other_regions_is_403_and_eu_passes(gateway):
+    """The server runs in ITA: a tenant allowed only the USA gets 403; one allowed the EU is served."""
+    with pytest.raises(openai.PermissionDeniedError) as exc:
+        chat(gateway.client("us-only"), "hi")
+    assert exc.value.body["code"] == "region_not_allowed" and "this server runs in ITA" in exc.value.body["message"]
+    assert chat(gateway.client("in-eu"), "hi").choices
+
+
 def test_admin_cli_makes_a_key_that_the_running_server_takes(gateway):
     out = subprocess.run([sys.executable, "-m", "sobrio.cli", "admin", "--db", str(gateway.db), "keys", "create",
                           "--tenant", "globex"], capture_output=True, text=True, timeout=120, check=True).stdout
@@ -217,8 +229,9 @@ def test_zero_data_retention_canary_is_nowhere(gateway):
     assert any(p.name == "gateway.db-wal" for p in sqlite_files)
     for path in {*written, *sqlite_files, Path(gateway.srv.log.name)}:
         assert needle not in path.read_bytes(), f"the canary was written to {path}"
-    for endpoint in ("/metrics",):
-        assert CANARY not in httpx.get(gateway.srv.base_url + endpoint).text
+    for endpoint in ("/metrics", f"/dashboard?key={OPERATOR}"):
+        page = httpx.get(gateway.srv.base_url + endpoint)
+        assert page.status_code == 200 and CANARY not in page.text
     assert CANARY not in str(gateway.usage("acme")) and CANARY not in str(gateway.usage("minute"))
     assert "DEBUG" in gateway.srv.log_text()  # the log was at debug level
 
@@ -238,3 +251,62 @@ def test_model_auto_without_both_router_models_is_a_400(gateway):
     with pytest.raises(openai.BadRequestError) as exc:
         chat(gateway.client("acme"), "hi", model="auto")
     assert exc.value.body["param"] == "model" and "needs the router" in exc.value.body["message"]
+
+
+class _Page(HTMLParser):
+    """The dashboard's tables (by id) as rows of cell texts, and its charts' ids."""
+
+    def __init__(self):
+        super().__init__()
+        self.tables: dict[str, list[list[str]]] = {}
+        self.svgs: list[str] = []
+        self._table = None
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "table":
+            self._table = self.tables.setdefault(attrs.get("id"), [])
+        elif tag == "tr" and self._table is not None:
+            self._table.append([])
+        elif tag == "svg":
+            self.svgs.append(attrs.get("id"))
+
+    def handle_endtag(self, tag):
+        if tag == "table":
+            self._table = None
+
+    def handle_data(self, data):
+        if self._table is not None and self._table and data.strip():
+            self._table[-1].append(data.strip())
+
+
+def test_dashboard_for_the_operator_only_with_tenants_models_and_charts(gateway):
+    chat(gateway.client("acme"), "Name a colour.")
+    url = f"{gateway.srv.base_url}/dashboard"
+    assert httpx.get(url).status_code == 401
+    assert httpx.get(url, headers={"Authorization": f"Bearer {gateway.keys['acme']}"}).status_code == 401
+    page = httpx.get(url, headers={"Authorization": f"Bearer {OPERATOR}"})
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    parsed = _Page()
+    parsed.feed(page.text)
+    tenants = {row[0]: row for row in parsed.tables["tenants"][1:]}
+    assert {"acme", "globex"} <= set(tenants) and int(tenants["acme"][1]) >= 1
+    assert "smollm2-135m" in {row[0] for row in parsed.tables["models"][1:]}
+    assert {"requests-chart", "energy-chart", "hourly-chart"} <= set(parsed.svgs)
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None,
+                    reason="Debian's chromium is not installed (apt-get install chromium): no headless browser")
+def test_dashboard_renders_in_headless_chromium(gateway, tmp_path):
+    url = f"{gateway.srv.base_url}/dashboard?key={OPERATOR}"
+    browser = ["chromium", "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path / 'profile'}"]
+    dom = subprocess.run([*browser, "--dump-dom", url], capture_output=True, text=True, timeout=120).stdout
+    parsed = _Page()
+    parsed.feed(dom)
+    assert "acme" in {row[0] for row in parsed.tables["tenants"][1:]} and "hourly-chart" in parsed.svgs
+    shot = tmp_path / "dashboard.png"
+    subprocess.run([*browser, f"--screenshot={shot}", "--window-size=1000,1500", url], capture_output=True,
+                   timeout=120)
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
+    if os.environ.get("SOBRIO_DASHBOARD_SHOT"):  # docs/dashboard.png is made this way
+        shutil.copy(shot, os.environ["SOBRIO_DASHBOARD_SHOT"])

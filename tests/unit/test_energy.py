@@ -46,3 +46,10 @@ def test_regions_by_code_or_name_and_the_world_average():
     assert grams_co2(3.6e6, "SWE") == pytest.approx(table["SWE"][1])
     with pytest.raises(ConfigError, match="unknown region 'Atlantis'"):
         region_code("Atlantis")
+
+
+def test_region_policy():
+    from sobrio.gateway.regions import region_allowed
+
+    assert region_allowed("ITA", None) and region_allowed("ITA", ("EU",)) and region_allowed("ITA", ("ita",))
+    assert not region_allowed("USA", ("EU",)) and not region_allowed("WLD", ("EU", "FRA"))

@@ -1,0 +1,116 @@
+"""`/dashboard`: one HTML page of what the ledger knows, for the operator (the server's `--api-key`, as a
+Bearer header or `?key=`). Per tenant and per model: requests, tokens, cached tokens, energy and CO2; tokens
+per hour over the last day; the router's split and the energy it saved against sending everything to the
+large model. Charts are SVG drawn here: no script, no build step, nothing fetched. Like the ledger, it holds
+no prompt or completion text."""
+
+import html
+import time
+
+from sobrio.gateway.ledger import Ledger
+from sobrio.gateway.tenants import TenantStore
+
+_TOTALS = ("COUNT(*), COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(completion_tokens), 0), "
+           "COALESCE(SUM(cached_tokens), 0), COALESCE(SUM(energy_j), 0), COALESCE(SUM(co2_g), 0)")
+_COLUMNS = ("requests", "prompt tokens", "completion tokens", "cached tokens", "energy (J)", "CO2 (g)")
+
+
+def _query(ledger: Ledger, sql: str, args: tuple = ()) -> list[tuple]:
+    with ledger.lock:
+        return ledger.db.execute(sql, args).fetchall()
+
+
+def dashboard_data(ledger: Ledger, store: TenantStore | None, router_models: tuple[str, str] | None) -> dict:
+    names = {t.id: t.name for t in store.tenants()} if store is not None else {}
+    tenants = [(names.get(tid, "(no tenant)" if tid is None else tid), *rest)
+               for tid, *rest in _query(ledger, f"SELECT tenant_id, {_TOTALS} FROM usage GROUP BY tenant_id")]
+    models = _query(ledger, f"SELECT COALESCE(served_model, '(none)'), {_TOTALS} FROM usage GROUP BY served_model")
+    since = time.time() - 86400
+    hourly = _query(ledger, "SELECT CAST(created_at / 3600 AS INTEGER), COALESCE(served_model, '(none)'), "
+                            "SUM(prompt_tokens + completion_tokens) FROM usage WHERE created_at >= ? "
+                            "GROUP BY 1, 2 ORDER BY 1", (since,))
+    routed = dict(_query(ledger, "SELECT served_model, COUNT(*) FROM usage WHERE requested_model = 'auto' "
+                                 "GROUP BY served_model"))
+    return {"tenants": tenants, "models": models, "hourly": hourly, "routed": routed,
+            "saved_j": _router_savings(ledger, router_models)}
+
+
+def _router_savings(ledger: Ledger, router_models: tuple[str, str] | None) -> float | None:
+    """Joules the routed requests served by the small model would have cost on the large one (each model's
+    measured joules per token), less what they cost."""
+    if router_models is None:
+        return None
+    per_token = dict(_query(ledger, "SELECT served_model, SUM(energy_j) / SUM(prompt_tokens + completion_tokens) "
+                                    "FROM usage WHERE energy_j IS NOT NULL AND prompt_tokens + completion_tokens > 0 "
+                                    "GROUP BY served_model"))
+    small, large = router_models
+    if small not in per_token or large not in per_token:
+        return None
+    tokens, joules = _query(ledger, "SELECT COALESCE(SUM(prompt_tokens + completion_tokens), 0), "
+                                    "COALESCE(SUM(energy_j), 0) FROM usage WHERE requested_model = 'auto' "
+                                    "AND served_model = ?", (small,))[0]
+    return tokens * per_token[large] - joules
+
+
+def render(data: dict) -> str:
+    routed = data["routed"]
+    total_routed = sum(routed.values())
+    split = ", ".join(f"{m}: {n} ({n / total_routed:.0%})" for m, n in sorted(routed.items())) or "no routed requests"
+    saved = "n/a" if data["saved_j"] is None else f"{data['saved_j']:.1f} J"
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>sobrio dashboard</title>
+<style>body{{font-family:sans-serif;margin:2em;color:#222}}table{{border-collapse:collapse;margin-bottom:1.5em}}
+td,th{{border:1px solid #ccc;padding:4px 10px;text-align:right}}th:first-child,td:first-child{{text-align:left}}
+</style></head><body>
+<h1>sobrio: usage, energy and CO2</h1>
+<h2>Per tenant</h2>{_table("tenant", data["tenants"], "tenants")}
+<h2>Per model</h2>{_table("model", data["models"], "models")}
+{_bars("Requests per model", [(m, r[0]) for m, *r in data["models"]], "requests-chart")}
+{_bars("Energy per model (J)", [(m, r[4]) for m, *r in data["models"]], "energy-chart")}
+<h2>Tokens per hour, last 24 h</h2>{_hourly(data["hourly"])}
+<h2>Router (model "auto")</h2>
+<p id="router-split">{html.escape(split)}</p>
+<p id="router-savings">Energy saved against always-large: {saved}</p>
+</body></html>"""
+
+
+def _table(first: str, rows: list[tuple], element_id: str) -> str:
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in (first, *_COLUMNS))
+    body = "".join("<tr>" + "".join(f"<td>{_cell(v)}</td>" for v in row) + "</tr>" for row in rows)
+    return f'<table id="{element_id}"><tr>{head}</tr>{body}</table>'
+
+
+def _cell(value) -> str:
+    return f"{value:.3g}" if isinstance(value, float) else html.escape(str(value))
+
+
+def _bars(title: str, items: list[tuple[str, float]], element_id: str) -> str:
+    """A horizontal bar chart in SVG."""
+    top = max((v for _, v in items), default=0) or 1
+    bars = "".join(
+        f'<text x="0" y="{22 * i + 15}" font-size="12">{html.escape(name)}</text>'
+        f'<rect x="160" y="{22 * i + 3}" width="{300 * value / top:.1f}" height="16" fill="#4a7"/>'
+        f'<text x="{165 + 300 * value / top:.1f}" y="{22 * i + 15}" font-size="12">{_cell(value)}</text>'
+        for i, (name, value) in enumerate(items))
+    return (f'<h3>{html.escape(title)}</h3><svg id="{element_id}" width="560" height="{22 * len(items) + 6}" '
+            f'role="img">{bars}</svg>')
+
+
+def _hourly(rows: list[tuple]) -> str:
+    """Tokens per hour per model as stacked columns over the last 24 hours."""
+    now_hour = int(time.time() // 3600)
+    models = sorted({m for _, m, _ in rows})
+    colors = ["#4a7", "#47a", "#a74", "#a47", "#7a4"]
+    per = {(h, m): t for h, m, t in rows}
+    top = max((sum(per.get((h, m), 0) for m in models) for h in range(now_hour - 23, now_hour + 1)), default=0) or 1
+    columns = []
+    for i, hour in enumerate(range(now_hour - 23, now_hour + 1)):
+        y = 150
+        for j, model in enumerate(models):
+            height = 140 * per.get((hour, model), 0) / top
+            y -= height
+            columns.append(f'<rect x="{20 * i + 4}" y="{y:.1f}" width="16" height="{height:.1f}" '
+                           f'fill="{colors[j % len(colors)]}"><title>{html.escape(model)}</title></rect>')
+    legend = " ".join(f'<span style="color:{colors[j % len(colors)]}">&#9632; {html.escape(m)}</span>'
+                      for j, m in enumerate(models))
+    return f'<svg id="hourly-chart" width="490" height="160" role="img">{"".join(columns)}</svg><p>{legend}</p>'

@@ -107,6 +107,9 @@ class TenantStore:
         self.secret = load_secret(self.path)
         self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
+        # WAL + NORMAL: a commit is not fsynced (a power cut may lose the last ledger rows, never corrupt the
+        # file); FULL cost 0.3 ms per request, most of the gate's time
+        self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.execute("PRAGMA foreign_keys=ON")
         self.db.executescript(SCHEMA)
 

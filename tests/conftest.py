@@ -52,7 +52,8 @@ def pytest_xdist_make_scheduler(config, log):
 def _takes_session_server(path: str) -> bool:
     """Whether a test file's functions or fixtures take the `server` fixture (the controller sees node ids only)."""
     source = (pathlib.Path(__file__).parent.parent / path).read_text()
-    return re.search(r"def \w+\([^)]*\bserver\b", source) is not None
+    own = re.search(r"^def server\(", source, re.MULTILINE) is not None  # a module fixture of that name
+    return not own and re.search(r"def \w+\([^)]*\bserver\b", source) is not None
 
 
 def engine_kwargs(**overrides) -> dict:

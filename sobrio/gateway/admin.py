@@ -40,6 +40,8 @@ def _add_limit_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", default=None, help="comma-separated models it may use (default: all)")
     parser.add_argument("--regions", default=None, help="comma-separated regions that may serve it: ISO 3166 "
                                                        "alpha-3 codes (ITA, FRA, ...) or EU (default: all)")
+    parser.add_argument("--default-model", default=None, help='the model of its requests that name none ("auto": '
+                                                              "the router's choice; default: the server's first)")
 
 
 def cmd_admin(args: argparse.Namespace) -> int:
@@ -53,7 +55,7 @@ def cmd_admin(args: argparse.Namespace) -> int:
 
 def _limits(args: argparse.Namespace) -> Limits:
     return Limits(args.requests_per_minute, args.tokens_per_day, args.max_concurrent, _names(args.models),
-                  _names(args.regions))
+                  _names(args.regions), args.default_model)
 
 
 def _create_tenant(store: TenantStore, args: argparse.Namespace) -> None:
@@ -71,7 +73,8 @@ def _list_tenants(store: TenantStore, args: argparse.Namespace) -> None:
         lim = t.limits
         print(f"{t.name}\tid={t.id}\tcreated={_date(t.created_at)}\trpm={lim.requests_per_minute or '-'}\t"
               f"tokens/day={lim.tokens_per_day or '-'}\tconcurrent={lim.max_concurrent or '-'}\t"
-              f"models={','.join(lim.allowed_models or ('*',))}\tregions={','.join(lim.allowed_regions or ('*',))}")
+              f"models={','.join(lim.allowed_models or ('*',))}\tregions={','.join(lim.allowed_regions or ('*',))}"
+              f"\tdefault-model={lim.default_model or '-'}")
 
 
 def _delete_tenant(store: TenantStore, args: argparse.Namespace) -> None:

@@ -32,7 +32,7 @@ SCHEMA = """
 CREATE TABLE IF NOT EXISTS tenants (
     id TEXT PRIMARY KEY, name TEXT UNIQUE NOT NULL, created_at REAL NOT NULL,
     requests_per_minute INTEGER, tokens_per_day INTEGER, max_concurrent INTEGER,
-    allowed_models TEXT, allowed_regions TEXT);
+    allowed_models TEXT, allowed_regions TEXT, default_model TEXT);
 CREATE TABLE IF NOT EXISTS api_keys (
     key_id TEXT PRIMARY KEY, tenant_id TEXT NOT NULL REFERENCES tenants(id) ON DELETE CASCADE,
     key_hash BLOB NOT NULL, created_at REAL NOT NULL, revoked_at REAL);
@@ -52,6 +52,7 @@ class Limits:
     max_concurrent: int | None = None
     allowed_models: tuple[str, ...] | None = None
     allowed_regions: tuple[str, ...] | None = None
+    default_model: str | None = None  # what a request naming no model gets ("auto": the router's choice)
 
     def __post_init__(self) -> None:
         for name in ("requests_per_minute", "tokens_per_day", "max_concurrent"):
@@ -112,6 +113,8 @@ class TenantStore:
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.execute("PRAGMA foreign_keys=ON")
         self.db.executescript(SCHEMA)
+        if "default_model" not in {row[1] for row in self.db.execute("PRAGMA table_info(tenants)")}:
+            self.db.execute("ALTER TABLE tenants ADD COLUMN default_model TEXT")  # a database from before it
 
     def close(self) -> None:
         self.db.close()
@@ -122,7 +125,7 @@ class TenantStore:
                               f"digit), got {name!r}")
         tenant = Tenant(secrets.token_hex(8), name, time.time(), limits)
         try:
-            self.db.execute("INSERT INTO tenants VALUES (?, ?, ?, ?, ?, ?, ?, ?)", _tenant_row(tenant))
+            self.db.execute("INSERT INTO tenants VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", _tenant_row(tenant))
         except sqlite3.IntegrityError:
             raise TenantError(f"tenant {name!r} exists already") from None
         return tenant
@@ -143,7 +146,8 @@ class TenantStore:
     def set_limits(self, name: str, limits: Limits) -> None:
         tenant = Tenant(self.tenant(name).id, name, 0.0, limits)
         self.db.execute("UPDATE tenants SET requests_per_minute = ?, tokens_per_day = ?, max_concurrent = ?, "
-                        "allowed_models = ?, allowed_regions = ? WHERE id = ?", (*_tenant_row(tenant)[3:], tenant.id))
+                        "allowed_models = ?, allowed_regions = ?, default_model = ? WHERE id = ?",
+                        (*_tenant_row(tenant)[3:], tenant.id))
 
     def delete_tenant(self, name: str) -> None:
         """The tenant and its keys."""
@@ -204,9 +208,9 @@ def _tenant_row(tenant: Tenant) -> tuple:
     lim = tenant.limits
     lists = [None if v is None else json.dumps(list(v)) for v in (lim.allowed_models, lim.allowed_regions)]
     return (tenant.id, tenant.name, tenant.created_at, lim.requests_per_minute, lim.tokens_per_day,
-            lim.max_concurrent, *lists)
+            lim.max_concurrent, *lists, lim.default_model)
 
 
 def _tenant(row: tuple) -> Tenant:
     models, regions = (None if v is None else tuple(json.loads(v)) for v in row[6:8])
-    return Tenant(row[0], row[1], row[2], Limits(row[3], row[4], row[5], models, regions))
+    return Tenant(row[0], row[1], row[2], Limits(row[3], row[4], row[5], models, regions, row[8]))

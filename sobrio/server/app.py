@@ -147,7 +147,10 @@ class OpenAIServer:
 
     async def resolve_auto(self, model: str | None, text: str, state) -> str | None:
         """Model "auto": the router's choice for this request's text, said in response headers; any other
-        name as it is."""
+        name as it is; none: the tenant's default model, if it has one."""
+        tenant = getattr(state, "tenant", None)
+        if not model and tenant is not None:
+            model = tenant.limits.default_model
         if model != "auto":
             return model
         if self.router is None:

@@ -25,6 +25,8 @@ def test_greedy_matches_transformers(alias, request):
     llm = request.getfixturevalue(alias.split("-")[0])
     prompts = mixed_prompts(llm.get_tokenizer())
     assert min(map(len, prompts)) == 1 and max(map(len, prompts)) > 350
+    if alias == "gemma3-270m":  # its ~700-token prompt: past the sliding window, which the test below checks
+        prompts = prompts[:-1]
     _check_against_hf(alias, llm, prompts)
 
 

@@ -45,7 +45,7 @@ class Gateway:
 TENANTS = {"acme": Limits(), "globex": Limits(), "minute": Limits(requests_per_minute=3),
            "single": Limits(max_concurrent=1), "frugal": Limits(tokens_per_day=30),
            "restricted": Limits(allowed_models=("another-model",)), "in-eu": Limits(allowed_regions=("EU",)),
-           "us-only": Limits(allowed_regions=("USA",))}
+           "us-only": Limits(allowed_regions=("USA",)), "routed": Limits(default_model="auto")}
 
 
 @pytest.fixture(scope="module")
@@ -247,10 +247,15 @@ def test_the_ledger_holds_only_the_allow_listed_columns_and_a_row_per_path(gatew
     assert {200, 400, 403, 429} <= statuses
 
 
-def test_model_auto_without_both_router_models_is_a_400(gateway):
+def test_model_auto_without_both_router_models_is_a_400_and_a_tenants_default_model_applies(gateway):
     with pytest.raises(openai.BadRequestError) as exc:
         chat(gateway.client("acme"), "hi", model="auto")
     assert exc.value.body["param"] == "model" and "needs the router" in exc.value.body["message"]
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}  # no model: the tenant's "auto"
+    for tenant, status in (("routed", 400), ("acme", 200)):
+        answer = httpx.post(f"{gateway.srv.base_url}/v1/chat/completions", json=body,
+                            headers={"Authorization": f"Bearer {gateway.keys[tenant]}"})
+        assert answer.status_code == status, answer.text
 
 
 class _Page(HTMLParser):

@@ -124,3 +124,19 @@ def test_limiter_window_concurrency_and_daily_tokens_reset():
                               completion_tokens=40, status=200))
     refusal = limiter.admit(frugal)
     assert refusal is not None and 0 < refusal.retry_after <= 86400
+
+
+def test_default_model_and_a_database_from_before_it(tmp_path):
+    old = sqlite3.connect(tmp_path / "old.db")
+    old.executescript("""CREATE TABLE tenants (id TEXT PRIMARY KEY, name TEXT UNIQUE NOT NULL, created_at REAL
+        NOT NULL, requests_per_minute INTEGER, tokens_per_day INTEGER, max_concurrent INTEGER,
+        allowed_models TEXT, allowed_regions TEXT);
+        INSERT INTO tenants VALUES ('t0', 'old', 0, NULL, NULL, NULL, NULL, NULL);""")
+    old.close()
+    store = TenantStore(tmp_path / "old.db")
+    assert store.tenant("old").limits == Limits()
+    store.create_tenant("new", Limits(default_model="auto"))
+    store.set_limits("old", Limits(default_model="gemma3-270m"))
+    assert store.tenant("new").limits.default_model == "auto"
+    assert store.tenant("old").limits.default_model == "gemma3-270m"
+    store.close()

@@ -84,7 +84,7 @@ class TenantGate:
             return
         authorization = header(scope, b"authorization") or b""
         operator = self.operator is not None and hmac.compare_digest(authorization, self.operator)
-        tenant = None if operator or self.store is None else self.store.resolve(_bearer(authorization))
+        tenant = None if operator or self.store is None else self.store.resolve(bearer(authorization))
         if tenant is None and not operator and (self.operator is not None or self._has_tenants()):
             await send_error(send, 401, "invalid or missing API key", "invalid_request_error", "invalid_api_key")
             return
@@ -122,7 +122,8 @@ class TenantGate:
                 entry.status = entry.status or message["status"]
                 extra = state.get("response_headers", [])  # the router's choice
                 if entry.energy_j is not None:  # known before the answer starts unless it streams
-                    extra = [*extra, *self._energy_headers(entry)]
+                    self._note_co2(entry)
+                    extra = [*extra, *_energy_headers(entry)]
                 if extra:
                     message = {**message, "headers": [*message.get("headers", []), *extra]}
             await send(message)
@@ -134,22 +135,25 @@ class TenantGate:
                 self.limiter.release(tenant)
             self._record(entry, state, started, scope)
 
-    def _energy_headers(self, entry: LedgerEntry) -> list[tuple[bytes, bytes]]:
-        co2 = grams_co2(entry.energy_j, self.region)
-        return [(b"x-sobrio-energy-joules", f"{entry.energy_j:.4g}".encode()),
-                (b"x-sobrio-co2-grams", f"{co2:.4g}".encode()),
-                (b"x-sobrio-energy-source", (entry.energy_source or "none").encode())]
+    def _note_co2(self, entry: LedgerEntry) -> None:
+        """The CO2 of the request's energy, by this server's region (local engines: the backend is here)."""
+        entry.co2_g = grams_co2(entry.energy_j, self.region)
+        entry.backend = entry.backend or f"local:{self.region}"
 
     def _record(self, entry: LedgerEntry, state: dict, started: float, scope) -> None:
         if self.ledger is None or scope["method"] != "POST":
             return
         entry.request_id = str(state.get("request_id") or new_id("req"))
-        if entry.energy_j is not None:
-            entry.co2_g = grams_co2(entry.energy_j, self.region)
-            entry.backend = entry.backend or f"local:{self.region}"
+        if entry.energy_j is not None and entry.co2_g is None:
+            self._note_co2(entry)  # a stream's: its energy came after its headers
         entry.duration_s = time.monotonic() - started
         entry.status = entry.status or 499  # no answer began: the client went away first
         self.ledger.record(entry)
+
+
+def cache_salt(state, requested: str | None) -> str | None:
+    """A request's prefix-cache salt: its tenant's (set by the gate) in place of any the client sent."""
+    return getattr(state, "tenant_salt", None) or requested
 
 
 def header(scope, name: bytes) -> bytes | None:
@@ -160,6 +164,13 @@ def header(scope, name: bytes) -> bytes | None:
     return None
 
 
-def _bearer(authorization: bytes) -> str:
+def _energy_headers(entry: LedgerEntry) -> list[tuple[bytes, bytes]]:
+    return [(b"x-sobrio-energy-joules", f"{entry.energy_j:.4g}".encode()),
+            (b"x-sobrio-co2-grams", f"{entry.co2_g:.4g}".encode()),
+            (b"x-sobrio-energy-source", (entry.energy_source or "none").encode())]
+
+
+def bearer(authorization: bytes) -> str:
+    """The token of an `Authorization: Bearer <token>` value ("" for any other scheme)."""
     scheme, _, token = authorization.decode("latin-1").partition(" ")
     return token.strip() if scheme.lower() == "bearer" else ""

@@ -32,6 +32,7 @@ from sobrio.errors import (
 from sobrio.gateway.dashboard import dashboard_data
 from sobrio.gateway.dashboard import render as render_dashboard
 from sobrio.gateway.energy import region_code
+from sobrio.gateway.gate import bearer, cache_salt
 from sobrio.gateway.ledger import Ledger, LedgerEntry
 from sobrio.gateway.router import Router, RouterWeights, open_embedder
 from sobrio.gateway.tenants import TenantStore, check_model_allowed
@@ -280,7 +281,7 @@ def create_app(engines: dict[str, EngineClient], limits: LimitsConfig | None = N
         if server.operator_key is None or server.ledger is None:
             return error_response(403, "the dashboard opens with the server's --api-key; start it with one",
                                   "permission_error")
-        given = key or request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        given = key or bearer(request.headers.get("authorization", "").encode("latin-1"))
         if not hmac.compare_digest(given.encode(), server.operator_key.encode()):
             return error_response(401, "invalid or missing API key", "invalid_request_error", code="invalid_api_key")
         models = (server.router.weights.small, server.router.weights.large) if server.router else None
@@ -303,8 +304,8 @@ async def _respond(server: OpenAIServer, request: Request, body, params: Samplin
     request.state.request_id = base_id  # X-Request-Id of the answer, unless the client sent its own
     log_ignored(ignored_fields(body), base_id)
     queue: asyncio.Queue = asyncio.Queue()
-    salt = getattr(request.state, "tenant_salt", None) or body.cache_salt  # a tenant's replaces the client's
-    request_ids = await server.submit(engine, base_id, prompts, per_prompt, salt, queue, body.priority)
+    request_ids = await server.submit(engine, base_id, prompts, per_prompt, cache_salt(request.state, body.cache_salt),
+                                      queue, body.priority)
     stream = engine.stream_outputs(request_ids, params.n, queue)
     choices = ChoiceState(request_ids, params.n, params.logprobs, echo, params.prompt_logprobs,
                           engine.input_processor.decode)

@@ -23,6 +23,7 @@ from pydantic import Field, field_validator, model_validator
 
 from sobrio.engine.outputs import RequestOutput
 from sobrio.errors import InvalidRequestError, SobrioError
+from sobrio.gateway.gate import cache_salt
 from sobrio.sample.params import INT32_MAX, MAX_LOGIT_BIAS, SamplingParams, StructuredOutputsParams
 from sobrio.server.errors import log_unexpected
 from sobrio.server.limits import check_prompt_tokens
@@ -257,7 +258,7 @@ def register(app: FastAPI, server, collect: Callable, error_response: Callable) 
         log_ignored(body.ignored_fields(), reply.id)
         queue: asyncio.Queue = asyncio.Queue()
         try:
-            salt = getattr(request.state, "tenant_salt", None) or body.cache_salt  # a tenant's replaces the client's
+            salt = cache_salt(request.state, body.cache_salt)
             request_ids = await server.submit(engine, reply.id, [ids], [params], salt, queue, body.priority)
         except InvalidRequestError as exc:  # a bad schema: name the field this API gave it in
             if exc.param != "structured_outputs":

@@ -17,6 +17,7 @@ from typing import Any
 from sobrio.config import SobrioConfig, UnsupportedConfig
 from sobrio.config.fields import default_of, is_flag, is_nested
 from sobrio.config.server import str_list
+from sobrio.errors import ConfigError
 
 SHOWN = " (default: %(default)s)"
 
@@ -138,17 +139,7 @@ def apply_config_file(parser: argparse.ArgumentParser, path: str) -> None:
     """`--config FILE`: a YAML mapping of flag names (without --, dashes or underscores) to values, as vLLM
     reads it. Each key becomes its flag's default, so a flag on the command line wins. `model: NAME` is the
     positional model where the command has one. A bad file, key or value exits 2 with its message."""
-    import yaml
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except OSError as exc:
-        parser.error(f"--config {path}: {exc.strerror or exc}")
-    except yaml.YAMLError as exc:
-        where = getattr(exc, "problem_mark", None)
-        parser.error(f"--config {path}: not valid YAML" + (f" (line {where.line + 1})" if where else ""))
-    data = {} if data is None else data
+    data = _read_flags_file(parser, path)
     if not isinstance(data, dict):
         parser.error(f"--config {path}: expected a mapping of flag names to values")
     actions = {a.dest: a for a in parser._actions if a.dest not in ("help", "config")}
@@ -162,6 +153,29 @@ def apply_config_file(parser: argparse.ArgumentParser, path: str) -> None:
             parser.error(f"--config {path}: unknown flag {key!r}" + (f"; did you mean {close[0]!r}?" if close else ""))
         defaults[dest] = _file_value(parser, actions[dest], path, key, value)
     parser.set_defaults(**defaults)
+
+
+def _read_flags_file(parser: argparse.ArgumentParser, path: str):
+    """A YAML file's mapping; a TOML file's top-level keys (its gateway tables are gateway/config.py's)."""
+    if path.endswith(".toml"):
+        from sobrio.gateway.config import GATEWAY_TABLES, read_toml
+
+        try:
+            data = read_toml(path)
+        except ConfigError as exc:
+            parser.error(str(exc))
+        return {k: v for k, v in data.items() if k not in GATEWAY_TABLES}
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as exc:
+        parser.error(f"--config {path}: {exc.strerror or exc}")
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        parser.error(f"--config {path}: not valid YAML" + (f" (line {where.line + 1})" if where else ""))
+    return {} if data is None else data
 
 
 def _file_value(parser: argparse.ArgumentParser, action: argparse.Action, path: str, key: str, value: Any) -> Any:

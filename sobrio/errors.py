@@ -20,9 +20,10 @@ class UnknownModelError(SobrioError, LookupError):
 class PermissionDeniedError(SobrioError):
     """The caller's tenant may not use this model, or no backend in its allowed regions serves it (HTTP 403)."""
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str = "model_not_allowed"):
         super().__init__(message)
         self.param = param
+        self.code = code
 
 
 class EngineOverloadedError(SobrioError):

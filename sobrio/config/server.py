@@ -76,7 +76,10 @@ class ServerConfig(Checked):
                                                      "one model takes every name given, the first its main one "
                                                      "(repeatable)", nargs="+")
     config: str | None = flag(None, "YAML file of flags: keys are the flag names without -- (`max-model-len: 512`, "
-                                    "`model: smollm2-135m`); the command line wins over the file")
+                                    "`model: smollm2-135m`); the command line wins over the file. A .toml file "
+                                    "takes the same keys and the gateway's tables: [models.NAME] with local "
+                                    "engines and remote replicas, [router], [tenant_defaults] "
+                                    "(sobrio/gateway/config.py)")
     host: str = flag("127.0.0.1", "address to listen on")
     port: int = flag(8000, "port to listen on (checked before any model loads)")
     root_path: str | None = flag(None, "path prefix behind a path-routing proxy (`/api`): every route answers "

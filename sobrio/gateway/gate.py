@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 from sobrio.gateway.energy import grams_co2
 from sobrio.gateway.ledger import Ledger, LedgerEntry, start_of_utc_day
-from sobrio.gateway.regions import region_allowed
 from sobrio.gateway.tenants import Tenant, TenantStore
 from sobrio.server.errors import send_error
 from sobrio.server.protocol import new_id
@@ -88,11 +87,6 @@ class TenantGate:
         if tenant is None and not operator and (self.operator is not None or self._has_tenants()):
             await send_error(send, 401, "invalid or missing API key", "invalid_request_error", "invalid_api_key")
             return
-        if tenant is not None and not region_allowed(self.region, tenant.limits.allowed_regions):
-            await send_error(send, 403, f"tenant {tenant.name!r} may be served only in "
-                             f"{', '.join(tenant.limits.allowed_regions)}; this server runs in {self.region}",
-                             "permission_error", "region_not_allowed")
-            return
         state = scope.setdefault("state", {})
         state["tenant"] = tenant
         if tenant is not None:
@@ -136,8 +130,9 @@ class TenantGate:
             self._record(entry, state, started, scope)
 
     def _note_co2(self, entry: LedgerEntry) -> None:
-        """The CO2 of the request's energy, by this server's region (local engines: the backend is here)."""
-        entry.co2_g = grams_co2(entry.energy_j, self.region)
+        """The CO2 of a local engine's energy, by this server's region (a remote backend's is the proxy's)."""
+        if entry.co2_g is None:
+            entry.co2_g = grams_co2(entry.energy_j, self.region)
         entry.backend = entry.backend or f"local:{self.region}"
 
     def _record(self, entry: LedgerEntry, state: dict, started: float, scope) -> None:

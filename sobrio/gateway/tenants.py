@@ -20,7 +20,7 @@ import re
 import secrets
 import sqlite3
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from sobrio.errors import PermissionDeniedError, SobrioError
@@ -59,6 +59,11 @@ class Limits:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise TenantError(f"{name} must be a positive integer (or unset), got {value!r}")
+
+    def or_defaults(self, defaults: "Limits") -> "Limits":
+        """These limits, each unset one taken from `defaults` (the configuration's [tenant_defaults])."""
+        return Limits(*(getattr(self, f.name) if getattr(self, f.name) is not None else getattr(defaults, f.name)
+                        for f in fields(Limits)))
 
 
 @dataclass(frozen=True)
@@ -106,6 +111,7 @@ class TenantStore:
         self.path = Path(path) if path is not None else default_db_path()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.secret = load_secret(self.path)
+        self.defaults = Limits()  # the configuration's [tenant_defaults], for the limits a tenant leaves unset
         self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
         # WAL + NORMAL: a commit is not fsynced (a power cut may lose the last ledger rows, never corrupt the
@@ -187,7 +193,8 @@ class TenantStore:
                               "WHERE k.key_id = ? AND k.revoked_at IS NULL", (match.group(1),)).fetchone()
         if row is None or not hmac.compare_digest(row[0], self._hash(text)):
             return None
-        return _tenant(row[1:])
+        tenant = _tenant(row[1:])
+        return replace(tenant, limits=tenant.limits.or_defaults(self.defaults))
 
     def cache_salt(self, tenant: Tenant) -> str:
         """The prefix-cache salt of the tenant's requests: HMAC of the server secret and the tenant id."""

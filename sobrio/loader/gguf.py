@@ -77,10 +77,22 @@ def prepared_folder(gguf_path: Path, prepare: bool = True) -> Path | None:
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     tokenizer.save_pretrained(tmp)
     save_file(dict(iter_gguf_weights(gguf_path, config)), str(tmp / "model.safetensors"))
-    if folder.exists():
-        shutil.rmtree(folder)
-    tmp.replace(folder)
+    _move_into_place(tmp, folder)
     return folder
+
+
+def _move_into_place(tmp: Path, folder: Path) -> None:
+    """Rename the made folder into place, unless another process got there first: its folder stays (it may
+    be reading it: removing it under that reader broke a start of two servers at once) and ours goes."""
+    if not (folder / "model.safetensors").is_file():
+        if folder.exists():
+            shutil.rmtree(folder)  # a leftover from before folders were renamed into place
+        try:
+            tmp.replace(folder)
+            return
+        except OSError:  # another process renamed its folder in between
+            pass
+    shutil.rmtree(tmp)
 
 
 def _hf_name(gguf_name: str, model_type: str) -> str | None:

@@ -29,11 +29,22 @@ from sobrio.errors import (
     SobrioError,
     UnknownModelError,
 )
+from sobrio.gateway.backends import (
+    Backends,
+    LocalReplica,
+    ModelBackends,
+    NoBackendAvailable,
+    RemoteReplica,
+    prefix_hashes,
+)
+from sobrio.gateway.config import GatewayConfig, load_gateway_config
 from sobrio.gateway.dashboard import dashboard_data
 from sobrio.gateway.dashboard import render as render_dashboard
 from sobrio.gateway.energy import region_code
 from sobrio.gateway.gate import bearer, cache_salt
 from sobrio.gateway.ledger import Ledger, LedgerEntry
+from sobrio.gateway.proxy import BackendFailed, BackendTimeout, forward, payload_for
+from sobrio.gateway.regions import region_allowed, region_refusal
 from sobrio.gateway.router import Router, RouterWeights, open_embedder
 from sobrio.gateway.tenants import TenantStore, check_model_allowed
 from sobrio.loader.resolve import ALIASES, DEFAULT_MODELS, check_model_name, is_installed, resolve_model
@@ -93,7 +104,11 @@ def sobrio_error_response(exc: Exception) -> JSONResponse:
     if isinstance(exc, UnknownModelError):
         return error_response(404, str(exc), "invalid_request_error", "model", "model_not_found")
     if isinstance(exc, PermissionDeniedError):
-        return error_response(403, str(exc), "permission_error", exc.param, "model_not_allowed")
+        return error_response(403, str(exc), "permission_error", exc.param, exc.code)
+    if isinstance(exc, BackendFailed):
+        return error_response(502, str(exc), "server_error")
+    if isinstance(exc, BackendTimeout):
+        return error_response(504, str(exc), "server_error")
     if isinstance(exc, EngineOverloadedError):
         return error_response(429, str(exc), "rate_limit_error", headers={"Retry-After": "1"})
     if isinstance(exc, EngineStepError):
@@ -104,9 +119,10 @@ def sobrio_error_response(exc: Exception) -> JSONResponse:
 class OpenAIServer:
     def __init__(self, engines: dict[str, EngineClient], limits: LimitsConfig | None = None,
                  default_max_tokens: int | None = ServerConfig.default_max_tokens,
-                 metrics_prefix: str = ServerConfig.metrics_prefix):
-        assert engines, "at least one model must be served"
-        self.engines = engines
+                 metrics_prefix: str = ServerConfig.metrics_prefix, region: str = "WLD"):
+        self.engines = engines  # the local engine cores (a gateway of remote backends only may have none)
+        self.region = region  # where the local engines run (--region)
+        self.backends = Backends({name: ModelBackends(name, [LocalReplica(e, region)]) for name, e in engines.items()})
         self.limits = limits or LimitsConfig()
         self.default_max_tokens = default_max_tokens or None  # 0: up to the context
         self.metrics = ServerMetrics(engines, metrics_prefix)
@@ -141,10 +157,59 @@ class OpenAIServer:
         tenant, entry = getattr(state, "tenant", None), getattr(state, "ledger", None)
         if tenant is not None:
             check_model_allowed(tenant, name, self.aliases.get(name, name))
+            if not region_allowed(self.region, tenant.limits.allowed_regions):
+                raise region_refusal(tenant, name, [self.region])
         if entry is not None:
             entry.requested_model = entry.requested_model or name
             entry.served_model = self.aliases.get(name, name)
         return name, engine
+
+    def add_backends(self, gateway: GatewayConfig) -> None:
+        """The configuration file's remote replicas, beside (or instead of) each model's local engine."""
+        for spec in gateway.models.values():
+            remotes = [RemoteReplica(r) for r in spec.remotes]
+            pool = self.backends.models.get(spec.name)
+            if pool is None:
+                self.backends.models[spec.name] = ModelBackends(spec.name, remotes)
+            else:
+                pool.replicas.extend(remotes)
+
+    def model_names(self) -> list[str]:
+        """Every model a client may name: local engines, their further names, remote-only models."""
+        return [*self.engines, *self.aliases, *(m for m in self.backends.models if m not in self.engines)]
+
+    async def via_remote(self, model: str | None, endpoint: str, body, text: str, request: Request):
+        """The answer of a remote replica when the model has remote ones and one is chosen (a failure before
+        its first byte retried once on another); None when the local engine takes the request."""
+        pool = self.backends.models.get(self.aliases.get(model, model)) if model else None
+        if pool is None or not any(r.is_remote for r in pool.replicas):
+            return None  # local engines only: as without a gateway configuration
+        state = request.state
+        tenant, entry = getattr(state, "tenant", None), getattr(state, "ledger", None)
+        if tenant is not None:
+            check_model_allowed(tenant, model, pool.model)
+        if entry is not None:
+            entry.requested_model, entry.served_model = entry.requested_model or model, pool.model
+        state.request_id = new_id("chatcmpl" if endpoint.startswith("chat") else "cmpl")
+        hashes, tried, failure = prefix_hashes(text), [], None
+        for _ in range(2):
+            try:
+                replica = pool.choose(hashes, tenant, exclude=tried)
+            except NoBackendAvailable:
+                raise failure or NoBackendAvailable(f"no backend of model {model!r} is available") from None
+            if not replica.is_remote:
+                return None
+            fields = body.model_dump(mode="json", exclude_unset=True)
+            payload = payload_for(replica, fields, cache_salt(state, body.cache_salt), bool(body.stream))
+            wants_usage = bool(body.stream_options and body.stream_options.include_usage)
+            try:
+                answer = await unless_disconnected(forward(replica, endpoint, payload, model, entry, wants_usage),
+                                                   request)
+                return Response(status_code=499) if answer is None else answer
+            except BackendFailed as exc:
+                tried.append(replica)
+                failure = exc
+        raise failure
 
     async def resolve_auto(self, model: str | None, text: str, state) -> str | None:
         """Model "auto": the router's choice for this request's text, said in response headers; any other
@@ -199,9 +264,9 @@ class OpenAIServer:
 
 def create_app(engines: dict[str, EngineClient], limits: LimitsConfig | None = None,
                default_max_tokens: int | None = ServerConfig.default_max_tokens,
-               metrics_prefix: str = ServerConfig.metrics_prefix) -> FastAPI:
+               metrics_prefix: str = ServerConfig.metrics_prefix, region: str = "WLD") -> FastAPI:
     """The API itself; `edge_stack` wraps it with auth, CORS, limits, request ids and the access log."""
-    server = OpenAIServer(engines, limits, default_max_tokens, metrics_prefix)
+    server = OpenAIServer(engines, limits, default_max_tokens, metrics_prefix, region)
     app = FastAPI(title="sobrio", version=sobrio.__version__)
     app.state.server = server
     install_error_handlers(app)
@@ -228,12 +293,18 @@ def create_app(engines: dict[str, EngineClient], limits: LimitsConfig | None = N
         names = [(name, name) for name in server.engines] + list(server.aliases.items())
         data = [{"id": name, "object": "model", "created": now(), "owned_by": "sobrio", "root": main,
                  "max_model_len": server.engines[main].max_model_len} for name, main in names]
+        data += [{"id": name, "object": "model", "created": now(), "owned_by": "sobrio", "root": name}
+                 for name in server.backends.models if name not in server.engines]
         return {"object": "list", "data": data}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         users = [m.content for m in body.messages if m.role == "user" and isinstance(m.content, str)]
         model = await server.resolve_auto(body.model, users[-1] if users else "", request.state)
+        text = "".join(f"{m.role}\n{m.content}\n" for m in body.messages if isinstance(m.content, str))
+        remote = await server.via_remote(model, "chat/completions", body, text, request)
+        if remote is not None:
+            return remote
         name, engine = server.engine_for(model, "generate", request.state)
         tool_plan = tools.plan(body.tools, body.tool_choice, body.parallel_tool_calls)
         params = tools.with_tool_grammar(body.to_sampling_params(), tool_plan)
@@ -253,8 +324,11 @@ def create_app(engines: dict[str, EngineClient], limits: LimitsConfig | None = N
     async def completions(body: CompletionRequest, request: Request):
         prompts = body.prompts()
         text = prompts[0] if prompts and isinstance(prompts[0], str) else ""
-        name, engine = server.engine_for(await server.resolve_auto(body.model, text, request.state), "generate",
-                                         request.state)
+        model = await server.resolve_auto(body.model, text, request.state)
+        remote = await server.via_remote(model, "completions", body, text, request)
+        if remote is not None:
+            return remote
+        name, engine = server.engine_for(model, "generate", request.state)
         params = body.to_sampling_params()
         server.check_fanout(engine, len(prompts), params.n)
         tokenize = engine.input_processor.tokenize
@@ -406,12 +480,18 @@ def _configure_logging(level_name: str) -> None:
     logging.addLevelName(TRACE_LOG_LEVEL, "TRACE")  # uvicorn's; unknown to logging until registered
     level = TRACE_LOG_LEVEL if level_name == "trace" else level_name.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for chatty in ("httpx", "httpcore"):  # a line per call to a remote backend; headers at debug
+        logging.getLogger(chatty).setLevel(max(logging.WARNING, logging.getLogger(chatty).level))
 
 
-def _served_models(config: ServerConfig) -> list[str]:
-    """MODEL, then --model, or every installed default alias; each checked now (an unknown one is a one-line
-    error listing the aliases, before anything loads)."""
-    models = [m for m in [config.model_tag, *(config.model or [])] if m]
+def _served_models(config: ServerConfig, gateway: GatewayConfig | None = None) -> list[str]:
+    """MODEL, then --model, then the configuration file's local models; with none of those and no remote
+    one, every installed default alias. Each checked now (an unknown one is a one-line error listing the
+    aliases, before anything loads). A gateway of remote backends only loads none."""
+    gateway = gateway or GatewayConfig()
+    models = [m for m in [config.model_tag, *(config.model or []), *gateway.local_models] if m]
+    if gateway.models:
+        return list(dict.fromkeys(models))
     models = models or [m for m in DEFAULT_MODELS if is_installed(m)]
     if not models:
         raise ConfigError("no model to serve: name one (sobrio serve MODEL), or install an alias (sobrio models)")
@@ -426,17 +506,15 @@ def run_server(args) -> int:
     started = time.monotonic()
     config = config_from_args(args, ServerConfig)
     _configure_logging(config.log_level)
-    models = _served_models(config)
+    gateway = load_gateway_config(config.config)
+    models = _served_models(config, gateway)
     region = region_code(config.region)  # an unknown one fails now, before anything loads
     names = served_names([m if m in ALIASES else resolve_model(m).name for m in models], config.served_model_name)
     configs = [SobrioConfig.from_kwargs(model=model, **engine_kwargs(args)) for model in models]
     sock = bind_socket(config.host, config.port)  # a busy port fails now, not after loading
     fatal = threading.Event()  # an engine core that keeps dying: exit non-zero for a supervisor
     try:
-        with log_step(logger, "starting %d model(s): %s", len(models), ", ".join(models)):
-            clients = start_engines_with_embedders(  # embedding models: in this process (server/embeddings.py)
-                configs, lambda generative: _start_engines(generative, config.engine_process,
-                                                           config.engine_restarts, fatal.set))
+        clients = _start_local_models(config, models, configs, fatal.set)
     except ConfigError:
         sock.close()
         raise  # a flag the model refuses (--quantization awq on a float checkpoint): exit 2, as a bad flag does
@@ -445,12 +523,14 @@ def run_server(args) -> int:
         logger.error("%s", exc)
         return 1
     engines = {group[0]: client for group, client in zip(names, clients)}
-    app = create_app(engines, config.limits, config.default_max_tokens, config.metrics_prefix)
+    app = create_app(engines, config.limits, config.default_max_tokens, config.metrics_prefix, region)
     app.state.server.aliases = {alias: group[0] for group in names for alias in group[1:]}
     app.state.server.log_requests = not config.disable_log_requests
-    app.state.server.router = _start_router(config, engines)
+    app.state.server.add_backends(gateway)
+    app.state.server.router = _start_router(config, gateway, app.state.server)
     stats = None if config.disable_log_stats else StatsLogger(engines)
     store = TenantStore(config.db)
+    store.defaults = gateway.tenant_defaults
     ledger = app.state.server.ledger = Ledger(store.db)
     app.state.server.store, app.state.server.operator_key = store, config.api_key
     logger.info("tenants, keys and usage ledger: %s (%d tenant(s))", store.path, len(store.tenants()))
@@ -461,13 +541,20 @@ def run_server(args) -> int:
 
     @app.on_event("startup")
     async def _listening():
+        remote = [f"{m.model} ({len(m.replicas)} replica(s))" for m in app.state.server.backends.models.values()
+                  if any(r.is_remote for r in m.replicas)]
         logger.info("listening on %s: %s (start-up took %.1fs)", url, ", ".join(
-            " = ".join(group) for group in names), time.monotonic() - started)
+            [" = ".join(group) for group in names] + remote), time.monotonic() - started)
         if stats is not None:
             stats.start()
+        if app.state.server.backends.remote_replicas():
+            app.state.backend_checks = asyncio.create_task(app.state.server.backends.watch())
 
     @app.on_event("shutdown")
     async def _stop_engines():
+        if getattr(app.state, "backend_checks", None) is not None:
+            app.state.backend_checks.cancel()
+        await app.state.server.backends.close()
         if stats is not None:
             stats.stop()
         for engine in engines.values():
@@ -484,16 +571,20 @@ def run_server(args) -> int:
     return 1 if fatal.is_set() else 0
 
 
-def _start_router(config: ServerConfig, engines: dict[str, EngineClient]) -> Router | None:
-    """Model "auto", when the served models include both of the router's (its sentence embedder loads here,
-    or is the served one)."""
-    weights = RouterWeights.load(config.router_weights)
-    if not {weights.small, weights.large} <= set(engines):
+def _start_router(config: ServerConfig, gateway: GatewayConfig, server: OpenAIServer) -> Router | None:
+    """Model "auto", when the served models (local or remote) include both of the router's: the weights'
+    own two, or the configuration's [router] small and large. Its sentence embedder loads here, or is a
+    served one."""
+    spec = gateway.router
+    weights = RouterWeights.load(config.router_weights or spec.weights)
+    weights = dataclasses.replace(weights, small=spec.small or weights.small, large=spec.large or weights.large)
+    if not {weights.small, weights.large} <= set(server.model_names()):
         logger.info('model "auto" is off: the router needs %s and %s served', weights.small, weights.large)
         return None
     with log_step(logger, 'starting the router for model "auto" (%s)', weights.embedder):
-        embedder = engines.get(weights.embedder) or open_embedder()
-    return Router(weights, embedder, config.router_threshold)
+        embedder = server.engines.get(weights.embedder) or open_embedder()
+    threshold = config.router_threshold if config.router_threshold is not None else spec.threshold
+    return Router(weights, embedder, threshold)
 
 
 def _uvicorn_server(config: ServerConfig, asgi, engines: list[EngineClient]):
@@ -511,6 +602,17 @@ def _uvicorn_server(config: ServerConfig, asgi, engines: list[EngineClient]):
     # uvicorn.asgi at trace would log each request's scope, query string included: kept at debug at most.
     logging.getLogger("uvicorn.asgi").setLevel(max(logging.DEBUG, logging.getLogger("uvicorn.asgi").level))
     return _graceful_server_class()(uvicorn_config, engines, config.shutdown_timeout)
+
+
+def _start_local_models(config: ServerConfig, models: list[str], configs: list, on_fatal) -> list:
+    """The local models' engines (embedding models: in this process, server/embeddings.py); none for a
+    gateway of remote backends only."""
+    if not models:
+        logger.info("no local model: every model is served by remote backends")
+        return []
+    with log_step(logger, "starting %d model(s): %s", len(models), ", ".join(models)):
+        return start_engines_with_embedders(configs, lambda generative: _start_engines(
+            generative, config.engine_process, config.engine_restarts, on_fatal))
 
 
 def _start_engines(configs: list, engine_process: bool, max_restarts: int, on_fatal) -> list:

@@ -1,0 +1,212 @@
+"""Which backend answers a request: a served model's replicas, their health, and the choice between them.
+
+A model name maps to one or more replicas: the engine core loaded in this process (`LocalReplica`, in the
+server's region) and OpenAI-compatible servers elsewhere (`RemoteReplica`: another sobrio, vLLM, llama.cpp's
+server, a hosted API; `gateway/proxy.py` forwards to them). For each request `ModelBackends.choose` keeps
+the replicas that are healthy and in a region the tenant allows (none in an allowed region: 403), then
+prefers the one that has seen the longest prefix of this prompt (its prefix cache likely holds it), unless
+that one has `balance_slack` more requests outstanding than the least loaded; otherwise the least loaded.
+
+Prefix affinity works on text, as SGLang's cache-aware router does: the prompt is cut into blocks of
+`PREFIX_BLOCK_CHARS` characters whose chained hashes each replica remembers (an LRU of hashes, in memory
+only; never the text). Health: a remote replica that refuses a connection is out at once; a background
+check (`Backends.watch`) probes every replica's /health and brings it back when it answers.
+"""
+
+import asyncio
+import logging
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+
+import httpx
+
+from sobrio.engine.client import EngineClient
+from sobrio.errors import SobrioError
+from sobrio.gateway.config import RemoteSpec
+from sobrio.gateway.regions import region_allowed, region_refusal
+
+logger = logging.getLogger("sobrio.gateway")
+
+PREFIX_BLOCK_CHARS = 64  # about 16 tokens: one KV block of the engines' prefix caches
+MAX_PREFIX_BLOCKS = 128  # 8 KB of prompt: past that, the first blocks decide
+AFFINITY_ENTRIES = 16384  # hashes remembered per replica (a few hundred prompts' worth)
+
+
+class NoBackendAvailable(SobrioError):
+    """Every replica of the model that the tenant may use is down (503)."""
+
+
+def prefix_hashes(text: str) -> list[int]:
+    """Chained hashes of the prompt's whole blocks: equal lists up to i mean equal text up to block i."""
+    hashes, h = [], 0
+    end = min(len(text), PREFIX_BLOCK_CHARS * MAX_PREFIX_BLOCKS)
+    for start in range(0, end - PREFIX_BLOCK_CHARS + 1, PREFIX_BLOCK_CHARS):
+        h = hash((h, text[start:start + PREFIX_BLOCK_CHARS]))
+        hashes.append(h)
+    return hashes
+
+
+class Replica:
+    """One backend of one model: its load, its health, the prompt prefixes it has seen."""
+
+    is_remote = False
+
+    def __init__(self, name: str, region: str):
+        self.name = name  # in the ledger's `backend` column: "local:ITA", "remote:host:port"
+        self.region = region
+        self.in_flight = 0
+        self.last_chosen = 0.0
+        self.seen: OrderedDict[int, None] = OrderedDict()
+
+    @property
+    def healthy(self) -> bool:
+        return True
+
+    @property
+    def outstanding(self) -> int:
+        return self.in_flight
+
+    def matched(self, hashes: list[int]) -> int:
+        """How many leading blocks of the prompt this replica has seen."""
+        count = 0
+        for h in hashes:
+            if h not in self.seen:
+                break
+            count += 1
+        return count
+
+    def remember(self, hashes: list[int]) -> None:
+        for h in hashes:
+            self.seen[h] = None
+            self.seen.move_to_end(h)
+        while len(self.seen) > AFFINITY_ENTRIES:
+            self.seen.popitem(last=False)
+
+
+class LocalReplica(Replica):
+    """The engine core of this process: its load is what its scheduler holds."""
+
+    def __init__(self, engine: EngineClient, region: str):
+        super().__init__(f"local:{region}", region)
+        self.engine = engine
+
+    @property
+    def healthy(self) -> bool:
+        return self.engine.healthy
+
+    @property
+    def outstanding(self) -> int:
+        stats = self.engine.stats()
+        return stats.get("num_requests_running", 0) + stats.get("num_requests_waiting", 0)
+
+
+class RemoteReplica(Replica):
+    """An OpenAI-compatible server; its key is read from the environment variable the configuration names."""
+
+    is_remote = True
+
+    def __init__(self, spec: RemoteSpec):
+        super().__init__(f"remote:{httpx.URL(spec.url).host}:{httpx.URL(spec.url).port or ''}".rstrip(":"),
+                         spec.region)
+        self.spec = spec
+        key = os.environ.get(spec.api_key_env, "") if spec.api_key_env else ""
+        if spec.api_key_env and not key:
+            logger.warning("backend %s: environment variable %s is unset; calling it without a key", self.name,
+                           spec.api_key_env)
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self.up = True
+        self._client: httpx.AsyncClient | None = None
+
+    @property
+    def healthy(self) -> bool:
+        return self.up
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        """Made on first use, in the serving event loop; one connection pool per replica."""
+        if self._client is None:
+            timeout = httpx.Timeout(self.spec.timeout_s, connect=min(5.0, self.spec.timeout_s))
+            self._client = httpx.AsyncClient(base_url=self.spec.url.rstrip("/") + "/", timeout=timeout,
+                                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        return self._client
+
+    def mark(self, up: bool, why: str = "") -> None:
+        """Take the replica out (a refused connection, a failed check) or bring it back; logged when it changes."""
+        if up != self.up:
+            if up:
+                logger.info("backend %s is back", self.name)
+            else:
+                logger.warning("backend %s is out: %s", self.name, why)
+        self.up = up
+
+    async def check(self) -> None:
+        try:
+            response = await self.client.get(self.spec.health_url, headers=self.headers, timeout=5.0)
+            self.mark(response.status_code == 200, f"health check answered {response.status_code}")
+        except httpx.HTTPError as exc:
+            self.mark(False, f"health check failed ({type(exc).__name__})")
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+
+
+class ModelBackends:
+    """A served model's replicas and the rule that picks one per request."""
+
+    def __init__(self, model: str, replicas: list[Replica], balance_slack: int = 4):
+        assert replicas, f"model {model!r} needs at least one replica"
+        self.model = model
+        self.replicas = replicas
+        self.balance_slack = balance_slack
+
+    @property
+    def local(self) -> LocalReplica | None:
+        return next((r for r in self.replicas if isinstance(r, LocalReplica)), None)
+
+    def choose(self, hashes: list[int], tenant=None, exclude: Iterable[Replica] = ()) -> Replica:
+        """The replica for a request whose prompt has these prefix hashes; 403 when no replica is in a region
+        the tenant allows, NoBackendAvailable when those that are are all down (or excluded)."""
+        candidates = self._allowed(tenant)
+        candidates = [r for r in candidates if r.healthy and r not in set(exclude)]
+        if not candidates:
+            raise NoBackendAvailable(f"no backend of model {self.model!r} is available; try again shortly")
+        loads = {r: r.outstanding for r in candidates}
+        least = min(loads.values())
+        affine = max(candidates, key=lambda r: (r.matched(hashes), -loads[r]))
+        if affine.matched(hashes) > 0 and loads[affine] <= least + self.balance_slack:
+            chosen = affine
+        else:
+            chosen = min(candidates, key=lambda r: (loads[r], r.last_chosen))
+        chosen.last_chosen = time.monotonic()
+        chosen.remember(hashes)
+        return chosen
+
+    def _allowed(self, tenant) -> list[Replica]:
+        allowed = tenant.limits.allowed_regions if tenant is not None else None
+        replicas = [r for r in self.replicas if region_allowed(r.region, allowed)]
+        if not replicas:
+            raise region_refusal(tenant, self.model, [r.region for r in self.replicas])
+        return replicas
+
+
+class Backends:
+    """Every served model's replicas, and the health checks of the remote ones."""
+
+    def __init__(self, models: dict[str, ModelBackends], check_interval_s: float = 5.0):
+        self.models = models
+        self.check_interval_s = check_interval_s
+
+    def remote_replicas(self) -> list[RemoteReplica]:
+        return [r for m in self.models.values() for r in m.replicas if isinstance(r, RemoteReplica)]
+
+    async def watch(self) -> None:
+        """Probe every remote replica each `check_interval_s` (run as a task while the server runs)."""
+        while True:
+            await asyncio.gather(*(r.check() for r in self.remote_replicas()))
+            await asyncio.sleep(self.check_interval_s)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(r.close() for r in self.remote_replicas()))

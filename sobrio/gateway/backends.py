@@ -32,6 +32,7 @@ logger = logging.getLogger("sobrio.gateway")
 PREFIX_BLOCK_CHARS = 64  # about 16 tokens: one KV block of the engines' prefix caches
 MAX_PREFIX_BLOCKS = 128  # 8 KB of prompt: past that, the first blocks decide
 AFFINITY_ENTRIES = 16384  # hashes remembered per replica (a few hundred prompts' worth)
+CLIENTS_PER_REPLICA = 8
 
 
 class NoBackendAvailable(SobrioError):
@@ -117,7 +118,8 @@ class RemoteReplica(Replica):
                            spec.api_key_env)
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.up = True
-        self._client: httpx.AsyncClient | None = None
+        self._clients: list[httpx.AsyncClient] = []
+        self._turn = 0
 
     @property
     def healthy(self) -> bool:
@@ -125,12 +127,16 @@ class RemoteReplica(Replica):
 
     @property
     def client(self) -> httpx.AsyncClient:
-        """Made on first use, in the serving event loop; one connection pool per replica."""
-        if self._client is None:
+        """One of `CLIENTS_PER_REPLICA` connection pools, in turn; made on first use, in the serving event
+        loop. Several small pools, not one: httpcore scans its whole pool for each idle connection when a
+        request starts or ends (quadratic), which cost the gateway 3 ms a request at 32 in flight."""
+        if not self._clients:
             timeout = httpx.Timeout(self.spec.timeout_s, connect=min(5.0, self.spec.timeout_s))
-            self._client = httpx.AsyncClient(base_url=self.spec.url.rstrip("/") + "/", timeout=timeout,
-                                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
-        return self._client
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=16)
+            self._clients = [httpx.AsyncClient(base_url=self.spec.url.rstrip("/") + "/", timeout=timeout,
+                                               limits=limits) for _ in range(CLIENTS_PER_REPLICA)]
+        self._turn = (self._turn + 1) % len(self._clients)
+        return self._clients[self._turn]
 
     def mark(self, up: bool, why: str = "") -> None:
         """Take the replica out (a refused connection, a failed check) or bring it back; logged when it changes."""
@@ -149,8 +155,7 @@ class RemoteReplica(Replica):
             self.mark(False, f"health check failed ({type(exc).__name__})")
 
     async def close(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
+        await asyncio.gather(*(c.aclose() for c in self._clients))
 
 
 class ModelBackends:

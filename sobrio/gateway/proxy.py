@@ -89,9 +89,10 @@ async def _complete(replica: RemoteReplica, endpoint: str, payload: dict, model_
 
 
 async def _open_stream(replica: RemoteReplica, endpoint: str, payload: dict) -> httpx.Response:
-    request = replica.client.build_request("POST", endpoint, json=payload, headers=replica.headers)
+    client = replica.client
+    request = client.build_request("POST", endpoint, json=payload, headers=replica.headers)
     try:
-        response = await replica.client.send(request, stream=True)
+        response = await client.send(request, stream=True)
     except httpx.TimeoutException:
         raise BackendTimeout(f"backend {replica.name} did not answer within {replica.spec.timeout_s:g}s") from None
     except httpx.TransportError as exc:

@@ -150,6 +150,9 @@ class OpenAIServer:
         """`task` "generate" or "embed": a model of the other kind is a 400 (None: any model). A further
         --served-model-name of a model reaches it, and answers carry the name the request used (as vLLM).
         `state` (a request's): its tenant must be allowed the model (403), and its ledger row names it."""
+        if model in self.backends.models and model not in self.engines:
+            raise InvalidRequestError(f"model {model!r} is served by remote backends, which only "
+                                      "/v1/chat/completions and /v1/completions reach", param="model")
         if model in self.aliases:
             name, engine = model, select_engine(self.engines, self.aliases[model], task)[1]
         else:
@@ -181,6 +184,8 @@ class OpenAIServer:
     async def via_remote(self, model: str | None, endpoint: str, body, text: str, request: Request):
         """The answer of a remote replica when the model has remote ones and one is chosen (a failure before
         its first byte retried once on another); None when the local engine takes the request."""
+        if not model and not self.engines:  # a gateway of remote backends only: its first model
+            model = next(iter(self.backends.models))
         pool = self.backends.models.get(self.aliases.get(model, model)) if model else None
         if pool is None or not any(r.is_remote for r in pool.replicas):
             return None  # local engines only: as without a gateway configuration

@@ -56,6 +56,14 @@ def test_the_toml_file_describes_models_backends_router_and_tenant_defaults(tmp_
     assert load_gateway_config(None).models == {}
 
 
+def test_the_example_file_in_docs_parses():
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[2] / "docs" / "gateway.example.toml"
+    config = load_gateway_config(str(example))
+    assert config.local_models == ["smollm2-135m"] and len(config.models["gemma3-270m"].remotes) == 2
+
+
 @pytest.mark.parametrize("text, message", [
     ("[models.m]\n", "has no backend"),
     ("[[models.m.remote]]\nurl = 'ftp://x'\n", "must start with http"),
@@ -133,7 +141,7 @@ def test_a_down_replica_is_skipped_and_regions_bound_the_choice():
 
 def remote(name: str, handler, **spec) -> RemoteReplica:
     replica = RemoteReplica(RemoteSpec(url=f"http://{name}:8000/v1", model="theirs", **spec))
-    replica._client = httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url=f"http://{name}:8000/v1/")
+    replica._clients = [httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url=f"http://{name}:8000/v1/")]
     return replica
 
 

@@ -19,6 +19,14 @@ class CacheConfig(Checked):
     kv_cache_dtype: str = flag("auto", "KV-cache rows: auto (the model's dtype), or int8 / fp8_e4m3 (fp8) with a "
                                        "bf16 scale per token and kv head: 1.94x the blocks in the same memory",
                                choices=KV_CACHE_DTYPES)
+    kv_offload_ram: int | None = flag(None, "bytes of host RAM for KV blocks evicted from the cache (a tier behind "
+                                            "it, LRU): a prefix seen before loads back instead of being recomputed")
+    kv_offload_disk: int | None = flag(None, "bytes of disk for KV blocks pushed out of the RAM tier, encrypted per "
+                                             "tenant (AES-256-GCM; the master key in $SOBRIO_KV_MASTER_KEY or "
+                                             "--kv-offload-key-file); they survive restarts")
+    kv_offload_dir: str | None = flag(None, "the disk tier's directory (default: kv-offload under sobrio's cache)")
+    kv_offload_key_file: str | None = flag(None, "file holding the disk tier's master key (64 hex digits or 32 "
+                                                 "bytes); never give the key itself on the command line")
     gpu_memory_utilization: float = flag(0.9, "accepted for vLLM's scripts; no effect on CPU: the KV cache takes "
                                               "--kv-cache-memory")
 
@@ -28,4 +36,8 @@ class CacheConfig(Checked):
         self._at_least(1, "kv_cache_memory_cap")
         self._require("kv_cache_memory_fraction", 0 < self.kv_cache_memory_fraction <= 1, "in (0, 1]")
         self._require("kv_cache_dtype", self.kv_cache_dtype in KV_CACHE_DTYPES, "one of " + ", ".join(KV_CACHE_DTYPES))
+        self._at_least(1, "kv_offload_ram", optional=True)
+        self._at_least(1, "kv_offload_disk", optional=True)
+        self._require("kv_offload_disk", self.kv_offload_disk is None or self.kv_offload_ram is not None,
+                      "set with --kv-offload-ram (blocks reach the disk through the RAM tier)")
         self._require("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "in (0, 1]")

@@ -79,11 +79,11 @@ class _ClientBase:
 
     async def add_request(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams,
                           queue: asyncio.Queue, prompt_token_ids: list[int] | None = None,
-                          cache_salt: str | None = None, priority: int = 0) -> None:
+                          cache_salt: str | None = None, priority: int = 0, kv_offload: bool | None = None) -> None:
         """Queue a request whose outputs (or a failure) go to `queue`; raises InvalidRequestError at once."""
         loop = asyncio.get_running_loop()
         await asyncio.to_thread(self._add, request_id, prompt, params, prompt_token_ids, cache_salt, loop, queue,
-                                priority)
+                                priority, kv_offload)
 
     async def generate(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams,
                        prompt_token_ids: list[int] | None = None, cache_salt: str | None = None,
@@ -116,14 +116,16 @@ class _ClientBase:
                     self.abort_soon(request_id)  # no await: this may run inside a cancelled task
                 self.release(request_id)
 
-    def _add(self, request_id, prompt, params, prompt_token_ids, cache_salt, loop, queue, priority=0) -> None:
+    def _add(self, request_id, prompt, params, prompt_token_ids, cache_salt, loop, queue, priority=0,
+             kv_offload=None) -> None:
         if self._stopping:
             raise EngineUnavailableError("the server is shutting down")
         if not self.healthy:
             raise EngineUnavailableError("the engine is restarting; retry shortly")
         # Tokenizing takes no lock: a long prompt never holds up the step of the requests in flight.
         processed = self.engine.process_input(request_id, prompt, params, cache_salt=cache_salt,
-                                              prompt_token_ids=prompt_token_ids, priority=priority)
+                                              prompt_token_ids=prompt_token_ids, priority=priority,
+                                              kv_offload=kv_offload)
         with self._lock:
             self.engine.add_processed(processed)
             self._queues[request_id] = (loop, queue)
@@ -175,6 +177,12 @@ class _ClientBase:
             loop.call_soon_threadsafe(queue.put_nowait, error)
         self._queues.clear()
 
+    def purge_cache_salt(self, salt: str) -> None:
+        """Forget the cached blocks of a salt (a deleted tenant) and shred its offloaded ones."""
+        with self._lock:
+            self.engine.purge_cache_salt(salt)
+        self._wake()
+
     def _wake(self) -> None:
         """Tell the thread there is new work (an in-process core waits for it)."""
 
@@ -221,6 +229,12 @@ class AsyncLLM(_ClientBase):
 
     def _wake(self) -> None:
         self._work.set()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        super().shutdown(timeout)
+        close = getattr(self.engine.core, "close", None)
+        if close is not None:  # an in-process EngineCore: its KV offload tier's disk writes
+            close()
 
     def _run(self) -> None:
         while not self._stopping:

@@ -43,9 +43,10 @@ class EngineClient(Protocol):
 
     async def add_request(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams,
                           queue: asyncio.Queue, prompt_token_ids: list[int] | None = None,
-                          cache_salt: str | None = None, priority: int = 0) -> None:
+                          cache_salt: str | None = None, priority: int = 0, kv_offload: bool | None = None) -> None:
         """Queue a request whose outputs go to `queue` (several requests may share one: n, prompt lists).
-        `priority` (lower first) counts only under --scheduling-policy priority; otherwise it must be 0."""
+        `priority` (lower first) counts only under --scheduling-policy priority; otherwise it must be 0.
+        `kv_offload`: whether its KV blocks may go to the offload tiers (None: the server's default)."""
 
     def stream_outputs(self, request_ids: list[str], n: int, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         """Every output of these requests from their shared queue; leaving early aborts the unfinished."""

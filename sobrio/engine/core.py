@@ -19,6 +19,7 @@ from sobrio.engine.request import Request, RequestStatus
 from sobrio.engine.sampling import build_sampling_metadata
 from sobrio.engine.scheduler import Scheduler, SchedulerOutput
 from sobrio.engine.stats import StepTokenCounts
+from sobrio.kv.offload import open_offload
 from sobrio.loader.load import LoadedModelFiles, load_tokenizer
 from sobrio.sample.params import SamplingParams
 from sobrio.sample.rejection import verify
@@ -40,6 +41,7 @@ class EngineCoreRequest:
     cache_salt: str | None = None
     arrival_time: float = 0.0
     priority: int = 0
+    kv_offload: bool | None = None  # may its KV blocks be offloaded (a tenant's policy); None: the server's
     # n > 1: start once this sibling has computed the shared prompt, then take its blocks from the cache
     after_prompt_of: str | None = None
 
@@ -93,6 +95,10 @@ class EngineCore:
         self.meter, self.flops = open_meter(), StepFlops(self.executor.runner.hf_config)  # engine/energy.py
         self.draft_energy = 0.0
         self.deferred: dict[str, _Deferred] = {}  # first request id -> siblings not yet scheduled
+        runner, model = self.executor.runner, config.model_config
+        self.offload = open_offload(config.cache_config, f"{model.model}|{model.quantization}",
+                                    [runner.kv_cache, runner.draft_kv_cache], self.scheduler.kv)  # or None
+        self.offload_by_default = self.offload is not None  # tier flags given: requests without a policy use them
         # structured output: grammars compile on a worker thread (the tokenizer is read at the first one)
         structured = config.structured_outputs_config
         self.structured = StructuredOutputManager(GrammarCompiler(lambda: load_tokenizer(files, config.model_config)),
@@ -110,6 +116,8 @@ class EngineCore:
         req = Request(creq.request_id, list(creq.prompt_token_ids), creq.sampling_params, creq.max_tokens,
                       creq.eos_token_ids, creq.cache_salt, creq.arrival_time or time.monotonic(),
                       priority=creq.priority)
+        req.kv_offload = self.offload is not None and (creq.kv_offload if creq.kv_offload is not None
+                                                       else self.offload_by_default)
         if creq.sampling_params.structured_outputs is not None:  # scheduled once its grammar has compiled
             self.structured.submit(req, creq.after_prompt_of)
             return
@@ -372,6 +380,11 @@ class EngineCore:
                 "scheduler_requests": len(sched.requests), "scheduler_waiting": len(sched.waiting),
                 "scheduler_running": len(sched.running), **self.structured.table_sizes()}
 
+    def close(self) -> None:
+        """Finish the KV offload tier's queued disk writes (bounded), so a restart finds them."""
+        if self.offload is not None:
+            self.offload.close()
+
     def stats(self) -> dict:
         pool = self.scheduler.pool
         return {"num_requests_running": len(self.scheduler.running),
@@ -380,4 +393,5 @@ class EngineCore:
                 "num_preemptions": self.scheduler.num_preemptions, "tables": self.table_sizes(),
                 "iteration_tokens": self.step_tokens.snapshot(), "num_blocks": pool.num_blocks,
                 "structured_outputs": self.structured.stats(),
-                "spec_decode": None if self.speculator is None else self.speculator.stats()}
+                "spec_decode": None if self.speculator is None else self.speculator.stats(),
+                "kv_offload": None if self.offload is None else self.offload.snapshot()}

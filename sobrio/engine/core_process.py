@@ -62,7 +62,10 @@ def run_engine_core(config: SobrioConfig, input_addr: str, output_addr: str, log
         return
     outputs.send(encode(("ready", {"max_model_len": core.max_model_len, "num_blocks": core.scheduler.pool.num_blocks,
                                    "pid": os.getpid()})))
-    _serve(core, inputs, outputs, parent)
+    try:
+        _serve(core, inputs, outputs, parent)
+    finally:
+        core.close()
     ctx.destroy(linger=0)
     # An API process killed outright cannot remove its socket folder; the core that outlives it does.
     shutil.rmtree(os.path.dirname(input_addr.removeprefix("ipc://")), ignore_errors=True)

@@ -35,6 +35,7 @@ class ProcessedRequest:
     cache_salt: str | None
     arrival_time: float
     priority: int = 0
+    kv_offload: bool | None = None  # may its KV go to the offload tiers (its tenant's policy); None: the server's
 
 
 @dataclass
@@ -95,7 +96,8 @@ class LLMEngine:
     # ---- requests in ----
     def process_input(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams,
                       cache_salt: str | None = None, arrival_time: float | None = None,
-                      prompt_token_ids: list[int] | None = None, priority: int = 0) -> ProcessedRequest:
+                      prompt_token_ids: list[int] | None = None, priority: int = 0,
+                      kv_offload: bool | None = None) -> ProcessedRequest:
         """Tokenize and validate, touching no engine state: safe on any thread, outside the step's lock."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling params must be a SamplingParams")
@@ -107,7 +109,7 @@ class LLMEngine:
         max_tokens = self.input_processor.resolve_max_tokens(len(ids), params)
         text_prompt = prompt if isinstance(prompt, str) else None
         return ProcessedRequest(request_id, text_prompt, ids, params, max_tokens, cache_salt,
-                                arrival_time or time.monotonic(), priority)
+                                arrival_time or time.monotonic(), priority, kv_offload)
 
     def _check_priority(self, priority: int) -> None:
         """vLLM's rule: a priority other than 0 needs --scheduling-policy priority."""
@@ -142,7 +144,8 @@ class LLMEngine:
         for seq in seqs:
             self.core.add_request(EngineCoreRequest(
                 seq.request_id, p.prompt_token_ids, seq.params, p.max_tokens, self.eos_token_ids, p.cache_salt,
-                p.arrival_time, priority=p.priority, after_prompt_of=None if seq.request_id == first else first))
+                p.arrival_time, priority=p.priority, kv_offload=p.kv_offload,
+                after_prompt_of=None if seq.request_id == first else first))
 
     def _new_sequence(self, p: ProcessedRequest, index: int) -> _Sequence:
         params = _child_params(p.params, index)

@@ -33,6 +33,7 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    kv_offload: bool = False  # its blocks may go to the KV offload tiers (kv/offload.py) when evicted
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first schedule

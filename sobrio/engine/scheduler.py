@@ -180,7 +180,7 @@ class Scheduler:
                 self.kv.apply_prefix_hits(req)
             remaining = req.num_tokens - req.num_computed_tokens
             num_new = slots.grant(remaining, min(remaining, budget))
-            if num_new == 0 or self._next_block_in(req, in_prefill):
+            if num_new == 0 or self._next_block_in(req, in_prefill) or self.kv.loading(req):
                 self._reset(req)  # hold it back; with a pending block, that block will be a cache hit
                 deferred.append(self.waiting.popleft())
                 if len(deferred) >= max_num_seqs:

@@ -42,6 +42,9 @@ def _add_limit_args(parser: argparse.ArgumentParser) -> None:
                                                        "alpha-3 codes (ITA, FRA, ...) or EU (default: all)")
     parser.add_argument("--default-model", default=None, help='the model of its requests that name none ("auto": '
                                                               "the router's choice; default: the server's first)")
+    parser.add_argument("--kv-offload", action=argparse.BooleanOptionalAction, default=None,
+                        help="its KV blocks may go to the server's offload tiers, disk included, encrypted under "
+                             "its own key (default: no; Zero Data Retention keeps its KV in the pool only)")
 
 
 def cmd_admin(args: argparse.Namespace) -> int:
@@ -55,7 +58,7 @@ def cmd_admin(args: argparse.Namespace) -> int:
 
 def _limits(args: argparse.Namespace) -> Limits:
     return Limits(args.requests_per_minute, args.tokens_per_day, args.max_concurrent, _names(args.models),
-                  _names(args.regions), args.default_model)
+                  _names(args.regions), args.default_model, args.kv_offload)
 
 
 def _create_tenant(store: TenantStore, args: argparse.Namespace) -> None:
@@ -74,7 +77,7 @@ def _list_tenants(store: TenantStore, args: argparse.Namespace) -> None:
         print(f"{t.name}\tid={t.id}\tcreated={_date(t.created_at)}\trpm={lim.requests_per_minute or '-'}\t"
               f"tokens/day={lim.tokens_per_day or '-'}\tconcurrent={lim.max_concurrent or '-'}\t"
               f"models={','.join(lim.allowed_models or ('*',))}\tregions={','.join(lim.allowed_regions or ('*',))}"
-              f"\tdefault-model={lim.default_model or '-'}")
+              f"\tdefault-model={lim.default_model or '-'}\tkv-offload={'yes' if lim.kv_offload else 'no'}")
 
 
 def _delete_tenant(store: TenantStore, args: argparse.Namespace) -> None:

@@ -151,6 +151,13 @@ def cache_salt(state, requested: str | None) -> str | None:
     return getattr(state, "tenant_salt", None) or requested
 
 
+def kv_offload_policy(state) -> bool | None:
+    """Whether a request's KV may go to the offload tiers: its tenant's choice (off unless it opted in:
+    Zero Data Retention), or None, the server's default, for a request without a tenant."""
+    tenant = getattr(state, "tenant", None)
+    return None if tenant is None else bool(tenant.limits.kv_offload)
+
+
 def header(scope, name: bytes) -> bytes | None:
     """An ASGI request header's first value."""
     for key, value in scope["headers"]:

@@ -32,7 +32,7 @@ SCHEMA = """
 CREATE TABLE IF NOT EXISTS tenants (
     id TEXT PRIMARY KEY, name TEXT UNIQUE NOT NULL, created_at REAL NOT NULL,
     requests_per_minute INTEGER, tokens_per_day INTEGER, max_concurrent INTEGER,
-    allowed_models TEXT, allowed_regions TEXT, default_model TEXT);
+    allowed_models TEXT, allowed_regions TEXT, default_model TEXT, kv_offload INTEGER);
 CREATE TABLE IF NOT EXISTS api_keys (
     key_id TEXT PRIMARY KEY, tenant_id TEXT NOT NULL REFERENCES tenants(id) ON DELETE CASCADE,
     key_hash BLOB NOT NULL, created_at REAL NOT NULL, revoked_at REAL);
@@ -53,6 +53,7 @@ class Limits:
     allowed_models: tuple[str, ...] | None = None
     allowed_regions: tuple[str, ...] | None = None
     default_model: str | None = None  # what a request naming no model gets ("auto": the router's choice)
+    kv_offload: bool | None = None  # its KV blocks may go to the offload tiers, disk included (None: no)
 
     def __post_init__(self) -> None:
         for name in ("requests_per_minute", "tokens_per_day", "max_concurrent"):
@@ -119,8 +120,10 @@ class TenantStore:
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.execute("PRAGMA foreign_keys=ON")
         self.db.executescript(SCHEMA)
-        if "default_model" not in {row[1] for row in self.db.execute("PRAGMA table_info(tenants)")}:
-            self.db.execute("ALTER TABLE tenants ADD COLUMN default_model TEXT")  # a database from before it
+        columns = {row[1] for row in self.db.execute("PRAGMA table_info(tenants)")}
+        for column, kind in (("default_model", "TEXT"), ("kv_offload", "INTEGER")):
+            if column not in columns:  # a database from before the column
+                self.db.execute(f"ALTER TABLE tenants ADD COLUMN {column} {kind}")
 
     def close(self) -> None:
         self.db.close()
@@ -131,7 +134,7 @@ class TenantStore:
                               f"digit), got {name!r}")
         tenant = Tenant(secrets.token_hex(8), name, time.time(), limits)
         try:
-            self.db.execute("INSERT INTO tenants VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", _tenant_row(tenant))
+            self.db.execute("INSERT INTO tenants VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", _tenant_row(tenant))
         except sqlite3.IntegrityError:
             raise TenantError(f"tenant {name!r} exists already") from None
         return tenant
@@ -152,7 +155,7 @@ class TenantStore:
     def set_limits(self, name: str, limits: Limits) -> None:
         tenant = Tenant(self.tenant(name).id, name, 0.0, limits)
         self.db.execute("UPDATE tenants SET requests_per_minute = ?, tokens_per_day = ?, max_concurrent = ?, "
-                        "allowed_models = ?, allowed_regions = ?, default_model = ? WHERE id = ?",
+                        "allowed_models = ?, allowed_regions = ?, default_model = ?, kv_offload = ? WHERE id = ?",
                         (*_tenant_row(tenant)[3:], tenant.id))
 
     def delete_tenant(self, name: str) -> None:
@@ -196,9 +199,23 @@ class TenantStore:
         tenant = _tenant(row[1:])
         return replace(tenant, limits=tenant.limits.or_defaults(self.defaults))
 
-    def cache_salt(self, tenant: Tenant) -> str:
+    def cache_salt(self, tenant: Tenant | str) -> str:
         """The prefix-cache salt of the tenant's requests: HMAC of the server secret and the tenant id."""
-        return hmac.new(self.secret, b"prefix-cache:" + tenant.id.encode(), hashlib.sha256).hexdigest()
+        tenant_id = tenant if isinstance(tenant, str) else tenant.id
+        return hmac.new(self.secret, b"prefix-cache:" + tenant_id.encode(), hashlib.sha256).hexdigest()
+
+    async def watch_deletions(self, on_deleted, interval_s: float = 5.0) -> None:
+        """Call `on_deleted(salt)` for each tenant deleted since the last look (`sobrio admin tenants delete`
+        from another process): the engines forget its cached blocks and shred its offloaded ones."""
+        import asyncio
+
+        known = {t.id for t in self.tenants()}
+        while True:
+            await asyncio.sleep(interval_s)
+            now = {t.id for t in self.tenants()}
+            for tenant_id in known - now:
+                on_deleted(self.cache_salt(tenant_id))
+            known = now
 
     def _hash(self, text: str) -> bytes:
         return hmac.new(self.secret, text.encode(), hashlib.sha256).digest()
@@ -215,9 +232,10 @@ def _tenant_row(tenant: Tenant) -> tuple:
     lim = tenant.limits
     lists = [None if v is None else json.dumps(list(v)) for v in (lim.allowed_models, lim.allowed_regions)]
     return (tenant.id, tenant.name, tenant.created_at, lim.requests_per_minute, lim.tokens_per_day,
-            lim.max_concurrent, *lists, lim.default_model)
+            lim.max_concurrent, *lists, lim.default_model, None if lim.kv_offload is None else int(lim.kv_offload))
 
 
 def _tenant(row: tuple) -> Tenant:
     models, regions = (None if v is None else tuple(json.loads(v)) for v in row[6:8])
-    return Tenant(row[0], row[1], row[2], Limits(row[3], row[4], row[5], models, regions, row[8]))
+    kv_offload = None if row[9] is None else bool(row[9])
+    return Tenant(row[0], row[1], row[2], Limits(row[3], row[4], row[5], models, regions, row[8], kv_offload))

@@ -11,6 +11,7 @@ class KVCacheManager:
     def __init__(self, pool: BlockPool):
         self.pool = pool
         self.block_size = pool.block_size
+        self.offload = None  # kv/offload.py's tiers behind the pool, when configured
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -28,6 +29,9 @@ class KVCacheManager:
         hits = self.pool.lookup(hashes)
         for block_id in hits:
             self.pool.touch(block_id)
+        if self.offload is not None and len(hits) < len(hashes):
+            hits = hits + self.offload.restore(hashes[len(hits):], req.cache_salt, self._free_block,
+                                               lambda block_id, h: self.pool.register(block_id, h, req.cache_salt))
         req.block_table = list(hits)
         req.block_hashes = hashes[:len(hits)]
         req.prompt_block_hashes = hashes
@@ -45,6 +49,15 @@ class KVCacheManager:
             parent = hash_block(parent, tokens[j * self.block_size:(j + 1) * self.block_size], req.cache_salt)
             hashes.append(parent)
         return hashes
+
+    def _free_block(self) -> int | None:
+        """A block for a restored one, while the pool has some free."""
+        return self.pool.allocate() if self.pool.num_free else None
+
+    def loading(self, req) -> bool:
+        """Whether the next block this request would compute is on its way from the disk tier."""
+        pending = self.uncomputed_hashes(req)
+        return self.offload is not None and bool(pending) and self.offload.loading(pending[0])
 
     def uncomputed_hashes(self, req) -> list[bytes]:
         """Hashes of the full blocks this request still has to compute (empty once its prefill is done)."""
@@ -71,10 +84,14 @@ class KVCacheManager:
             parent = req.block_hashes[-1] if req.block_hashes else None
             block_hash = hash_block(parent, tokens[j * self.block_size:(j + 1) * self.block_size], req.cache_salt)
             self.pool.register(req.block_table[j], block_hash, req.cache_salt)
+            if self.offload is not None and req.kv_offload:
+                self.offload.note_offloadable(block_hash, req.cache_salt, req.block_table[j])
             req.block_hashes.append(block_hash)
 
     def purge(self, salt: str) -> int:
         """Forget the cached blocks of one cache salt (a deleted tenant); requests using them keep them."""
+        if self.offload is not None:
+            self.offload.forget_tenant(salt)
         return self.pool.purge(salt)
 
     def free(self, req) -> None:

@@ -41,7 +41,7 @@ from sobrio.gateway.config import GatewayConfig, load_gateway_config
 from sobrio.gateway.dashboard import dashboard_data
 from sobrio.gateway.dashboard import render as render_dashboard
 from sobrio.gateway.energy import region_code
-from sobrio.gateway.gate import bearer, cache_salt
+from sobrio.gateway.gate import bearer, cache_salt, kv_offload_policy
 from sobrio.gateway.ledger import Ledger, LedgerEntry
 from sobrio.gateway.proxy import BackendFailed, BackendTimeout, forward, payload_for
 from sobrio.gateway.regions import region_allowed, region_refusal
@@ -251,14 +251,16 @@ class OpenAIServer:
         return dataclasses.replace(params, max_tokens=min(default, room))
 
     async def submit(self, engine: EngineClient, base_id: str, prompts: list[list[int]], params: list[SamplingParams],
-                     cache_salt, queue, priority: int = 0) -> list[str]:
-        """Add one engine request per prompt; on any failure abort those already added and re-raise."""
+                     cache_salt, queue, priority: int = 0, state=None) -> list[str]:
+        """Add one engine request per prompt; on any failure abort those already added and re-raise. `state`
+        (the request's): its tenant's KV offload policy."""
+        offload = kv_offload_policy(state)
         ids: list[str] = []
         try:
             for i, (prompt_ids, prompt_params) in enumerate(zip(prompts, params, strict=True)):
                 request_id = f"{base_id}-{i}"
                 await engine.add_request(request_id, None, prompt_params, queue, prompt_token_ids=prompt_ids,
-                                         cache_salt=cache_salt, priority=priority)
+                                         cache_salt=cache_salt, priority=priority, kv_offload=offload)
                 ids.append(request_id)
         except BaseException:
             for request_id in ids:
@@ -384,7 +386,7 @@ async def _respond(server: OpenAIServer, request: Request, body, params: Samplin
     log_ignored(ignored_fields(body), base_id)
     queue: asyncio.Queue = asyncio.Queue()
     request_ids = await server.submit(engine, base_id, prompts, per_prompt, cache_salt(request.state, body.cache_salt),
-                                      queue, body.priority)
+                                      queue, body.priority, request.state)
     stream = engine.stream_outputs(request_ids, params.n, queue)
     choices = ChoiceState(request_ids, params.n, params.logprobs, echo, params.prompt_logprobs,
                           engine.input_processor.decode)
@@ -554,11 +556,14 @@ def run_server(args) -> int:
             stats.start()
         if app.state.server.backends.remote_replicas():
             app.state.backend_checks = asyncio.create_task(app.state.server.backends.watch())
+        app.state.tenant_deletions = asyncio.create_task(store.watch_deletions(
+            lambda salt: [e.purge_cache_salt(salt) for e in engines.values() if hasattr(e, "purge_cache_salt")]))
 
     @app.on_event("shutdown")
     async def _stop_engines():
-        if getattr(app.state, "backend_checks", None) is not None:
-            app.state.backend_checks.cancel()
+        for task in (getattr(app.state, "backend_checks", None), getattr(app.state, "tenant_deletions", None)):
+            if task is not None:
+                task.cancel()
         await app.state.server.backends.close()
         if stats is not None:
             stats.stop()

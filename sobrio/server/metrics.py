@@ -97,6 +97,7 @@ class EngineStatsCollector:
         yield steps
         yield from structured_output_families(generating)
         yield from spec_decode_families(p, generating)
+        yield from kv_offload_families(generating)
         if cache_infos:  # one label set for the family: every engine's keys
             keys = list(dict.fromkeys(k for info in cache_infos for k in info))
             family = GaugeMetricFamily(f"{p}:cache_config_info", "Information of the LLMEngine CacheConfig",
@@ -165,6 +166,33 @@ def spec_decode_families(prefix: str, generating: list[tuple[str, dict]]):
     if speculating:
         yield from counters.values()
         yield per_position
+
+
+def kv_offload_families(generating: list[tuple[str, dict]]):
+    """The KV offload tiers (kv/offload.py) of the models that have them: hits per tier, misses, bytes per
+    tier, load time, blocks failing authentication, disk faults."""
+    labels = ["model_name", "engine"]
+    offloading = [(name, stats["kv_offload"]) for name, stats in generating if stats.get("kv_offload")]
+    if not offloading:
+        return
+    hits = CounterMetricFamily("sobrio:kv_offload_hits", "KV blocks loaded back from an offload tier.",
+                               labels=[*labels, "tier"])
+    stored = CounterMetricFamily("sobrio:kv_offload_stored", "KV blocks stored in an offload tier.",
+                                 labels=[*labels, "tier"])
+    size = GaugeMetricFamily("sobrio:kv_offload_bytes", "Bytes held by an offload tier.", labels=[*labels, "tier"])
+    plain = {key: CounterMetricFamily(f"sobrio:kv_offload_{key}", doc, labels=labels) for key, doc in (
+        ("misses", "Prefix lookups past the pool that no tier could extend."),
+        ("load_seconds", "Seconds spent reading and decrypting blocks from disk."),
+        ("auth_failures", "Blocks that failed authentication (tampered, truncated, another key): recomputed."),
+        ("disk_errors", "Disk tier faults (full, read-only, unreadable): those blocks are recomputed."))}
+    for model_name, stats in offloading:
+        for tier in ("ram", "disk"):
+            hits.add_metric([model_name, ENGINE, tier], stats[f"hits_{tier}"])
+            stored.add_metric([model_name, ENGINE, tier], stats[f"stored_{tier}"])
+            size.add_metric([model_name, ENGINE, tier], stats[f"{tier}_bytes"])
+        for key, family in plain.items():
+            family.add_metric([model_name, ENGINE], stats[key])
+    yield from (hits, stored, size, *plain.values())
 
 
 def cache_config_info(engine, stats: dict) -> dict[str, str] | None:

@@ -259,7 +259,8 @@ def register(app: FastAPI, server, collect: Callable, error_response: Callable) 
         queue: asyncio.Queue = asyncio.Queue()
         try:
             salt = cache_salt(request.state, body.cache_salt)
-            request_ids = await server.submit(engine, reply.id, [ids], [params], salt, queue, body.priority)
+            request_ids = await server.submit(engine, reply.id, [ids], [params], salt, queue, body.priority,
+                                              request.state)
         except InvalidRequestError as exc:  # a bad schema: name the field this API gave it in
             if exc.param != "structured_outputs":
                 raise

@@ -1,0 +1,413 @@
+"""KV offload tiers: blocks evicted from the pool go to host RAM, and from RAM to disk, encrypted per tenant.
+
+The pool calls `on_evict` before it reuses a cached block (its eviction hook): a block whose request
+allowed offload (`note_offloadable`) is copied into the RAM tier (a byte budget, LRU). A block pushed out
+of RAM goes to the disk tier (a directory, a byte budget, LRU) on a writer thread, sealed with its tenant's
+key (kv/sealing.py). A prefix lookup that misses the pool asks `restore` for the next blocks: those in RAM
+are copied into fresh pool blocks at once; those on disk are read and decrypted on a reader thread into
+RAM (`prefetch`), and the scheduler holds the request back (`loading`) until they are there or their
+deadline passes, so a step never waits on the disk.
+
+A disk file is `<name>.kvb`: a header (magic, layout version, model id, tenant digest, block hash) and the
+sealed block. On start the index is rebuilt from the headers; files of another model or layout are
+ignored. Faults (a full disk, a read-only directory, a truncated or tampered file) make misses, never
+errors: each is logged once, without content, and counted (`stats`).
+"""
+
+import hashlib
+import logging
+import os
+import queue
+import struct
+import threading
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sobrio.kv.cache import KVCache
+from sobrio.kv.sealing import TenantKeys, seal, tenant_digest, unseal
+
+logger = logging.getLogger("sobrio.kv.offload")
+
+LAYOUT_VERSION = 1
+MAGIC = b"SOBRIOKV"
+HEADER = struct.Struct("<8sI16s16s16s")  # magic, layout version, model id, tenant digest, block hash
+PREFETCH_DEADLINE_S = 2.0  # a request waits at most this long for its blocks from disk, then computes them
+
+
+class BlockCodec:
+    """A block's bytes across every layer (keys, values, a quantized cache's scales, a draft's cache)."""
+
+    def __init__(self, caches: list[KVCache]):
+        self.tensors = [t for c in caches for t in c.layers + (c.scale_layers or [])]
+        self.parts = [(t, t[:, 0].numel() * t.element_size()) for t in self.tensors]
+        self.block_nbytes = sum(n for _, n in self.parts)
+
+    def gather(self, block_id: int) -> torch.Tensor:
+        out = torch.empty(self.block_nbytes, dtype=torch.uint8)
+        offset = 0
+        for t, n in self.parts:
+            out[offset:offset + n].view(t.dtype).view(t[:, block_id].shape).copy_(t[:, block_id])
+            offset += n
+        return out
+
+    def scatter(self, block_id: int, data: torch.Tensor) -> None:
+        assert data.numel() == self.block_nbytes
+        offset = 0
+        for t, n in self.parts:
+            t[:, block_id].copy_(data[offset:offset + n].view(t.dtype).view(t[:, block_id].shape))
+            offset += n
+
+
+@dataclass
+class Stats:
+    """What /metrics shows of the tiers (sobrio:kv_offload_*)."""
+
+    hits: Counter
+    misses: int = 0
+    stored: Counter = None
+    load_seconds: float = 0.0
+    loads: int = 0
+    auth_failures: int = 0
+    disk_errors: int = 0
+
+
+class DiskTier:
+    """Sealed blocks as files in one directory, a byte budget, LRU by last use."""
+
+    def __init__(self, folder: Path, budget: int, model_id: bytes, keys: TenantKeys, stats: Stats):
+        self.folder, self.budget, self.model_id, self.keys, self.stats = folder, budget, model_id, keys, stats
+        self.index: OrderedDict[bytes, tuple[Path, int]] = OrderedDict()  # block hash -> (file, bytes)
+        self.nbytes = 0
+        self.lock = threading.Lock()
+        self.warned: set[str] = set()
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            self._rebuild()
+        except OSError as exc:
+            self.fault("cannot open the directory", exc)
+
+    def _rebuild(self) -> None:
+        """The index from the directory's files, oldest use first; other models' and layouts' are ignored."""
+        found = []
+        for path in self.folder.glob("*.kvb"):
+            try:
+                with open(path, "rb") as f:
+                    magic, version, model_id, _, block_hash = HEADER.unpack(f.read(HEADER.size))
+                stat = path.stat()
+            except (OSError, struct.error):
+                continue
+            if magic == MAGIC and version == LAYOUT_VERSION and model_id == self.model_id:
+                found.append((stat.st_mtime, block_hash, path, stat.st_size))
+        for _, block_hash, path, size in sorted(found):
+            self.index[block_hash] = (path, size)
+            self.nbytes += size
+        if found:
+            logger.info("KV disk tier: %d block(s) found in %s", len(found), self.folder)
+
+    def fault(self, what: str, exc: OSError) -> None:
+        """Log a condition once per kind (never a block's content or name), count it."""
+        self.stats.disk_errors += 1
+        kind = f"{what}: {exc.strerror or type(exc).__name__}"
+        if kind not in self.warned:
+            self.warned.add(kind)
+            logger.warning("KV disk tier %s: %s; blocks it cannot hold are recomputed", self.folder, kind)
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        return block_hash in self.index
+
+    def write(self, block_hash: bytes, tenant: str, data: bytes) -> bool:
+        """Seal and store one block (False: the disk refused it; logged once, counted)."""
+        digest = tenant_digest(tenant)
+        header = HEADER.pack(MAGIC, LAYOUT_VERSION, self.model_id, digest, block_hash)
+        blob = header + seal(self.keys.cipher(digest, create=True), data, header)
+        path = self.folder / f"{hashlib.sha256(header).hexdigest()[:32]}.kvb"
+        tmp = path.with_suffix(".tmp")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(blob)
+            tmp.replace(path)
+        except OSError as exc:
+            self.fault("cannot write", exc)
+            _unlink(tmp)
+            return False
+        with self.lock:
+            if block_hash in self.index:
+                self.nbytes -= self.index.pop(block_hash)[1]
+            self.index[block_hash] = (path, len(blob))
+            self.nbytes += len(blob)
+            victims = self._over_budget()
+        for victim in victims:
+            _unlink(victim)
+        return True
+
+    def _over_budget(self) -> list[Path]:
+        victims = []
+        while self.nbytes > self.budget and self.index:
+            _, (victim, size) = self.index.popitem(last=False)
+            self.nbytes -= size
+            victims.append(victim)
+        return victims
+
+    def read(self, block_hash: bytes, tenant: str) -> bytes | None:
+        """The block's plaintext, or None: missing, unreadable, or failing authentication (then removed)."""
+        with self.lock:
+            entry = self.index.get(block_hash)
+            if entry is not None:
+                self.index.move_to_end(block_hash)
+        if entry is None:
+            return None
+        try:
+            blob = entry[0].read_bytes()
+            os.utime(entry[0])  # its last use, for the LRU order after a restart
+        except OSError as exc:
+            self.fault("cannot read", exc)
+            return None
+        cipher = self.keys.cipher(tenant_digest(tenant), create=False)
+        header = blob[:HEADER.size]
+        plain = None if cipher is None or len(blob) < HEADER.size else unseal(cipher, blob[HEADER.size:], header)
+        if plain is None or header != HEADER.pack(MAGIC, LAYOUT_VERSION, self.model_id, tenant_digest(tenant),
+                                                  block_hash):
+            self.stats.auth_failures += 1
+            self.drop([block_hash])
+            return None
+        return plain
+
+    def drop(self, block_hashes) -> None:
+        with self.lock:
+            paths = []
+            for block_hash in block_hashes:
+                entry = self.index.pop(block_hash, None)
+                if entry is not None:
+                    self.nbytes -= entry[1]
+                    paths.append(entry[0])
+        for path in paths:
+            _unlink(path)
+
+    def forget_tenant(self, tenant: str) -> None:
+        """Remove the tenant's files (its key is gone already: they were unreadable since)."""
+        digest, mine = tenant_digest(tenant), []
+        for path, _ in list(self.index.values()):
+            try:
+                with open(path, "rb") as f:
+                    if HEADER.unpack(f.read(HEADER.size))[3] == digest:
+                        mine.append(path)
+            except (OSError, struct.error):
+                continue
+        with self.lock:
+            gone = {h for h, (p, _) in self.index.items() if p in set(mine)}
+        self.drop(gone)
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass
+
+
+class KVOffload:
+    """The RAM and disk tiers behind one pool. Called from the engine's thread; the disk's reads and
+    writes run on threads of their own."""
+
+    def __init__(self, codec: BlockCodec, ram_bytes: int, disk_bytes: int, folder: Path | None,
+                 keys: TenantKeys | None, model_id: str):
+        self.codec = codec
+        self.ram_capacity = max(1, ram_bytes // codec.block_nbytes)
+        self.ram: OrderedDict[bytes, tuple[str, torch.Tensor]] = OrderedDict()  # hash -> (tenant, bytes)
+        self.lock = threading.Lock()
+        self.offloadable: dict[bytes, str] = {}  # pool blocks whose request allowed offload -> tenant
+        self.stats = Stats(hits=Counter(), stored=Counter())
+        self.model_id = hashlib.sha256(model_id.encode()).digest()[:16]
+        self.disk = None
+        if disk_bytes and folder is not None and keys is not None:
+            self.disk = DiskTier(folder, disk_bytes, self.model_id, keys, self.stats)
+        self.pending: dict[bytes, float] = {}  # hashes being read from disk -> deadline
+        self.writing: set[bytes] = set()  # hashes queued for the disk
+        self.jobs: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._work, name="sobrio-kv-offload", daemon=True)
+        self.thread.start()
+
+    # ---- from the pool and the cache manager ----
+    def note_offloadable(self, block_hash: bytes, tenant: str | None, block_id: int) -> None:
+        """A block just computed for a request that allows offload: kept in RAM when evicted, and written
+        to disk now (write-through, on the worker thread; the copy is taken here, before it can change),
+        so a restart finds it."""
+        self.offloadable[block_hash] = tenant or ""
+        if self.disk is not None and block_hash not in self.disk and block_hash not in self.writing:
+            self.writing.add(block_hash)
+            self.jobs.put(("write", (block_hash, tenant or "", self.codec.gather(block_id))))
+
+    def on_evict(self, block_hash: bytes, block_id: int) -> None:
+        """The pool reuses this block: keep a copy in RAM if its request allowed offload."""
+        tenant = self.offloadable.pop(block_hash, None)
+        if tenant is None:
+            return
+        with self.lock:
+            if block_hash in self.ram:
+                self.ram.move_to_end(block_hash)
+                return
+            self.ram[block_hash] = (tenant, self.codec.gather(block_id))
+            self.stats.stored["ram"] += 1
+            spilled = self._spill()
+        for item in spilled:
+            self.jobs.put(("write", item))
+
+    def _spill(self) -> list[tuple[bytes, str, torch.Tensor]]:
+        spilled = []
+        while len(self.ram) > self.ram_capacity:
+            block_hash, (tenant, data) = self.ram.popitem(last=False)
+            if self.disk is not None and block_hash not in self.disk and block_hash not in self.writing:
+                self.writing.add(block_hash)
+                spilled.append((block_hash, tenant, data))
+        return spilled
+
+    def restore(self, block_hashes: list[bytes], tenant: str | None, allocate, register) -> list[int]:
+        """Pool blocks for the leading `block_hashes` held in RAM (copied in, registered); when the next one
+        is on disk, start reading it and what follows it (see `loading`)."""
+        blocks = []
+        for block_hash in block_hashes:
+            with self.lock:
+                entry = self.ram.get(block_hash)
+                if entry is not None:
+                    self.ram.move_to_end(block_hash)
+            if entry is None:
+                break
+            block_id = allocate()
+            if block_id is None:
+                break
+            self.codec.scatter(block_id, entry[1])
+            register(block_id, block_hash)
+            self.offloadable[block_hash] = entry[0]
+            self.stats.hits["ram"] += 1
+            blocks.append(block_id)
+        rest = block_hashes[len(blocks):]
+        if not rest or rest[0] in self.pending:
+            return blocks
+        if self.disk is not None and rest[0] in self.disk:
+            self.prefetch(rest, tenant or "")
+        else:
+            self.stats.misses += 1  # the blocks from here on are computed
+        return blocks
+
+    def prefetch(self, block_hashes: list[bytes], tenant: str) -> None:
+        on_disk = []
+        for block_hash in block_hashes:
+            if block_hash not in self.disk:
+                break
+            on_disk.append(block_hash)
+        deadline = time.monotonic() + PREFETCH_DEADLINE_S
+        for block_hash in on_disk:
+            self.pending[block_hash] = deadline
+        self.jobs.put(("read", (on_disk, tenant)))
+
+    def loading(self, block_hash: bytes) -> bool:
+        """Whether this block is being read from disk (and its deadline has not passed)."""
+        deadline = self.pending.get(block_hash)
+        if deadline is not None and time.monotonic() > deadline:
+            self.pending.pop(block_hash, None)
+            return False
+        return deadline is not None
+
+    def forget_tenant(self, tenant: str) -> None:
+        """Crypto-shred: the tenant's key material goes now; its RAM copies and files follow."""
+        with self.lock:
+            for block_hash in [h for h, (t, _) in self.ram.items() if t == tenant]:
+                del self.ram[block_hash]
+        for block_hash in [h for h, t in self.offloadable.items() if t == tenant]:
+            del self.offloadable[block_hash]
+        if self.disk is not None:
+            self.disk.keys.forget(tenant_digest(tenant))
+            self.jobs.put(("forget", tenant))
+
+    # ---- the worker thread ----
+    def _work(self) -> None:
+        while True:
+            kind, payload = self.jobs.get()
+            try:
+                if kind == "write":
+                    block_hash, tenant, data = payload
+                    if self.disk.write(block_hash, tenant, data.numpy().tobytes()):
+                        self.stats.stored["disk"] += 1
+                    self.writing.discard(block_hash)
+                elif kind == "read":
+                    self._read(*payload)
+                elif kind == "forget":
+                    self.disk.forget_tenant(payload)
+                elif kind == "stop":
+                    return
+            except Exception:  # noqa: BLE001 - the tiers must never take the engine down
+                logger.exception("KV offload: %s job failed", kind)
+            finally:
+                self.jobs.task_done()
+
+    def _read(self, block_hashes: list[bytes], tenant: str) -> None:
+        try:
+            for block_hash in block_hashes:
+                start = time.perf_counter()
+                plain = self.disk.read(block_hash, tenant)
+                if plain is None:
+                    break
+                data = torch.frombuffer(bytearray(plain), dtype=torch.uint8)
+                with self.lock:
+                    self.ram[block_hash] = (tenant, data)
+                    spilled = self._spill()
+                self.stats.hits["disk"] += 1
+                self.stats.loads += 1
+                self.stats.load_seconds += time.perf_counter() - start
+                for item in spilled:
+                    self.jobs.put(("write", item))
+        finally:
+            for block_hash in block_hashes:
+                self.pending.pop(block_hash, None)
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait for the queued disk writes (a clean shutdown, tests)."""
+        deadline = time.monotonic() + timeout
+        while self.jobs.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self.flush()
+        self.jobs.put(("stop", None))
+
+    def snapshot(self) -> dict:
+        with self.lock:
+            ram_bytes = sum(d.numel() for _, d in self.ram.values())
+        return {"hits_ram": self.stats.hits["ram"], "hits_disk": self.stats.hits["disk"],
+                "misses": self.stats.misses, "stored_ram": self.stats.stored["ram"],
+                "stored_disk": self.stats.stored["disk"], "ram_bytes": ram_bytes,
+                "disk_bytes": self.disk.nbytes if self.disk is not None else 0,
+                "load_seconds": self.stats.load_seconds, "loads": self.stats.loads,
+                "auth_failures": self.stats.auth_failures, "disk_errors": self.stats.disk_errors}
+
+
+def open_offload(cache_config, model: str, caches: list, manager) -> KVOffload | None:
+    """The tiers the flags ask for, hooked to the cache manager's pool; None without --kv-offload-ram.
+    The disk tier needs a master key (a ConfigError that never shows a key, otherwise)."""
+    if not cache_config.kv_offload_ram:
+        return None
+    from sobrio.errors import ConfigError
+    from sobrio.kv.sealing import read_master_key
+    from sobrio.loader.resolve import cache_dir
+
+    codec = BlockCodec([c for c in caches if c is not None])
+    folder = keys = None
+    if cache_config.kv_offload_disk:
+        master = read_master_key(cache_config.kv_offload_key_file)
+        if master is None:
+            raise ConfigError("--kv-offload-disk needs a master key: $SOBRIO_KV_MASTER_KEY (64 hex digits) or "
+                              "--kv-offload-key-file", option="--kv-offload-disk")
+        folder = Path(cache_config.kv_offload_dir or cache_dir() / "kv-offload")
+        keys = TenantKeys(master, folder / "keyring.json")
+    layout = ";".join(f"{t.dtype}{tuple(t[:, 0].shape)}" for t, _ in codec.parts)
+    offload = KVOffload(codec, cache_config.kv_offload_ram, cache_config.kv_offload_disk or 0, folder, keys,
+                        f"{model}|{cache_config.block_size}|{layout}")
+    manager.offload = offload
+    manager.pool.add_eviction_hook(offload.on_evict)
+    logger.info("KV offload: RAM tier %d block(s) of %d bytes%s", offload.ram_capacity, codec.block_nbytes,
+                f", disk tier {cache_config.kv_offload_disk} bytes in {folder}" if folder else "")
+    return offload

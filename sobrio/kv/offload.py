@@ -188,17 +188,18 @@ class DiskTier:
             _unlink(path)
 
     def forget_tenant(self, tenant: str) -> None:
-        """Remove the tenant's files (its key is gone already: they were unreadable since)."""
-        digest, mine = tenant_digest(tenant), []
-        for path, _ in list(self.index.values()):
+        """Remove the tenant's files (its key is gone already: they were unreadable since), and any entry
+        whose file has gone."""
+        digest, gone = tenant_digest(tenant), []
+        with self.lock:
+            entries = list(self.index.items())
+        for block_hash, (path, _) in entries:
             try:
                 with open(path, "rb") as f:
                     if HEADER.unpack(f.read(HEADER.size))[3] == digest:
-                        mine.append(path)
+                        gone.append(block_hash)
             except (OSError, struct.error):
-                continue
-        with self.lock:
-            gone = {h for h, (p, _) in self.index.items() if p in set(mine)}
+                gone.append(block_hash)
         self.drop(gone)
 
 

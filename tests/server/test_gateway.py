@@ -18,7 +18,8 @@ import pytest
 
 from sobrio.gateway.ledger import COLUMNS
 from sobrio.gateway.tenants import Limits, TenantStore
-from tests.server.conftest import SMALL, serving
+from sobrio.kv.sealing import MASTER_KEY_ENV
+from tests.server.conftest import SMALL, serving, wait_until
 
 CANARY = "zq7canaryxv"
 OPERATOR = "operator-key-for-tests"  # in prompts, and forced as completions (a regex), on every path
@@ -45,7 +46,9 @@ class Gateway:
 TENANTS = {"acme": Limits(), "globex": Limits(), "minute": Limits(requests_per_minute=3),
            "single": Limits(max_concurrent=1), "frugal": Limits(tokens_per_day=30),
            "restricted": Limits(allowed_models=("another-model",)), "in-eu": Limits(allowed_regions=("EU",)),
-           "us-only": Limits(allowed_regions=("USA",)), "routed": Limits(default_model="auto")}
+           "us-only": Limits(allowed_regions=("USA",)), "routed": Limits(default_model="auto"),
+           "kv-opted": Limits(kv_offload=True), "kv-gone": Limits(kv_offload=True)}
+KV_TIERS = ("--kv-offload-ram", str(32 << 20), "--kv-offload-disk", str(64 << 20))
 
 
 @pytest.fixture(scope="module")
@@ -56,10 +59,13 @@ def gateway(tmp_path_factory):
     for name, limits in TENANTS.items():
         store.create_tenant(name, limits)
         keys[name] = store.create_key(name)[1]
+    os.environ[MASTER_KEY_ENV] = "3c" * 32  # the KV disk tier's (for the server process)
     try:
-        with serving(*SMALL, "--db", str(db), "--log-level", "debug", "--region", "ITA", "--api-key", OPERATOR) as srv:
+        with serving(*SMALL, "--db", str(db), "--log-level", "debug", "--region", "ITA", "--api-key", OPERATOR,
+                     *KV_TIERS, "--kv-offload-dir", str(db.parent / "kv")) as srv:
             yield Gateway(srv, store, db, keys)
     finally:
+        os.environ.pop(MASTER_KEY_ENV, None)
         store.close()
 
 
@@ -315,3 +321,25 @@ def test_dashboard_renders_in_headless_chromium(gateway, tmp_path):
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
     if os.environ.get("SOBRIO_DASHBOARD_SHOT"):  # docs/dashboard.png is made this way
         shutil.copy(shot, os.environ["SOBRIO_DASHBOARD_SHOT"])
+
+
+def kv_files(gateway) -> int:
+    return len(list((gateway.db.parent / "kv").glob("*.kvb")))
+
+
+def test_kv_offload_is_a_tenants_choice_and_deleting_it_shreds_its_blocks(gateway):
+    """Zero Data Retention: a tenant that did not opt in leaves no KV block on disk; one that did finds its
+    blocks written (encrypted under its key); deleting it removes them (the server notices within seconds)."""
+    long = " ".join(f"word{i}" for i in range(120))
+    before = kv_files(gateway)
+    chat(gateway.client("acme"), f"{long} acme")
+    time.sleep(1.0)
+    assert kv_files(gateway) == before
+    chat(gateway.client("kv-opted"), f"{long} opted")
+    assert wait_until(lambda: kv_files(gateway) > before, 10)
+    with_opted = kv_files(gateway)
+    chat(gateway.client("kv-gone"), f"{long} gone")
+    assert wait_until(lambda: kv_files(gateway) > with_opted, 10)
+    gateway.store.delete_tenant("kv-gone")
+    assert wait_until(lambda: kv_files(gateway) == with_opted, 20), (kv_files(gateway), with_opted)
+    assert "sobrio:kv_offload_stored" in httpx.get(f"{gateway.srv.base_url}/metrics").text

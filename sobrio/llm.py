@@ -73,6 +73,8 @@ class LLM:
             raise
         finally:
             bar.close() if bar else None
+        while self.engine.core.on_idle():  # idle now: the KV offload tier's disk writes, if any
+            pass
         for output in results.values():
             output.outputs.sort(key=lambda c: c.index)
         return [results[r] for r in request_ids]

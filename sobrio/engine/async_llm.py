@@ -241,7 +241,9 @@ class AsyncLLM(_ClientBase):
             while self._pending_aborts:
                 self.abort(self._pending_aborts.pop())
             if not self.engine.has_unfinished_requests():
-                self._work.wait(0.5)
+                with self._lock:
+                    more = self.engine.core.on_idle()  # the KV offload tier's disk writes
+                self._work.wait(0 if more else 0.5)
                 self._work.clear()
                 continue
             with self._lock:

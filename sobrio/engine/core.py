@@ -185,6 +185,8 @@ class EngineCore:
             self._release_siblings()
             if self.structured.has_pending() and not outputs:
                 self.structured.wait(0.01)  # nothing to compute but grammars: do not spin
+            elif self.offload is not None and self.offload.pending and not outputs:
+                self.offload.wait(0.01)  # nothing to compute but blocks coming from disk
             return outputs
         self.step_tokens.observe(sum(n for _, n in out.scheduled))
         flops = [self.flops(n, req.num_computed_tokens) for req, n in out.scheduled]
@@ -379,6 +381,10 @@ class EngineCore:
         return {"core_deferred": sum(1 + len(g.siblings) for g in self.deferred.values()),
                 "scheduler_requests": len(sched.requests), "scheduler_waiting": len(sched.waiting),
                 "scheduler_running": len(sched.running), **self.structured.table_sizes()}
+
+    def on_idle(self) -> bool:
+        """Work for an idle engine: the KV offload tier's disk writes, a batch at a time; True if more."""
+        return self.offload is not None and self.offload.disk is not None and self.offload.persist()
 
     def close(self) -> None:
         """Finish the KV offload tier's queued disk writes (bounded), so a restart finds them."""

@@ -84,7 +84,7 @@ def _start_core(config: SobrioConfig):
 
 def _serve(core, inputs: zmq.Socket, outputs: zmq.Socket, parent: int) -> None:
     while os.getppid() == parent:
-        busy = core.has_unfinished_requests()
+        busy = core.has_unfinished_requests() or core.on_idle()
         inputs.poll(0 if busy else IDLE_POLL_MS)
         changed, stop = _apply_inputs(core, inputs)
         if stop:

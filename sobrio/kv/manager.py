@@ -55,9 +55,8 @@ class KVCacheManager:
         return self.pool.allocate() if self.pool.num_free else None
 
     def loading(self, req) -> bool:
-        """Whether the next block this request would compute is on its way from the disk tier."""
-        pending = self.uncomputed_hashes(req)
-        return self.offload is not None and bool(pending) and self.offload.loading(pending[0])
+        """Whether blocks this request would compute are on their way from the disk tier."""
+        return self.offload is not None and self.offload.loading(self.uncomputed_hashes(req))
 
     def uncomputed_hashes(self, req) -> list[bytes]:
         """Hashes of the full blocks this request still has to compute (empty once its prefill is done)."""
@@ -85,7 +84,7 @@ class KVCacheManager:
             block_hash = hash_block(parent, tokens[j * self.block_size:(j + 1) * self.block_size], req.cache_salt)
             self.pool.register(req.block_table[j], block_hash, req.cache_salt)
             if self.offload is not None and req.kv_offload:
-                self.offload.note_offloadable(block_hash, req.cache_salt, req.block_table[j])
+                self.offload.note_offloadable(block_hash, req.cache_salt)
             req.block_hashes.append(block_hash)
 
     def purge(self, salt: str) -> int:

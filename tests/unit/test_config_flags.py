@@ -33,7 +33,8 @@ FLAGS = ["--dtype", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-l
          "--pipeline-parallel-size", "--scheduling-policy",
          "--tokenizer", "--chat-template", "--generation-config", "--override-generation-config", "--max-logprobs",
          "--seed", "--quantization", "--enforce-eager", "--trust-remote-code", "--gpu-memory-utilization",
-         "--enable-chunked-prefill", "--kv-offload-ram", "--kv-offload-disk", "--kv-offload-dir", "--kv-offload-key-file",
+         "--enable-chunked-prefill", "--kv-offload-ram", "--kv-offload-disk", "--kv-offload-dir",
+         "--kv-offload-key-file",
          "--structured-outputs-fast-forward", "--structured-outputs-compile-timeout", "--speculative-config"]
 SERVE_FLAGS = ["--model", "--served-model-name", "--host", "--port", "--api-key", "--log-level",
                "--default-max-tokens", "--shutdown-timeout", "--engine-process", "--engine-restarts",

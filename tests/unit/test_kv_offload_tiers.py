@@ -149,7 +149,7 @@ def test_the_codec_moves_a_block_whole_between_slots(cache_dtype):
         t.view(torch.uint8).copy_(torch.randint(0, 255, t.view(torch.uint8).shape, dtype=torch.uint8))
     codec = BlockCodec([cache])
     data = codec.gather(1)
-    assert data.numel() == codec.block_nbytes == spec.block_bytes
+    assert data.size == codec.block_nbytes == spec.block_bytes
     codec.scatter(3, data)
     for t in cache.layers + (cache.scale_layers or []):
         assert torch.equal(t[:, 3].view(torch.uint8), t[:, 1].view(torch.uint8))

@@ -3,6 +3,11 @@ RAM and disk. Greedy output is the same with the tiers on and off; a prefix come
 disk after a restart; a tampered file, a wrong master key or a deleted tenant give misses, never a wrong
 token; no tenant reads another's blocks; no block file holds the pool's plaintext bytes."""
 
+import errno
+import math
+import os
+from collections import Counter
+
 import pytest
 
 from sobrio import LLM, SamplingParams
@@ -36,6 +41,11 @@ def run(llm: LLM, prompt: str, salt: str | None = None) -> tuple[list[int], int]
 def push_out(llm: LLM, salt: str | None = None) -> None:
     for other in OTHERS:
         run(llm, other, salt)
+
+
+def byte_entropy(data: bytes) -> float:
+    counts = Counter(data)
+    return -sum(c / len(data) * math.log2(c / len(data)) for c in counts.values())
 
 
 def offload_stats(llm: LLM) -> dict:
@@ -72,6 +82,7 @@ def test_disk_after_a_restart_tampering_wrong_key_and_no_plaintext(tmp_path, mas
     assert len(files) >= 20
     windows = [plaintext[i:i + 32] for i in range(0, len(plaintext) - 32, 4096) if len(set(plaintext[i:i + 32])) > 4]
     assert windows and not any(w in f.read_bytes() for f in files for w in windows)
+    assert all(byte_entropy(f.read_bytes()[HEADER.size:]) > 7.99 for f in files[:5])
 
     restarted = engine("smollm2-135m", tmp_path)
     tokens, cached = run(restarted, LONG)
@@ -103,3 +114,28 @@ def test_tenants_never_share_blocks_and_a_deleted_tenant_is_shredded(tmp_path, m
     restarted = engine("smollm2-135m", tmp_path)
     assert run(restarted, LONG, "tenant-a") == (reference, 0)  # its key material is gone
     assert run(restarted, LONG, "tenant-b")[1] > 0  # B's blocks are still there
+
+
+def test_a_disk_that_cannot_be_written_or_made_keeps_the_engine_serving(tmp_path, master_key, monkeypatch):
+    reference = run(LLM("smollm2-135m", kv_cache_memory=12 << 20, max_model_len=512), LONG)[0]
+    (tmp_path / "a-file").write_text("not a directory")
+    unmakeable = engine("smollm2-135m", tmp_path / "a-file" / "kv")
+    assert run(unmakeable, LONG)[0] == reference
+    unmakeable.engine.core.close()
+    assert offload_stats(unmakeable)["disk_errors"] >= 1
+    full = engine("smollm2-135m", tmp_path / "kv")
+    real_open = open
+
+    def no_space(path, *args, **kwargs):
+        if str(path).endswith(".tmp"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", no_space)
+    assert run(full, LONG)[0] == reference
+    push_out(full)
+    assert run(full, LONG)[0] == reference  # back from RAM: the disk's failures cost nothing else
+    full.engine.core.close()
+    stats = offload_stats(full)
+    assert stats["disk_errors"] >= 1 and stats["stored_disk"] == 0 and stats["hits_ram"] >= 16
+    assert not list((tmp_path / "kv").glob("*.kvb"))

@@ -131,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_quantize(sub)
     _add_train_draft(sub)
+    from sobrio.agents.skills_cli import add_skills_parser
     from sobrio.bench.cli import add_bench_parser
     from sobrio.gateway.admin import add_admin_parser
     from sobrio.gateway.router_cli import add_router_parser
@@ -138,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_admin_parser(sub)
     add_router_parser(sub)
     add_bench_parser(sub)
+    add_skills_parser(sub)
     parser.commands = sub.choices  # name -> subparser: `--config FILE` sets that parser's defaults
     return parser
 

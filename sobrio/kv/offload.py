@@ -21,6 +21,7 @@ import queue
 import struct
 import threading
 import time
+import weakref
 from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -211,6 +212,27 @@ class DiskTier:
         self.drop(gone)
 
 
+def _work(offload_ref, jobs: queue.Queue) -> None:
+    """A worker thread: run the jobs of one queue until "stop", or until its tiers are gone."""
+    while True:
+        try:
+            kind, payload = jobs.get(timeout=1.0)
+        except queue.Empty:
+            if offload_ref() is None:
+                return
+            continue
+        try:
+            offload = offload_ref()
+            if kind == "stop" or offload is None:
+                return
+            offload.run_job(kind, payload)
+        except Exception:  # noqa: BLE001 - the tiers must never take the engine down
+            logger.exception("KV offload: %s job failed", kind)
+        finally:
+            offload = None
+            jobs.task_done()
+
+
 def _unlink(path: Path) -> None:
     try:
         path.unlink()
@@ -242,8 +264,11 @@ class KVOffload:
         # Two threads: reads (a request waits on them) never queue behind writes (nobody waits on those).
         self.readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="sobrio-kv-read")
         self.jobs, self.reads = queue.Queue(), queue.Queue()
+        # The threads hold the tiers weakly: an engine dropped without `close` frees them, and they end.
         for name, jobs in (("write", self.jobs), ("read", self.reads)):
-            threading.Thread(target=self._work, args=(jobs,), name=f"sobrio-kv-offload-{name}", daemon=True).start()
+            threading.Thread(target=_work, args=(weakref.ref(self), jobs), name=f"sobrio-kv-offload-{name}",
+                             daemon=True).start()
+        weakref.finalize(self, self.readers.shutdown, wait=False)
 
     # ---- from the pool and the cache manager ----
     def note_offloadable(self, block_hash: bytes, tenant: str | None) -> None:
@@ -359,26 +384,17 @@ class KVOffload:
             self.disk.keys.forget(tenant_digest(tenant))
             self.jobs.put(("forget", tenant))
 
-    # ---- the worker thread ----
-    def _work(self, jobs: queue.Queue) -> None:
-        while True:
-            kind, payload = jobs.get()
-            try:
-                if kind == "write":
-                    block_hash, tenant, data = payload
-                    if self.disk.write(block_hash, tenant, data.tobytes()):
-                        self.stats.stored["disk"] += 1
-                    self.writing.discard(block_hash)
-                elif kind == "read":
-                    self._read(*payload)
-                elif kind == "forget":
-                    self.disk.forget_tenant(payload)
-                elif kind == "stop":
-                    return
-            except Exception:  # noqa: BLE001 - the tiers must never take the engine down
-                logger.exception("KV offload: %s job failed", kind)
-            finally:
-                jobs.task_done()
+    # ---- the worker threads ----
+    def run_job(self, kind: str, payload) -> None:
+        if kind == "write":
+            block_hash, tenant, data = payload
+            if self.disk.write(block_hash, tenant, data.tobytes()):
+                self.stats.stored["disk"] += 1
+            self.writing.discard(block_hash)
+        elif kind == "read":
+            self._read(*payload)
+        elif kind == "forget":
+            self.disk.forget_tenant(payload)
 
     def _read(self, block_hashes: list[bytes], tenant: str) -> None:
         """Read, check and decrypt a run of blocks into RAM, `READ_THREADS` files at a time (a cold disk

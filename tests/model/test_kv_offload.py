@@ -13,6 +13,7 @@ import pytest
 from sobrio import LLM, SamplingParams
 from sobrio.kv.offload import HEADER
 from sobrio.kv.sealing import MASTER_KEY_ENV
+from tests.conftest import free_memory
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 WORDS = "amber birch cedar dune ember fjord grove heath inlet juniper kelp lagoon marsh nettle oak".split()
@@ -52,6 +53,19 @@ def offload_stats(llm: LLM) -> dict:
     return llm.engine.core.offload.snapshot()
 
 
+@pytest.fixture(autouse=True)
+def one_engine_at_a_time():
+    """Each test here loads several engines: return their memory before the next test (see conftest)."""
+    yield
+    free_memory()
+
+
+def close(llm: LLM) -> None:
+    """Finish its disk writes, and let its memory go before the next engine loads."""
+    llm.engine.core.close()
+    free_memory()
+
+
 @pytest.fixture
 def master_key(monkeypatch):
     monkeypatch.setenv(MASTER_KEY_ENV, "5a" * 32)
@@ -63,6 +77,8 @@ def test_same_output_with_the_tiers_and_a_prefix_back_from_ram(model):
     reference = run(plain, LONG)[0]
     push_out(plain)
     assert run(plain, LONG) == (reference, 0)  # without tiers the pool lost it
+    del plain
+    free_memory()
     llm = engine(model)
     assert run(llm, LONG) == (reference, 0)
     push_out(llm)
@@ -77,7 +93,9 @@ def test_disk_after_a_restart_tampering_wrong_key_and_no_plaintext(tmp_path, mas
     pool = first.engine.core.scheduler.pool
     some_block = pool.prefix_cache.block_of[next(iter(pool.prefix_cache.block_of))]
     plaintext = first.engine.core.offload.codec.gather(some_block).tobytes()
-    first.engine.core.close()  # its disk writes done
+    del pool
+    close(first)  # its disk writes done
+    del first
     files = sorted(tmp_path.glob("*.kvb"))
     assert len(files) >= 20
     windows = [plaintext[i:i + 32] for i in range(0, len(plaintext) - 32, 4096) if len(set(plaintext[i:i + 32])) > 4]
@@ -87,7 +105,8 @@ def test_disk_after_a_restart_tampering_wrong_key_and_no_plaintext(tmp_path, mas
     restarted = engine("smollm2-135m", tmp_path)
     tokens, cached = run(restarted, LONG)
     assert tokens == reference and cached >= 16 * 16 and offload_stats(restarted)["hits_disk"] >= 16
-    restarted.engine.core.close()
+    close(restarted)
+    del restarted
 
     for f in sorted(tmp_path.glob("*.kvb"))[:3]:  # one flipped byte in three files
         data = bytearray(f.read_bytes())
@@ -96,7 +115,8 @@ def test_disk_after_a_restart_tampering_wrong_key_and_no_plaintext(tmp_path, mas
     tampered = engine("smollm2-135m", tmp_path)
     assert run(tampered, LONG)[0] == reference
     assert offload_stats(tampered)["auth_failures"] >= 1
-    tampered.engine.core.close()
+    close(tampered)
+    del tampered
 
     monkeypatch.setenv(MASTER_KEY_ENV, "a5" * 32)
     wrong_key = engine("smollm2-135m", tmp_path)
@@ -110,7 +130,8 @@ def test_tenants_never_share_blocks_and_a_deleted_tenant_is_shredded(tmp_path, m
     push_out(llm, "tenant-a")
     assert run(llm, LONG, "tenant-b") == (reference, 0)  # same prompt, another tenant: nothing of A's
     llm.engine.purge_cache_salt("tenant-a")  # the server calls this when a tenant is deleted
-    llm.engine.core.close()
+    close(llm)
+    del llm
     restarted = engine("smollm2-135m", tmp_path)
     assert run(restarted, LONG, "tenant-a") == (reference, 0)  # its key material is gone
     assert run(restarted, LONG, "tenant-b")[1] > 0  # B's blocks are still there
@@ -121,8 +142,9 @@ def test_a_disk_that_cannot_be_written_or_made_keeps_the_engine_serving(tmp_path
     (tmp_path / "a-file").write_text("not a directory")
     unmakeable = engine("smollm2-135m", tmp_path / "a-file" / "kv")
     assert run(unmakeable, LONG)[0] == reference
-    unmakeable.engine.core.close()
+    close(unmakeable)
     assert offload_stats(unmakeable)["disk_errors"] >= 1
+    del unmakeable
     full = engine("smollm2-135m", tmp_path / "kv")
     real_open = open
 

@@ -13,29 +13,16 @@ import asyncio
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gateway_demo import timed_requests as timed  # noqa: E402
+
 from sobrio.gateway.tenants import TenantStore  # noqa: E402
 from tests.server.conftest import SMALL, serving  # noqa: E402
-
-
-async def timed(base_url: str, key: str, bodies: list[dict], in_flight: int) -> list[float]:
-    """Each request's seconds, `in_flight` at a time."""
-    gate = asyncio.Semaphore(in_flight)
-    async with httpx.AsyncClient(base_url=base_url, headers={"Authorization": f"Bearer {key}"}, timeout=300,
-                                 limits=httpx.Limits(max_connections=in_flight)) as client:
-        async def one(body: dict) -> float:
-            async with gate:
-                start = time.perf_counter()
-                answer = await client.post("/v1/completions", json=body)
-                answer.raise_for_status()
-                return time.perf_counter() - start
-        return await asyncio.gather(*(one(b) for b in bodies))
 
 
 def percentiles(seconds: list[float]) -> tuple[float, float]:

@@ -70,7 +70,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=96)
     parser.add_argument("--shot", default=None, help="write the dashboard's screenshot here (needs chromium)")
     args = parser.parse_args()
-    folder = Path(tempfile.mkdtemp(prefix="sobrio-gateway-demo-"))
+    scratch = tempfile.TemporaryDirectory(prefix="sobrio-gateway-demo-")  # removed at exit
+    folder = Path(scratch.name)
     store = TenantStore(folder / "gateway.db")
     keys = {}
     for name in ("acme", "globex"):

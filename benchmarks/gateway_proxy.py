@@ -36,7 +36,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--in-flight", type=int, default=32)
     args = parser.parse_args()
-    folder = Path(tempfile.mkdtemp(prefix="sobrio-gateway-proxy-"))
+    scratch = tempfile.TemporaryDirectory(prefix="sobrio-gateway-proxy-")  # removed at exit
+    folder = Path(scratch.name)
     store = TenantStore(folder / "gateway.db")
     store.create_tenant("bench")
     key = store.create_key("bench")[1]

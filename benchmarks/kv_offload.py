@@ -23,6 +23,7 @@ from sobrio import LLM, SamplingParams  # noqa: E402
 from sobrio.kv.sealing import TenantKeys, seal, tenant_digest, unseal  # noqa: E402
 
 FIRST_TOKEN = SamplingParams(temperature=0, max_tokens=1)
+SCRATCH = tempfile.TemporaryDirectory(prefix="sobrio-kv-offload-")  # the disk tiers' folders: removed at exit
 
 
 def shared_prompt(llm: LLM, tokens: int) -> str:
@@ -49,7 +50,7 @@ def push_out(llm: LLM, prompt: str) -> None:
 
 
 def measure_ttft(model: str, tokens: int, repeats: int) -> None:
-    folder = tempfile.mkdtemp(prefix="sobrio-kv-offload-")
+    folder = tempfile.mkdtemp(prefix="sobrio-kv-offload-", dir=SCRATCH.name)
     llm = engine(model, folder, True, 128)
     base = shared_prompt(llm, tokens)
     prompts = [f"Variant {r}. {base}" for r in range(repeats)]
@@ -101,7 +102,7 @@ def measure_throughput(model: str, requests: int) -> None:
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     rates = {}
     for tiers in (False, True) * 3:
-        llm = engine(model, tempfile.mkdtemp(prefix="sobrio-kv-offload-"), tiers, 256)
+        llm = engine(model, tempfile.mkdtemp(prefix="sobrio-kv-offload-", dir=SCRATCH.name), tiers, 256)
         llm.generate(prompts[:4], params, use_tqdm=False)  # warm
         if tiers:
             llm.engine.core.offload.flush()

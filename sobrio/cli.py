@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_quantize(sub)
     _add_train_draft(sub)
-    from sobrio.agents.skills_cli import add_skills_parser
+    from sobrio.agents.cli import add_agents_parser, add_skills_parser
     from sobrio.bench.cli import add_bench_parser
     from sobrio.gateway.admin import add_admin_parser
     from sobrio.gateway.router_cli import add_router_parser
@@ -140,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_router_parser(sub)
     add_bench_parser(sub)
     add_skills_parser(sub)
+    add_agents_parser(sub)
     parser.commands = sub.choices  # name -> subparser: `--config FILE` sets that parser's defaults
     return parser
 

@@ -59,16 +59,21 @@ class Team:
     def load(cls, path: str) -> "Team":
         from sobrio.gateway.config import read_toml
 
-        data = read_toml(path)
+        return cls.from_dict(read_toml(path), path)
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "team") -> "Team":
+        """A team from a team file's mapping (or the JSON of `POST /v1/agents/runs`)."""
+        data = dict(data)
         roles = data.pop("roles", {})
-        if "planner" not in roles or len(roles) < 2:
-            raise ConfigError(f"{path}: a team needs [roles.planner] and at least one other role")
+        if not isinstance(roles, dict) or "planner" not in roles or len(roles) < 2:
+            raise ConfigError(f"{where}: a team needs [roles.planner] and at least one other role")
         try:
             built = {name: Role(name, **{k: tuple(v) if isinstance(v, list) else v for k, v in spec.items()})
                      for name, spec in roles.items()}
             return cls(built, **data)
-        except TypeError as exc:
-            raise ConfigError(f"{path}: {exc}") from None
+        except (TypeError, AttributeError) as exc:
+            raise ConfigError(f"{where}: {exc}") from None
 
 
 @dataclass
@@ -93,6 +98,7 @@ class Orchestrator:
         self.team, self.client = team, client
         self.tools = {t.name: t for t in tools or []}
         self.skills: SkillSet | None = load_skills(team.skills) if team.skills else None
+        self.events: asyncio.Queue | None = None
         for role in team.roles.values():
             missing = [t for t in role.tools if t not in self.tools]
             if missing:
@@ -100,10 +106,12 @@ class Orchestrator:
             if role.skills and self.skills is None:
                 raise ConfigError(f"role {role.name!r} names skills but the team has no skills source")
 
-    async def run(self, task: str) -> dict:
-        """Plan, run the sub-tasks concurrently (bounded), answer; the trace as a dict."""
+    async def run(self, task: str, events: asyncio.Queue | None = None) -> dict:
+        """Plan, run the sub-tasks concurrently (bounded), answer; the trace as a dict. `events` gets each
+        agent's trace as it ends ({"type": "agent", ...}), for a caller that streams them."""
         start = time.monotonic()
         planner = self.team.roles["planner"]
+        self.events = events
         plan = await self.run_agent(planner, f"Task: {task}\n\nRoles you can give sub-tasks to: "
                                     f"{', '.join(r for r in self.team.roles if r != 'planner')}. Write one "
                                     "sub-task per line as `role: sub-task`.")
@@ -150,6 +158,8 @@ class Orchestrator:
         except Exception as exc:  # noqa: BLE001 - a failed call ends this agent, not the run
             trace.stopped, trace.answer = "error", trace.answer or f"error: {type(exc).__name__}"
         trace.seconds = time.monotonic() - trace.started
+        if self.events is not None:
+            await self.events.put({"type": "agent", **asdict(trace)})
         return trace
 
     async def _turns(self, role: Role, task: str, trace: AgentTrace) -> None:

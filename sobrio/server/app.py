@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import sobrio
+from sobrio.agents import routes as agent_routes
 from sobrio.config import LimitsConfig, ServerConfig, SobrioConfig
 from sobrio.engine.async_llm import AsyncLLM, EngineStepError
 from sobrio.engine.client import EngineClient
@@ -132,6 +133,8 @@ class OpenAIServer:
         self.router: Router | None = None  # run_server's, when both of its models are served: model "auto"
         self.store: TenantStore | None = None  # run_server's: tenants (the dashboard names them)
         self.operator_key: str | None = None  # --api-key: opens /dashboard
+        self.self_url: str | None = None  # run_server's loopback URL: sub-agents of /v1/agents/runs call it
+        self.agent_skills: str | None = None  # --agent-skills: the skills those teams may use
         for name, engine in engines.items():
             engine.on_output = lambda output, t, name=name: self._on_output(name, output, t)
             engine.on_abort = self.metrics.forget
@@ -369,6 +372,7 @@ def create_app(engines: dict[str, EngineClient], limits: LimitsConfig | None = N
         return HTMLResponse(render_dashboard(dashboard_data(server.ledger, server.store, models)))
 
     routes_tokenize.register(app, server)  # /tokenize, /detokenize, /v1/models/{id}, /ping
+    agent_routes.register(app, server)  # /v1/agents/runs
     responses_api.register(app, server, _collect_unless_disconnected, sobrio_error_response)  # /v1/responses
     return app
 
@@ -545,6 +549,9 @@ def run_server(args) -> int:
     if config.root_path:
         asgi = RootPath(asgi, config.root_path)
     url = listening_url(config, sock)
+    scheme, port = "https" if config.ssl_certfile else "http", sock.getsockname()[1]
+    app.state.server.self_url = f"{scheme}://127.0.0.1:{port}{config.root_path or ''}"  # loopback, any --host
+    app.state.server.agent_skills = config.agent_skills
 
     @app.on_event("startup")
     async def _listening():

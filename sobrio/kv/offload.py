@@ -76,7 +76,7 @@ class Stats:
     """What /metrics shows of the tiers (sobrio:kv_offload_*)."""
 
     hits: Counter
-    misses: int = 0
+    misses: Counter = None  # per tier: lookups past the pool whose next block that tier did not hold
     stored: Counter = None
     load_seconds: float = 0.0
     loads: int = 0
@@ -251,7 +251,7 @@ class KVOffload:
         self.ram: OrderedDict[bytes, tuple[str, np.ndarray]] = OrderedDict()  # hash -> (tenant, bytes)
         self.lock = threading.Lock()
         self.offloadable: dict[bytes, str] = {}  # pool blocks whose request allowed offload -> tenant
-        self.stats = Stats(hits=Counter(), stored=Counter())
+        self.stats = Stats(hits=Counter(), stored=Counter(), misses=Counter())
         self.model_id = hashlib.sha256(model_id.encode()).digest()[:16]
         self.disk = None
         if disk_bytes and folder is not None and keys is not None:
@@ -344,10 +344,11 @@ class KVOffload:
         rest = block_hashes[len(blocks):]
         if not rest or rest[0] in self.pending:
             return blocks
+        self.stats.misses["ram"] += 1
         if self.disk is not None and rest[0] in self.disk:
             self.prefetch(rest, tenant or "")
-        else:
-            self.stats.misses += 1  # the blocks from here on are computed
+        elif self.disk is not None:
+            self.stats.misses["disk"] += 1  # the blocks from here on are computed
         return blocks
 
     def prefetch(self, block_hashes: list[bytes], tenant: str) -> None:
@@ -448,7 +449,8 @@ class KVOffload:
         with self.lock:
             ram_bytes = sum(d.nbytes for _, d in self.ram.values())
         return {"hits_ram": self.stats.hits["ram"], "hits_disk": self.stats.hits["disk"],
-                "misses": self.stats.misses, "stored_ram": self.stats.stored["ram"],
+                "misses_ram": self.stats.misses["ram"], "misses_disk": self.stats.misses["disk"],
+                "stored_ram": self.stats.stored["ram"],
                 "stored_disk": self.stats.stored["disk"], "ram_bytes": ram_bytes,
                 "disk_bytes": self.disk.nbytes if self.disk is not None else 0,
                 "load_seconds": self.stats.load_seconds, "loads": self.stats.loads,

@@ -180,9 +180,11 @@ def kv_offload_families(generating: list[tuple[str, dict]]):
     stored = CounterMetricFamily("sobrio:kv_offload_stored", "KV blocks stored in an offload tier.",
                                  labels=[*labels, "tier"])
     size = GaugeMetricFamily("sobrio:kv_offload_bytes", "Bytes held by an offload tier.", labels=[*labels, "tier"])
+    misses = CounterMetricFamily("sobrio:kv_offload_misses", "Prefix lookups past the pool whose next block "
+                                 "this tier did not hold.", labels=[*labels, "tier"])
     plain = {key: CounterMetricFamily(f"sobrio:kv_offload_{key}", doc, labels=labels) for key, doc in (
-        ("misses", "Prefix lookups past the pool that no tier could extend."),
-        ("load_seconds", "Seconds spent reading and decrypting blocks from disk."),
+        ("loads", "Blocks read and decrypted from disk."),
+        ("load_seconds", "Seconds spent reading and decrypting blocks from disk (per block: / loads)."),
         ("auth_failures", "Blocks that failed authentication (tampered, truncated, another key): recomputed."),
         ("disk_errors", "Disk tier faults (full, read-only, unreadable): those blocks are recomputed."))}
     for model_name, stats in offloading:
@@ -190,9 +192,10 @@ def kv_offload_families(generating: list[tuple[str, dict]]):
             hits.add_metric([model_name, ENGINE, tier], stats[f"hits_{tier}"])
             stored.add_metric([model_name, ENGINE, tier], stats[f"stored_{tier}"])
             size.add_metric([model_name, ENGINE, tier], stats[f"{tier}_bytes"])
+            misses.add_metric([model_name, ENGINE, tier], stats[f"misses_{tier}"])
         for key, family in plain.items():
             family.add_metric([model_name, ENGINE], stats[key])
-    yield from (hits, stored, size, *plain.values())
+    yield from (hits, stored, size, misses, *plain.values())
 
 
 def cache_config_info(engine, stats: dict) -> dict[str, str] | None:

@@ -38,6 +38,7 @@ def register(app: FastAPI, server) -> None:
         try:
             orchestrator = Orchestrator(team, client)
         except ConfigError as exc:
+            await client.close()
             raise InvalidRequestError(str(exc), param="team") from None
         if not body.stream:
             try:
@@ -51,17 +52,18 @@ def _team(data: dict, skills_source: str | None, team_class):
     if data.get("skills") not in (None, skills_source):
         raise InvalidRequestError("a team sent over HTTP may use only the server's skills (--agent-skills)",
                                   param="team.skills")
-    roles = data.get("roles")
-    if isinstance(roles, dict) and any(isinstance(r, dict) and r.get("tools") for r in roles.values()):
+    if _any_role_names(data, "tools"):
         raise InvalidRequestError("a team sent over HTTP cannot name Python tools", param="team.roles")
     try:
-        return team_class.from_dict({**data, "skills": skills_source if _names_skills(roles) else None})
+        return team_class.from_dict({**data, "skills": skills_source if _any_role_names(data, "skills") else None})
     except ConfigError as exc:
         raise InvalidRequestError(str(exc), param="team") from None
 
 
-def _names_skills(roles) -> bool:
-    return isinstance(roles, dict) and any(isinstance(r, dict) and r.get("skills") for r in roles.values())
+def _any_role_names(data: dict, key: str) -> bool:
+    """Whether any of the team's roles sets `key` (tools, skills)."""
+    roles = data.get("roles")
+    return isinstance(roles, dict) and any(isinstance(r, dict) and r.get(key) for r in roles.values())
 
 
 def _loopback_client(base_url: str, key: str):

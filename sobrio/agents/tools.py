@@ -2,7 +2,6 @@
 `load_skill` and `read_reference` (progressive disclosure of Skills). A tool that fails, or is called with
 arguments that are not a JSON object, answers the model with an error message: a run never crashes on it."""
 
-import asyncio
 import inspect
 import json
 from collections.abc import Callable
@@ -46,8 +45,6 @@ class ToolBox:
             if inspect.isawaitable(result):
                 result = await result
             return str(result), True
-        except asyncio.CancelledError:
-            raise
         except Exception as exc:  # noqa: BLE001 - the model hears of it, the run goes on
             return f"error: {type(exc).__name__}: {exc}", False
 

@@ -98,7 +98,6 @@ class EngineCore:
         runner, model = self.executor.runner, config.model_config
         self.offload = open_offload(config.cache_config, f"{model.model}|{model.quantization}",
                                     [runner.kv_cache, runner.draft_kv_cache], self.scheduler.kv)  # or None
-        self.offload_by_default = self.offload is not None  # tier flags given: requests without a policy use them
         # structured output: grammars compile on a worker thread (the tokenizer is read at the first one)
         structured = config.structured_outputs_config
         self.structured = StructuredOutputManager(GrammarCompiler(lambda: load_tokenizer(files, config.model_config)),
@@ -116,8 +115,8 @@ class EngineCore:
         req = Request(creq.request_id, list(creq.prompt_token_ids), creq.sampling_params, creq.max_tokens,
                       creq.eos_token_ids, creq.cache_salt, creq.arrival_time or time.monotonic(),
                       priority=creq.priority)
-        req.kv_offload = self.offload is not None and (creq.kv_offload if creq.kv_offload is not None
-                                                       else self.offload_by_default)
+        # tiers configured: a request without a policy of its own (no tenant) uses them
+        req.kv_offload = self.offload is not None and creq.kv_offload is not False
         if creq.sampling_params.structured_outputs is not None:  # scheduled once its grammar has compiled
             self.structured.submit(req, creq.after_prompt_of)
             return
@@ -384,7 +383,7 @@ class EngineCore:
 
     def on_idle(self) -> bool:
         """Work for an idle engine: the KV offload tier's disk writes, a batch at a time; True if more."""
-        return self.offload is not None and self.offload.disk is not None and self.offload.persist()
+        return self.offload is not None and self.offload.persist()
 
     def close(self) -> None:
         """Finish the KV offload tier's queued disk writes (bounded), so a restart finds them."""

@@ -109,8 +109,8 @@ class RemoteReplica(Replica):
     is_remote = True
 
     def __init__(self, spec: RemoteSpec):
-        super().__init__(f"remote:{httpx.URL(spec.url).host}:{httpx.URL(spec.url).port or ''}".rstrip(":"),
-                         spec.region)
+        url = httpx.URL(spec.url)
+        super().__init__(f"remote:{url.host}" + (f":{url.port}" if url.port else ""), spec.region)
         self.spec = spec
         key = os.environ.get(spec.api_key_env, "") if spec.api_key_env else ""
         if spec.api_key_env and not key:

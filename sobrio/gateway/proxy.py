@@ -72,7 +72,7 @@ async def _complete(replica: RemoteReplica, endpoint: str, payload: dict, model_
     try:
         response = await replica.client.post(endpoint, json=payload, headers=replica.headers)
     except httpx.TimeoutException:
-        raise BackendTimeout(f"backend {replica.name} did not answer within {replica.spec.timeout_s:g}s") from None
+        raise _timed_out(replica) from None
     except httpx.TransportError as exc:
         raise _failed(replica, exc) from None
     if response.status_code >= 500:
@@ -94,7 +94,7 @@ async def _open_stream(replica: RemoteReplica, endpoint: str, payload: dict) -> 
     try:
         response = await client.send(request, stream=True)
     except httpx.TimeoutException:
-        raise BackendTimeout(f"backend {replica.name} did not answer within {replica.spec.timeout_s:g}s") from None
+        raise _timed_out(replica) from None
     except httpx.TransportError as exc:
         raise _failed(replica, exc) from None
     if response.status_code >= 500:
@@ -121,7 +121,7 @@ async def _first_event(replica: RemoteReplica, response: httpx.Response) -> tupl
         handed_on = True
         return first, lines
     except httpx.TimeoutException:
-        raise BackendTimeout(f"backend {replica.name} did not answer within {replica.spec.timeout_s:g}s") from None
+        raise _timed_out(replica) from None
     except httpx.TransportError as exc:
         raise _failed(replica, exc) from None
     finally:
@@ -203,6 +203,10 @@ def _refused(replica: RemoteReplica, status: int, data: dict, headers) -> Respon
         f"backend {replica.name} refused the request ({status})", "invalid_request_error")
     extra = {"Retry-After": headers["retry-after"]} if status == 429 and "retry-after" in headers else None
     return JSONResponse(body, status_code=status, headers=extra)
+
+
+def _timed_out(replica: RemoteReplica) -> BackendTimeout:
+    return BackendTimeout(f"backend {replica.name} did not answer within {replica.spec.timeout_s:g}s")
 
 
 def _failed(replica: RemoteReplica, exc: httpx.TransportError) -> BackendFailed:

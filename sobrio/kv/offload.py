@@ -24,7 +24,7 @@ import time
 import weakref
 from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -75,9 +75,9 @@ class BlockCodec:
 class Stats:
     """What /metrics shows of the tiers (sobrio:kv_offload_*)."""
 
-    hits: Counter
-    misses: Counter = None  # per tier: lookups past the pool whose next block that tier did not hold
-    stored: Counter = None
+    hits: Counter = field(default_factory=Counter)  # per tier
+    misses: Counter = field(default_factory=Counter)  # per tier: lookups past the pool whose next block it lacked
+    stored: Counter = field(default_factory=Counter)  # per tier
     load_seconds: float = 0.0
     loads: int = 0
     auth_failures: int = 0
@@ -251,7 +251,7 @@ class KVOffload:
         self.ram: OrderedDict[bytes, tuple[str, np.ndarray]] = OrderedDict()  # hash -> (tenant, bytes)
         self.lock = threading.Lock()
         self.offloadable: dict[bytes, str] = {}  # pool blocks whose request allowed offload -> tenant
-        self.stats = Stats(hits=Counter(), stored=Counter(), misses=Counter())
+        self.stats = Stats()
         self.model_id = hashlib.sha256(model_id.encode()).digest()[:16]
         self.disk = None
         if disk_bytes and folder is not None and keys is not None:
@@ -275,8 +275,16 @@ class KVOffload:
         """A block just computed for a request that allows offload: kept in RAM when evicted, and on disk
         once the engine is idle (`persist`) or closes, so a restart finds it."""
         self.offloadable[block_hash] = tenant or ""
-        if self.disk is not None and block_hash not in self.disk:
+        if self._writable(block_hash):
             self.unpersisted[block_hash] = tenant or ""
+
+    def _writable(self, block_hash: bytes) -> bool:
+        """There is a disk tier, and this block is neither on it nor on its way."""
+        return self.disk is not None and block_hash not in self.disk and block_hash not in self.writing
+
+    def _queue_write(self, block_hash: bytes, tenant: str, data: np.ndarray) -> None:
+        self.writing.add(block_hash)
+        self.jobs.put(("write", (block_hash, tenant, data)))
 
     def persist(self, limit: int | None = 128) -> bool:
         """Queue disk writes of pool blocks not on disk yet, `limit` at a time (the copy is taken here,
@@ -287,10 +295,9 @@ class KVOffload:
         while self.unpersisted and (limit is None or count < limit):
             block_hash, tenant = self.unpersisted.popitem(last=False)
             block_id = self.locate(block_hash)
-            if block_id is None or block_hash in self.disk or block_hash in self.writing:
+            if block_id is None or not self._writable(block_hash):
                 continue  # evicted meanwhile: the RAM tier has it, and writes it when it spills or closes
-            self.writing.add(block_hash)
-            self.jobs.put(("write", (block_hash, tenant, self.codec.gather(block_id))))
+            self._queue_write(block_hash, tenant, self.codec.gather(block_id))
             count += 1
         return bool(self.unpersisted)
 
@@ -306,18 +313,15 @@ class KVOffload:
                 return
             self.ram[block_hash] = (tenant, self.codec.gather(block_id))
             self.stats.stored["ram"] += 1
-            spilled = self._spill()
-        for item in spilled:
-            self.jobs.put(("write", item))
+            self._spill()
 
-    def _spill(self) -> list[tuple[bytes, str, np.ndarray]]:
-        spilled = []
+    def _spill(self) -> None:
+        """Past the RAM budget, the least recently used blocks leave RAM, for the disk if it lacks them
+        (called with the lock held)."""
         while len(self.ram) > self.ram_capacity:
             block_hash, (tenant, data) = self.ram.popitem(last=False)
-            if self.disk is not None and block_hash not in self.disk and block_hash not in self.writing:
-                self.writing.add(block_hash)
-                spilled.append((block_hash, tenant, data))
-        return spilled
+            if self._writable(block_hash):
+                self._queue_write(block_hash, tenant, data)
 
     def restore(self, block_hashes: list[bytes], tenant: str | None, allocate, register) -> list[int]:
         """Pool blocks for the leading `block_hashes` held in RAM (copied in, registered); when the next one
@@ -409,11 +413,9 @@ class KVOffload:
                 data = np.frombuffer(plain, dtype=np.uint8)  # read-only: only ever copied into the pool
                 with self.lock:
                     self.ram[block_hash] = (tenant, data)
-                    spilled = self._spill()
+                    self._spill()
                 self.stats.hits["disk"] += 1
                 self.stats.loads += 1
-                for item in spilled:
-                    self.jobs.put(("write", item))
         finally:
             self.stats.load_seconds += time.perf_counter() - start
             for block_hash in block_hashes:
@@ -434,13 +436,11 @@ class KVOffload:
 
     def close(self) -> None:
         """Write what the disk lacks (the pool's offloadable blocks, the RAM tier), wait for it, stop."""
-        if self.disk is not None:
-            self.persist(limit=None)
-            with self.lock:
-                rest = [(h, t, d) for h, (t, d) in self.ram.items() if h not in self.disk and h not in self.writing]
-            for item in rest:
-                self.writing.add(item[0])
-                self.jobs.put(("write", item))
+        self.persist(limit=None)
+        with self.lock:
+            for block_hash, (tenant, data) in self.ram.items():
+                if self._writable(block_hash):
+                    self._queue_write(block_hash, tenant, data)
         self.flush()
         self.jobs.put(("stop", None))
         self.reads.put(("stop", None))

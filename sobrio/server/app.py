@@ -160,15 +160,22 @@ class OpenAIServer:
             name, engine = model, select_engine(self.engines, self.aliases[model], task)[1]
         else:
             name, engine = select_engine(self.engines, model, task)
+        tenant = self._admit_model(state, name, self.aliases.get(name, name))
+        if tenant is not None and not region_allowed(self.region, tenant.limits.allowed_regions):
+            raise region_refusal(tenant, name, [self.region])
+        return name, engine
+
+    @staticmethod
+    def _admit_model(state, name: str, main: str):
+        """The request's tenant must be allowed the model under either name (403); its ledger row names the
+        model asked for and the one serving. Returns the tenant (None without one)."""
         tenant, entry = getattr(state, "tenant", None), getattr(state, "ledger", None)
         if tenant is not None:
-            check_model_allowed(tenant, name, self.aliases.get(name, name))
-            if not region_allowed(self.region, tenant.limits.allowed_regions):
-                raise region_refusal(tenant, name, [self.region])
+            check_model_allowed(tenant, name, main)
         if entry is not None:
             entry.requested_model = entry.requested_model or name
-            entry.served_model = self.aliases.get(name, name)
-        return name, engine
+            entry.served_model = main
+        return tenant
 
     def add_backends(self, gateway: GatewayConfig) -> None:
         """The configuration file's remote replicas, beside (or instead of) each model's local engine."""
@@ -184,7 +191,7 @@ class OpenAIServer:
         """Every model a client may name: local engines, their further names, remote-only models."""
         return [*self.engines, *self.aliases, *(m for m in self.backends.models if m not in self.engines)]
 
-    async def via_remote(self, model: str | None, endpoint: str, body, text: str, request: Request):
+    async def via_remote(self, model: str | None, endpoint: str, body, request: Request):
         """The answer of a remote replica when the model has remote ones and one is chosen (a failure before
         its first byte retried once on another); None when the local engine takes the request."""
         if not model and not self.engines:  # a gateway of remote backends only: its first model
@@ -193,13 +200,12 @@ class OpenAIServer:
         if pool is None or not any(r.is_remote for r in pool.replicas):
             return None  # local engines only: as without a gateway configuration
         state = request.state
-        tenant, entry = getattr(state, "tenant", None), getattr(state, "ledger", None)
-        if tenant is not None:
-            check_model_allowed(tenant, model, pool.model)
-        if entry is not None:
-            entry.requested_model, entry.served_model = entry.requested_model or model, pool.model
+        tenant = self._admit_model(state, model, pool.model)
         state.request_id = new_id("chatcmpl" if endpoint.startswith("chat") else "cmpl")
-        hashes, tried, failure = prefix_hashes(text), [], None
+        hashes, tried, failure = prefix_hashes(affinity_text(body)), [], None
+        fields = body.model_dump(mode="json", exclude_unset=True)
+        wants_usage = bool(body.stream_options and body.stream_options.include_usage)
+        entry = getattr(state, "ledger", None)
         for _ in range(2):
             try:
                 replica = pool.choose(hashes, tenant, exclude=tried)
@@ -207,9 +213,7 @@ class OpenAIServer:
                 raise failure or NoBackendAvailable(f"no backend of model {model!r} is available") from None
             if not replica.is_remote:
                 return None
-            fields = body.model_dump(mode="json", exclude_unset=True)
             payload = payload_for(replica, fields, cache_salt(state, body.cache_salt), bool(body.stream))
-            wants_usage = bool(body.stream_options and body.stream_options.include_usage)
             try:
                 answer = await unless_disconnected(forward(replica, endpoint, payload, model, entry, wants_usage),
                                                    request)
@@ -311,8 +315,7 @@ def create_app(engines: dict[str, EngineClient], limits: LimitsConfig | None = N
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         users = [m.content for m in body.messages if m.role == "user" and isinstance(m.content, str)]
         model = await server.resolve_auto(body.model, users[-1] if users else "", request.state)
-        text = "".join(f"{m.role}\n{m.content}\n" for m in body.messages if isinstance(m.content, str))
-        remote = await server.via_remote(model, "chat/completions", body, text, request)
+        remote = await server.via_remote(model, "chat/completions", body, request)
         if remote is not None:
             return remote
         name, engine = server.engine_for(model, "generate", request.state)
@@ -335,7 +338,7 @@ def create_app(engines: dict[str, EngineClient], limits: LimitsConfig | None = N
         prompts = body.prompts()
         text = prompts[0] if prompts and isinstance(prompts[0], str) else ""
         model = await server.resolve_auto(body.model, text, request.state)
-        remote = await server.via_remote(model, "completions", body, text, request)
+        remote = await server.via_remote(model, "completions", body, request)
         if remote is not None:
             return remote
         name, engine = server.engine_for(model, "generate", request.state)
@@ -409,6 +412,14 @@ async def _respond(server: OpenAIServer, request: Request, body, params: Samplin
         choices.add(output)
     note_usage(getattr(request.state, "ledger", None), choices)
     return final_response(choices, base_id, model_name, kind)
+
+
+def affinity_text(body) -> str:
+    """The text a remote replica's prefix affinity looks at: the conversation, or the first prompt."""
+    if hasattr(body, "messages"):
+        return "".join(f"{m.role}\n{m.content}\n" for m in body.messages if isinstance(m.content, str))
+    prompts = body.prompts()
+    return prompts[0] if prompts and isinstance(prompts[0], str) else ""
 
 
 def with_model_defaults(params: SamplingParams, body, defaults: dict) -> SamplingParams:

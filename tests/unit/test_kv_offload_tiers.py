@@ -21,7 +21,7 @@ MODEL = b"m" * 16
 
 
 def tier(folder: Path, master: bytes = MASTER, model: bytes = MODEL, budget: int = 1 << 20) -> DiskTier:
-    return DiskTier(folder, budget, model, TenantKeys(master, folder / "keyring.json"), Stats(hits=Counter()))
+    return DiskTier(folder, budget, model, TenantKeys(master, folder / "keyring.json"), Stats())
 
 
 def block(i: int) -> bytes:

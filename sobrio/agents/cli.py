@@ -57,8 +57,8 @@ def add_agents_parser(sub) -> None:
     run = actions.add_parser("run", help="plan, run the sub-agents concurrently, answer; print the answer")
     run.add_argument("team", help="the team file (TOML; see sobrio/agents/orchestrator.py)")
     run.add_argument("task", help="the task")
-    run.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="the API (default: a local sobrio "
-                                                                           "serve)")
+    run.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="the API (default: %(default)s, a "
+                                                                           "local sobrio serve)")
     run.add_argument("--api-key", default=None, help="default: $SOBRIO_API_KEY, else none")
     run.add_argument("--trace", default=None, help="write the run's trace (agents, models, skills and their "
                                                    "revision, tool calls, tokens, time, energy) as JSON here; "

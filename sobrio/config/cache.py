@@ -20,10 +20,11 @@ class CacheConfig(Checked):
                                        "bf16 scale per token and kv head: 1.94x the blocks in the same memory",
                                choices=KV_CACHE_DTYPES)
     kv_offload_ram: int | None = flag(None, "bytes of host RAM for KV blocks evicted from the cache (a tier behind "
-                                            "it, LRU): a prefix seen before loads back instead of being recomputed")
+                                            "it, LRU): a prefix seen before loads back instead of being "
+                                            "recomputed (unset: no tiers)")
     kv_offload_disk: int | None = flag(None, "bytes of disk for KV blocks pushed out of the RAM tier, encrypted per "
                                              "tenant (AES-256-GCM; the master key in $SOBRIO_KV_MASTER_KEY or "
-                                             "--kv-offload-key-file); they survive restarts")
+                                             "--kv-offload-key-file); they survive restarts (unset: RAM tier only)")
     kv_offload_dir: str | None = flag(None, "the disk tier's directory (default: kv-offload under sobrio's cache)")
     kv_offload_key_file: str | None = flag(None, "file holding the disk tier's master key (64 hex digits or 32 "
                                                  "bytes); never give the key itself on the command line")

@@ -99,7 +99,7 @@ class ServerConfig(Checked):
                                                 "lower, more quality and more large calls (`sobrio router eval`); "
                                                 "default: the weights' own")
     agent_skills: str | None = flag(None, "the skills source (a folder, or REPO@COMMIT:PATH) that teams sent to "
-                                          "POST /v1/agents/runs may use")
+                                          "POST /v1/agents/runs may use (unset: none)")
     db: str | None = flag(None, "the gateway's SQLite file: tenants, their keys (`sobrio admin`) and the usage ledger "
                                 "(default: $SOBRIO_DB, else gateway.db under ~/.local/share/sobrio); once a tenant "
                                 "exists, every /v1 request needs a tenant's key")

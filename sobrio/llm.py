@@ -18,6 +18,16 @@ class LLM:
         self.engine = LLMEngine(SobrioConfig.from_kwargs(model=model, **engine_args))
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop what the engine started (tensor-parallel ranks, the KV offload tier's writes); idempotent."""
+        self.engine.core.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

@@ -11,8 +11,8 @@
   enable_chunked_prefill is accepted for vLLM's scripts (always on).
 - `StructuredOutputsConfig` (structured.py): the grammar compile timeout and fast-forward (forced tokens
   emitted without sampling).
-- `ParallelConfig` (parallel.py): num_threads; tensor_parallel_size, pipeline_parallel_size and
-  data_parallel_size accept only 1 until they are built.
+- `ParallelConfig` (parallel.py): num_threads, tensor_parallel_size, data_parallel_size,
+  distributed_executor_backend (mp or ray); pipeline_parallel_size accepts only 1.
 - `SpeculativeConfig` (speculative.py): `--speculative-config`, vLLM's JSON object (method, draft tokens,
   prompt-lookup n-gram sizes, disable_by_batch_size), checked once.
 - `UnsupportedConfig` (unsupported.py): vLLM flags for features sobrio lacks (`--enable-lora`,

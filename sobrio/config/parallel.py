@@ -1,30 +1,35 @@
-"""How the work is spread: CPU threads today; tensor, pipeline and data parallelism are named now, built later."""
+"""How the work is spread: CPU threads, tensor parallelism (ranks of one model), data parallelism (engine
+replicas), and where the ranks run (child processes, or Ray actors)."""
 
 from dataclasses import dataclass
 
 from sobrio.config.fields import Checked, flag
 from sobrio.errors import ConfigError
 
+EXECUTOR_BACKENDS = ("mp", "ray")
+
 
 @dataclass(frozen=True)
 class ParallelConfig(Checked):
-    """How the work is spread. Tensor, pipeline and data parallelism take vLLM's flags now and only 1 until they
-    are built."""
+    """How the work is spread. vLLM's flags and meanings; pipeline parallelism takes only 1 until it is built."""
 
-    tensor_parallel_size: int = flag(1, "devices one model's layers are split across (only 1 for now)")
+    tensor_parallel_size: int = flag(1, "ranks one model's layers are split across (heads, MLP channels, "
+                                        "vocabulary), one process each")
     pipeline_parallel_size: int = flag(1, "pipeline stages one model is split into (only 1 for now)")
-    data_parallel_size: int = flag(1, "engine replicas of one model (only 1 for now)")
-    num_threads: int | None = None  # torch intra-op threads; None: torch's default
+    data_parallel_size: int = flag(1, "engine-core replicas of the model behind this server, balanced by "
+                                      "outstanding requests with prefix affinity")
+    distributed_executor_backend: str | None = flag(None, "where ranks and replicas run: mp (child processes of "
+                                                          "this host, the default) or ray (actors placed by the "
+                                                          "Ray cluster of RAY_ADDRESS, or a local one)")
+    num_threads: int | None = None  # torch intra-op threads; None: torch's default (tensor parallel: cores / ranks)
 
     def __post_init__(self) -> None:
         self._at_least(1, "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
         self._at_least(1, "num_threads", optional=True)
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
-            self._not_yet(name)
-
-    def _not_yet(self, name: str) -> None:
-        """Flags named now so scripts can pass vLLM's; a size above 1 is refused, not silently ignored."""
-        value = getattr(self, name)
-        if value != 1:
-            option = "--" + name.replace("_", "-")
-            raise ConfigError(f"sobrio does not support {option}={value} yet (only 1)", option)
+        if self.pipeline_parallel_size != 1:
+            raise ConfigError(f"sobrio does not support --pipeline-parallel-size={self.pipeline_parallel_size} yet "
+                              f"(only 1)", "--pipeline-parallel-size")
+        backend = self.distributed_executor_backend
+        if backend is not None and backend not in EXECUTOR_BACKENDS:
+            raise ConfigError(f"--distributed-executor-backend must be one of {', '.join(EXECUTOR_BACKENDS)}, got "
+                              f"{backend!r}", "--distributed-executor-backend")

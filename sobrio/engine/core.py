@@ -14,7 +14,7 @@ import torch
 
 from sobrio.config import SobrioConfig
 from sobrio.engine.energy import StepFlops, open_meter, split_by_flops
-from sobrio.engine.executor import Executor
+from sobrio.engine.executor import ExecutorDeadError, make_executor
 from sobrio.engine.request import Request, RequestStatus
 from sobrio.engine.sampling import build_sampling_metadata
 from sobrio.engine.scheduler import Scheduler, SchedulerOutput
@@ -87,7 +87,7 @@ class _Deferred:
 class EngineCore:
     def __init__(self, config: SobrioConfig, files: LoadedModelFiles):
         self.config = config
-        self.executor = Executor(config, files)
+        self.executor = make_executor(config, files)
         self.max_model_len = self.executor.max_model_len
         self.scheduler = Scheduler(config, self.executor.num_blocks)
         self.sampler = Sampler()
@@ -276,6 +276,8 @@ class EngineCore:
         and the rest of the batch advances as if nothing had happened."""
         try:
             return self._execute(out)
+        except ExecutorDeadError:
+            raise  # no request's fault, and no step can run: the engine must restart
         except Exception as exc:
             logger.warning("engine step failed (%s); retrying its %d requests one at a time",
                            type(exc).__name__, len(out.scheduled))
@@ -382,13 +384,17 @@ class EngineCore:
                 "scheduler_running": len(sched.running), **self.structured.table_sizes()}
 
     def on_idle(self) -> bool:
-        """Work for an idle engine: the KV offload tier's disk writes, a batch at a time; True if more."""
+        """Work for an idle engine: the KV offload tier's disk writes, a batch at a time; True if more. Raises
+        ExecutorDeadError if a tensor-parallel rank died meanwhile."""
+        self.executor.check_alive()
         return self.offload is not None and self.offload.persist()
 
     def close(self) -> None:
-        """Finish the KV offload tier's queued disk writes (bounded), so a restart finds them."""
+        """Finish the KV offload tier's queued disk writes (bounded), so a restart finds them; stop the
+        other tensor-parallel ranks."""
         if self.offload is not None:
             self.offload.close()
+        self.executor.close()
 
     def stats(self) -> dict:
         pool = self.scheduler.pool

@@ -1,7 +1,7 @@
 """Executor: owns the model runner(s) and runs one scheduled step on them.
 
-In-process, one runner. A tensor-parallel executor (one process per rank) implements the same three
-members; the scheduler never learns how many processes run the model.
+In-process, one runner (`Executor`). The tensor-parallel executor (`distributed/tp_executor.py`, one
+process per rank) implements the same members; the scheduler never learns how many processes run the model.
 """
 
 import torch
@@ -9,8 +9,21 @@ import torch
 from sobrio.config import SobrioConfig
 from sobrio.engine.model_runner import ModelRunner
 from sobrio.engine.scheduler import SchedulerOutput
+from sobrio.errors import SobrioError
 from sobrio.loader.load import LoadedModelFiles
 from sobrio.spec.model_draft import load_draft_model
+
+
+class ExecutorDeadError(SobrioError):
+    """A rank of the model is gone: no step can run until the group is restarted (not a request's fault)."""
+
+
+def make_executor(config: SobrioConfig, files: LoadedModelFiles) -> "Executor":
+    if config.parallel_config.tensor_parallel_size > 1:
+        from sobrio.distributed.tp_executor import TensorParallelExecutor
+
+        return TensorParallelExecutor(config, files)
+    return Executor(config, files)
 
 
 class Executor:
@@ -37,6 +50,16 @@ class Executor:
     def draft(self, reqs: list, num_tokens: list[int], exit_layer: int | None) -> list[list[int]]:
         """Greedy drafts of the model cut after `exit_layer` layers, or of the draft model: `ModelRunner.draft`."""
         return self.runner.draft(reqs, num_tokens, exit_layer)
+
+    def check_alive(self) -> None:
+        """Raise ExecutorDeadError if a rank is gone (one process: never)."""
+
+    def layout(self) -> list[str]:
+        """Where the model runs, a line per process (what `sobrio serve` prints at start)."""
+        return ["rank 0: this process"]
+
+    def close(self) -> None:
+        """Stop the other ranks (one process: nothing)."""
 
     @property
     def num_layers(self) -> int:

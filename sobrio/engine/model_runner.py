@@ -5,10 +5,14 @@ holds no reference to it.
 """
 
 import logging
+import os
+from dataclasses import dataclass, field
 
 import torch
 
 from sobrio.config import ModelConfig, SobrioConfig
+from sobrio.distributed.parallel_model import parallelize
+from sobrio.distributed.sharding import TPRank, local_config, shard_weights
 from sobrio.engine.scheduler import SchedulerOutput
 from sobrio.errors import InvalidRequestError
 from sobrio.kv.cache import KV_CACHE_DTYPES, KVCache, KVCacheSpec, kv_budget
@@ -43,13 +47,32 @@ def quantization_in_use(model: ModelConfig, files: LoadedModelFiles) -> str | No
     return model.quantization or (files.quantization.method if files.quantization is not None else None)
 
 
+@dataclass
+class StepInputs:
+    """One step, flat and plain (lists of ints): what the other tensor-parallel ranks receive."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    query_start_loc: list[int] = field(default_factory=lambda: [0])
+    context_lens: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    # (request id, first hidden row, first prompt position, the prompt tokens it scores, top n)
+    prompt_scores: list[tuple[str, int, int, list[int], int]] = field(default_factory=list)
+
+
 class ModelRunner:
-    def __init__(self, config: SobrioConfig, files: LoadedModelFiles, draft: LoadedModelFiles | None = None):
+    def __init__(self, config: SobrioConfig, files: LoadedModelFiles, draft: LoadedModelFiles | None = None,
+                 tp: TPRank | None = None):
         """`draft`: a smaller model of the same tokenizer (`draft_model` speculation), which gets its own KV
-        cache of the same blocks; the KV memory budget is shared between the two in proportion."""
+        cache of the same blocks; the KV memory budget is shared between the two in proportion. `tp`: this
+        rank's share of a tensor-parallel model (its heads, channels, vocabulary rows and KV heads); every
+        rank holds as many KV blocks, and the KV budget is per rank."""
         model, cache = config.model_config, config.cache_config
-        if config.parallel_config.num_threads:
-            torch.set_num_threads(config.parallel_config.num_threads)
+        self.tp = tp
+        threads = config.parallel_config.num_threads or (None if tp is None else max(1, _cpus() // tp.group.size))
+        if threads:
+            torch.set_num_threads(threads)
         self.config = config
         self.hf_config = files.config
         self.dtype = resolve_dtype(model.dtype)
@@ -58,12 +81,15 @@ class ModelRunner:
         if model.max_model_len is not None and model.max_model_len > model_max:
             raise InvalidRequestError(f"max_model_len {model.max_model_len} exceeds the model's {model_max}")
         cache_dtype = KV_CACHE_DTYPES[cache.kv_cache_dtype]
-        self.kv_spec = kv_cache_spec(files.config, self.dtype, self.block_size, cache_dtype)
+        self.rank_config = files.config if tp is None else local_config(files.config, tp.shard)
+        self.kv_spec = kv_cache_spec(self.rank_config, self.dtype, self.block_size, cache_dtype)
+        widest = self.kv_spec if tp is None else kv_cache_spec(tp.widest_config(files.config), self.dtype,
+                                                               self.block_size, cache_dtype)
         draft_spec = None if draft is None else kv_cache_spec(draft.config, self.dtype, self.block_size, cache_dtype)
         budget = kv_budget(cache.kv_cache_memory, cache.kv_cache_memory_fraction, cache.kv_cache_memory_cap)
         if draft_spec is not None:
             budget = budget * self.kv_spec.block_bytes // (self.kv_spec.block_bytes + draft_spec.block_bytes)
-        self.num_blocks = self.kv_spec.num_blocks_for(budget)
+        self.num_blocks = widest.num_blocks_for(budget)
         self.max_model_len = min(model.max_model_len or model_max, self.num_blocks * self.block_size)
         self.model = self._build(files, model.quantization, model.batch_invariant)
         assert [a.layer_idx for a in self.model.attention_layers()] == list(range(self.kv_spec.num_layers))
@@ -73,16 +99,22 @@ class ModelRunner:
             self.draft_model = self._build(draft, config.speculative_config.get("quantization"), False)
             self.draft_kv_cache = KVCache.allocate(draft_spec, self.num_blocks)
         logger.info("model %s loaded: dtype=%s quantization=%s kv_cache_dtype=%s kv_blocks=%d max_model_len=%d "
-                    "batch_invariant=%s%s", files.source.name, self.dtype, quantization_in_use(model, files),
+                    "batch_invariant=%s%s%s", files.source.name, self.dtype, quantization_in_use(model, files),
                     cache.kv_cache_dtype, self.num_blocks, self.max_model_len, model.batch_invariant,
-                    "" if draft is None else f" draft_model={draft.source.name}")
+                    "" if draft is None else f" draft_model={draft.source.name}", "" if tp is None else f" {tp}")
         with log_step(logger, "warming up %s", files.source.name):
             self.warm_up()
 
     def _build(self, files: LoadedModelFiles, quantization: str | None, batch_invariant: bool):
         with log_step(logger, "loading the weights of %s", files.source.name):
-            return build_model(files.config, self.max_model_len, files.iter_weights(), self.dtype,
-                               self.config.model_config.attention_backend, batch_invariant, quantization)
+            if self.tp is None or files.config is not self.hf_config:  # a draft model is not split
+                return build_model(files.config, self.max_model_len, files.iter_weights(), self.dtype,
+                                   self.config.model_config.attention_backend, batch_invariant, quantization)
+            weights = shard_weights(files.iter_weights(), files.config, self.tp.shard)
+            model = build_model(self.rank_config, self.max_model_len, weights, self.dtype,
+                                self.config.model_config.attention_backend, batch_invariant, quantization)
+            parallelize(model, self.tp.shard, self.tp.group, files.config.vocab_size)
+            return model
 
     def warm_up(self) -> None:
         """One small prompt through the model, so the first request does not pay for loading the C++
@@ -96,40 +128,42 @@ class ModelRunner:
         req.block_table = [0]
         self.execute(SchedulerOutput(scheduled=[(req, num_tokens)]))
 
-    def prepare_inputs(self, out: SchedulerOutput):
-        """Flatten the step: token ids, positions, attention metadata, rows whose logits are needed (a
-        request's drafts follow its last token, and each of them needs its row too)."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        query_start_loc, context_lens, sample_rows = [0], [], []
+    def prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
+        """Flatten the step into plain lists: token ids, positions, block tables, the rows whose logits are
+        needed (a request's drafts follow its last token, and each of them needs its row too), and the prompt
+        log-probabilities to score. Plain, so the scheduler's rank can send them to the other ranks."""
+        step = StepInputs()
         for req, num_new in out.scheduled:
             start, end = req.num_computed_tokens, req.num_computed_tokens + num_new
             drafts = req.spec_token_ids
             assert end - req.num_tokens == len(drafts) or not drafts, "the scheduler trims the drafts"
-            input_ids += _token_slice(req, start, end - len(drafts)) + drafts
-            positions += range(start, end)
-            context_lens.append(end)
-            query_start_loc.append(query_start_loc[-1] + num_new)
+            row = len(step.input_ids)
+            step.input_ids += _token_slice(req, start, end - len(drafts)) + drafts
+            step.positions += range(start, end)
+            step.context_lens.append(end)
+            step.query_start_loc.append(step.query_start_loc[-1] + num_new)
+            step.block_tables.append(req.block_table)
             if end >= req.num_tokens:
-                sample_rows += range(query_start_loc[-1] - 1 - len(drafts), query_start_loc[-1])
-        positions_t = torch.tensor(positions, dtype=torch.long)
-        seq_of_token = torch.repeat_interleave(torch.arange(len(context_lens)),
-                                               torch.tensor(query_start_loc[1:]) - torch.tensor(query_start_loc[:-1]))
-        meta = self._metadata([req for req, _ in out.scheduled], seq_of_token, positions_t, query_start_loc,
-                              context_lens)
-        return torch.tensor(input_ids), positions_t, meta, torch.tensor(sample_rows, dtype=torch.long)
+                step.sample_rows += range(step.query_start_loc[-1] - 1 - len(drafts), step.query_start_loc[-1])
+            if req.prompt_logprobs is not None:
+                begin = max(start, len(req.prompt_logprobs))
+                stop = min(end, req.num_prompt_tokens - 1)
+                if stop > begin:
+                    step.prompt_scores.append((req.request_id, row + begin - start, begin,
+                                               req.prompt_token_ids[begin + 1:stop + 1],
+                                               req.sampling_params.prompt_logprobs or 0))
+        return step
 
-    def _metadata(self, reqs: list, seq_of_token: torch.Tensor, positions: torch.Tensor,
+    def _metadata(self, block_tables: list[list[int]], seq_of_token: torch.Tensor, positions: torch.Tensor,
                   query_start_loc: list[int], context_lens: list[int], kv_cache: KVCache | None = None
                   ) -> AttentionMetadata:
         """Attention metadata of a flat batch: each token's KV slot comes from its request's block table;
         `kv_cache` defaults to the served model's."""
-        width = max(len(req.block_table) for req in reqs)
-        block_tables = torch.tensor([req.block_table + [0] * (width - len(req.block_table)) for req in reqs],
-                                    dtype=torch.long)
-        block_ids = block_tables[seq_of_token, positions // self.block_size]
+        width = max(len(table) for table in block_tables)
+        tables = torch.tensor([table + [0] * (width - len(table)) for table in block_tables], dtype=torch.long)
+        block_ids = tables[seq_of_token, positions // self.block_size]
         slot_mapping = block_ids * self.block_size + positions % self.block_size
-        return AttentionMetadata(slot_mapping, query_start_loc, context_lens, block_tables, self.block_size,
+        return AttentionMetadata(slot_mapping, query_start_loc, context_lens, tables, self.block_size,
                                  self.kv_cache if kv_cache is None else kv_cache)
 
     @torch.inference_mode()
@@ -167,8 +201,9 @@ class ModelRunner:
         lengths = torch.tensor([len(t) for t in token_ids])
         query_start_loc = [0] + torch.cumsum(lengths, 0).tolist()
         pos = torch.cat([torch.arange(s, s + len(t)) for s, t in zip(starts, token_ids)])
-        meta = self._metadata(reqs, torch.repeat_interleave(torch.arange(len(reqs)), lengths), pos,
-                              query_start_loc, [s + len(t) for s, t in zip(starts, token_ids)], cache)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(reqs)), lengths)
+        context_lens = [s + len(t) for s, t in zip(starts, token_ids)]
+        meta = self._metadata([r.block_table for r in reqs], seq_of_token, pos, query_start_loc, context_lens, cache)
         hidden = model(torch.tensor([t for ids in token_ids for t in ids]), pos, meta, num_layers=exit_layer)
         logits = model.compute_logits(hidden[torch.tensor(query_start_loc[1:]) - 1])
         return logits[:, :self.hf_config.vocab_size].argmax(dim=-1).tolist()
@@ -177,30 +212,25 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, prompt_logprobs: dict | None = None) -> torch.Tensor:
         """Run one step; return float32 logits for the requests whose last token was computed. With a dict
         for `prompt_logprobs`, the requests that want them get theirs for this step's prompt positions."""
-        input_ids, positions, meta, sample_rows = self.prepare_inputs(out)
-        hidden = self.model(input_ids, positions, meta)
-        if prompt_logprobs is not None:
-            self._prompt_logprobs(out, hidden, prompt_logprobs)
-        self.sampled_hidden = hidden[sample_rows]  # draft heads read the row each request's last token came from
-        return self.model.compute_logits(self.sampled_hidden)
+        return self.run(self.prepare_inputs(out), prompt_logprobs)
 
-    def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor, result: dict) -> None:
-        """For each request wanting prompt logprobs: the logits at prompt position p score prompt token p + 1.
-        `result[request_id] = (first position, [(logprob, rank, [(token id, logprob), ...top n]), ...])`.
-        Positions the request already holds (recomputed after a preemption) are skipped; the LM head runs
-        on at most 256 rows at a time, so a long prompt chunk does not hold [chunk, vocab] logits at once."""
-        offset = 0
-        for req, num_new in out.scheduled:
-            start = req.num_computed_tokens
-            if req.prompt_logprobs is not None:
-                begin = max(start, len(req.prompt_logprobs))
-                end = min(start + num_new, req.num_prompt_tokens - 1)
-                if end > begin:
-                    rows = hidden[offset + begin - start:offset + end - start]
-                    targets = torch.tensor(req.prompt_token_ids[begin + 1:end + 1], dtype=torch.long)
-                    result[req.request_id] = (begin, _score(self.model, rows, targets,
-                                                            req.sampling_params.prompt_logprobs or 0))
-            offset += num_new
+    @torch.inference_mode()
+    def run(self, step: StepInputs, prompt_logprobs: dict | None = None) -> torch.Tensor:
+        """The forward of flat step inputs (what every tensor-parallel rank runs, in the same order: each
+        LM-head call is a collective). `prompt_logprobs[request_id] = (first position, [(logprob, rank,
+        [(token id, logprob), ...top n]), ...])`, the LM head on at most 256 rows at a time."""
+        positions = torch.tensor(step.positions, dtype=torch.long)
+        lengths = torch.tensor(step.query_start_loc[1:]) - torch.tensor(step.query_start_loc[:-1])
+        meta = self._metadata(step.block_tables, torch.repeat_interleave(torch.arange(len(lengths)), lengths),
+                              positions, step.query_start_loc, step.context_lens)
+        hidden = self.model(torch.tensor(step.input_ids), positions, meta)
+        for request_id, row, begin, targets, top_n in step.prompt_scores:
+            rows = hidden[row:row + len(targets)]
+            scores = _score(self.model, rows, torch.tensor(targets, dtype=torch.long), top_n)
+            if prompt_logprobs is not None:
+                prompt_logprobs[request_id] = (begin, scores)
+        self.sampled_hidden = hidden[torch.tensor(step.sample_rows, dtype=torch.long)]  # draft heads read these
+        return self.model.compute_logits(self.sampled_hidden)
 
 
 def _score(model, rows: torch.Tensor, targets: torch.Tensor, top_n: int, chunk: int = 256) -> list[tuple]:
@@ -217,6 +247,10 @@ def _score(model, rows: torch.Tensor, targets: torch.Tensor, top_n: int, chunk: 
             top = [list(zip(i_row, v_row)) for i_row, v_row in zip(ids.tolist(), values.tolist())]
         entries += [(lp, rank, t) for lp, rank, t in zip(chosen.squeeze(1).tolist(), ranks, top)]
     return entries
+
+
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _max_positions(target, draft: LoadedModelFiles | None) -> int:

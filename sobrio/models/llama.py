@@ -124,6 +124,7 @@ class CausalLM(torch.nn.Module):
         self.packed_lm_head: torch.Tensor | None = None
         self.amx_lm_head: torch.Tensor | None = None
         self.quantized_lm_head: torch.nn.Module | None = None  # set by `quantize()` or a pre-quantized checkpoint
+        self.gather_logits = None  # tensor parallelism: this rank's vocabulary slice -> the whole row
 
     def prepack(self) -> None:
         """Choose every matmul (oneDNN's packed weights, or the batch-invariant kernel); call once the
@@ -191,6 +192,8 @@ class CausalLM(torch.nn.Module):
         else:
             logits = linear(hidden, self.lm_head_weight(), packed=self.packed_lm_head,
                             batch_invariant=self.batch_invariant, amx_packed=self.amx_lm_head).float()
+        if self.gather_logits is not None:
+            logits = self.gather_logits(logits)
         if self.final_logit_softcapping:
             logits = self._softcap(logits, self.final_logit_softcapping)
         return logits

@@ -13,6 +13,7 @@
   emitted without sampling).
 - `ParallelConfig` (parallel.py): num_threads, tensor_parallel_size, data_parallel_size,
   distributed_executor_backend (mp or ray); pipeline_parallel_size accepts only 1.
+- `KVTransferConfig` (kv_transfer.py): `--kv-transfer-config`, disaggregated prefill and decode.
 - `SpeculativeConfig` (speculative.py): `--speculative-config`, vLLM's JSON object (method, draft tokens,
   prompt-lookup n-gram sizes, disable_by_batch_size), checked once.
 - `UnsupportedConfig` (unsupported.py): vLLM flags for features sobrio lacks (`--enable-lora`,
@@ -37,6 +38,7 @@ from sobrio.config.parallel import ParallelConfig
 from sobrio.config.scheduler import SchedulerConfig
 from sobrio.config.server import LOG_LEVELS, CorsConfig, LimitsConfig, ServerConfig
 from sobrio.config.sobrio import SobrioConfig
+from sobrio.config.kv_transfer import KVTransferConfig
 from sobrio.config.speculative import SpeculativeConfig
 from sobrio.config.structured import StructuredOutputsConfig
 from sobrio.config.unsupported import UnsupportedConfig

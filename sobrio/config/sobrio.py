@@ -5,6 +5,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from sobrio.config.cache import CacheConfig
+from sobrio.config.kv_transfer import KVTransferConfig
 from sobrio.config.model import ModelConfig
 from sobrio.config.parallel import ParallelConfig
 from sobrio.config.scheduler import SchedulerConfig
@@ -24,6 +25,7 @@ class SobrioConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    kv_transfer_config: KVTransferConfig = field(default_factory=KVTransferConfig)
 
     @classmethod
     def concerns(cls) -> dict[str, type]:

@@ -19,9 +19,6 @@ class UnsupportedConfig(Checked):
     enable_lora: bool = unsupported(False, "LoRA adapters")
     lora_modules: list[str] | None = unsupported(None, "LoRA adapters", nargs="+")
     enable_expert_parallel: bool = unsupported(False, "expert parallelism (no mixture-of-experts models)")
-    distributed_executor_backend: str | None = unsupported(None, "distributed executors (one machine, one process "
-                                                                 "per model)")
-    kv_transfer_config: str | None = unsupported(None, "disaggregated prefill (KV-cache transfer)")
     kv_events_config: str | None = unsupported(None, "KV-cache events")
     cpu_offload_gb: float = unsupported(0.0, "weight offloading (the weights are in CPU memory already)")
     enable_sleep_mode: bool = unsupported(False, "sleep mode")

@@ -35,7 +35,8 @@ FLAGS = ["--dtype", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-l
          "--seed", "--quantization", "--enforce-eager", "--trust-remote-code", "--gpu-memory-utilization",
          "--enable-chunked-prefill", "--kv-offload-ram", "--kv-offload-disk", "--kv-offload-dir",
          "--kv-offload-key-file",
-         "--structured-outputs-fast-forward", "--structured-outputs-compile-timeout", "--speculative-config"]
+         "--structured-outputs-fast-forward", "--structured-outputs-compile-timeout", "--speculative-config",
+         "--distributed-executor-backend", "--kv-transfer-config"]
 SERVE_FLAGS = ["--model", "--served-model-name", "--host", "--port", "--api-key", "--log-level",
                "--default-max-tokens", "--shutdown-timeout", "--engine-process", "--engine-restarts",
                "--max-body-bytes", "--max-prompts-per-request", "--max-seqs-per-request", "--max-request-tokens",
@@ -298,13 +299,26 @@ def test_a_bad_config_file_exits_2_naming_the_key(tmp_path, capsys, text, messag
 
 
 @pytest.mark.parametrize("flags", [["--enable-lora"], ["--pipeline-parallel-size", "2"],
-                                   ["--tensor-parallel-size", "2"], ["--kv-transfer-config", "{}"],
                                    ["--lora-modules", "a=/x", "b=/y"], ["--reasoning-parser", "deepseek_r1"],
                                    ["--no-enable-chunked-prefill"]])
 def test_a_flag_for_a_missing_feature_exits_2_saying_so(flags, capsys):
     assert cli.main(["serve", "smollm2-135m", *flags]) == 2
     err = capsys.readouterr().err
     assert f"sobrio serve: error: sobrio does not support {flags[0]}" in err and "unrecognized" not in err
+
+
+@pytest.mark.parametrize("value, message", [
+    ("{}", "kv_connector must be one of SharedMemoryConnector, TcpConnector"),
+    ('{"kv_connector": "NixlConnector"}', "kv_connector must be one of"),
+    ('{"kv_connector": "TcpConnector", "kv_role": "kv_producer"}', "kv_role must be kv_both"),
+    ('{"kv_connector": "TcpConnector", "kv_prot": 1}', "unknown key(s) kv_prot"),
+    ("[1]", "must be a JSON object")])
+def test_a_bad_kv_transfer_config_exits_2_naming_the_problem(value, message, capsys):
+    try:  # a bad JSON text fails in argparse (SystemExit), a bad object when the config is checked
+        code = cli.main(["serve", "smollm2-135m", "--kv-transfer-config", value])
+    except SystemExit as exc:
+        code = exc.code
+    assert code == 2 and message in capsys.readouterr().err
 
 
 def test_vllm_tool_calling_flags_are_accepted_for_the_format_sobrio_parses(capsys):

@@ -33,16 +33,17 @@ This package imports no server code; the server imports it.
 """
 
 from sobrio.config.cache import CacheConfig
+from sobrio.config.kv_transfer import KVTransferConfig
 from sobrio.config.model import ATTENTION_BACKENDS, DTYPES, ModelConfig
 from sobrio.config.parallel import ParallelConfig
 from sobrio.config.scheduler import SchedulerConfig
 from sobrio.config.server import LOG_LEVELS, CorsConfig, LimitsConfig, ServerConfig
 from sobrio.config.sobrio import SobrioConfig
-from sobrio.config.kv_transfer import KVTransferConfig
 from sobrio.config.speculative import SpeculativeConfig
 from sobrio.config.structured import StructuredOutputsConfig
 from sobrio.config.unsupported import UnsupportedConfig
 
-__all__ = ["ATTENTION_BACKENDS", "DTYPES", "LOG_LEVELS", "CacheConfig", "CorsConfig", "LimitsConfig",
+__all__ = ["ATTENTION_BACKENDS", "DTYPES", "LOG_LEVELS", "CacheConfig", "CorsConfig", "KVTransferConfig",
+           "LimitsConfig",
            "ModelConfig", "ParallelConfig", "SchedulerConfig", "ServerConfig", "SobrioConfig", "SpeculativeConfig",
            "StructuredOutputsConfig", "UnsupportedConfig"]

@@ -9,6 +9,7 @@ flight fail, promptly: gloo notices a closed connection at once).
 
 import atexit
 import logging
+import os
 import pickle
 import subprocess
 import sys
@@ -62,7 +63,7 @@ class LocalWorkers:
         return all(p.poll() is None for p in self.processes)
 
     def describe(self) -> list[str]:
-        return [f"rank {i + 1}: pid {p.pid}" for i, p in enumerate(self.processes)]
+        return [f"tensor-parallel rank {i + 1}: pid {p.pid}" for i, p in enumerate(self.processes)]
 
     def stop(self, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout
@@ -116,7 +117,7 @@ class TensorParallelExecutor(Executor):
         raise AssertionError("check_supported refuses drafting methods with tensor parallelism")
 
     def layout(self) -> list[str]:
-        return ["rank 0: this process (scheduler)"] + self.workers.describe()
+        return [f"tensor-parallel rank 0: this process (pid {os.getpid()})"] + self.workers.describe()
 
     def close(self) -> None:
         atexit.unregister(self.close)

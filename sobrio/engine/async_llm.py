@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from sobrio.config import ServerConfig, SobrioConfig
+from sobrio.distributed.core_groups import open_cores
 from sobrio.engine.core_process import CoreProcess, EngineDeadError
 from sobrio.engine.llm_engine import LLMEngine
 from sobrio.engine.outputs import RequestOutput
@@ -177,6 +178,15 @@ class _ClientBase:
             loop.call_soon_threadsafe(queue.put_nowait, error)
         self._queues.clear()
 
+    def _fail(self, request_ids: list[str], error: Exception) -> None:
+        """These requests (front ids) get `error`; the caller holds the lock and has told the engine."""
+        for request_id in request_ids:
+            target = self._queues.pop(request_id, None)
+            if self.on_abort is not None:
+                self.on_abort(request_id)
+            if target is not None:
+                target[0].call_soon_threadsafe(target[1].put_nowait, error)
+
     def purge_cache_salt(self, salt: str) -> None:
         """Forget the cached blocks of a salt (a deleted tenant) and shred its offloaded ones."""
         with self._lock:
@@ -267,7 +277,8 @@ class AsyncMPClient(_ClientBase):
         self.restarts = 0
         # tokenizer and config here; prepares a GGUF once, before the core
         files = load_model_files(config.model_config)
-        core = CoreProcess(config, startup_timeout)
+        core = open_cores(config, startup_timeout)  # one process, data-parallel replicas, or prefill + decode
+        logger.info("engine layout of %s: %s", config.model_config.model, " | ".join(core.layout()))
         super().__init__(LLMEngine(config, core=core, files=files), on_output)
         self._thread.start()
 
@@ -290,20 +301,25 @@ class AsyncMPClient(_ClientBase):
             self._deliver_all(outputs)
 
     def _restart(self, exc: EngineDeadError) -> None:
-        """Fail every request in flight at once, then start a new core (503 meanwhile)."""
-        logger.error("%s; failing the requests in flight", exc)
-        self.healthy = False
+        """Fail the requests the dead core held at once (all of them, or one replica's), then start a new
+        one (503 meanwhile, unless other replicas still serve)."""
+        logger.error("%s; failing the requests it held", exc)
+        partial = getattr(exc, "request_ids", None)  # a group's member: only its requests
+        self.healthy = partial is not None and getattr(self.core, "serves_while_restarting", False)
+        error = EngineStepError("the engine process died while computing this request")
         with self._lock:
-            self._fail_all(EngineStepError("the engine process died while computing this request"),
-                           abort_in_core=False)
-            self.engine.forget_all()
-        self.core.close(timeout=1)
+            if partial is None:
+                self._fail_all(error, abort_in_core=False)
+                self.engine.forget_all()
+            else:
+                self._fail(self.engine.forget(partial), error)
         if self.restarts >= self.max_restarts:
+            self.core.close(timeout=1)
             return self._give_up(f"engine core died {self.restarts + 1} times; giving up")
         self.restarts += 1
         logger.info("restarting the engine core (%d of %d)", self.restarts, self.max_restarts)
         try:
-            self.engine.core = CoreProcess(self.config, self.startup_timeout)
+            self.engine.core = self.core.restarted(exc)
         except SobrioError as start_error:
             return self._give_up(f"engine core restart failed: {start_error}")
         self.healthy = True

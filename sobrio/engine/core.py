@@ -10,16 +10,18 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from sobrio.config import SobrioConfig
+from sobrio.distributed.kv_transfer import open_connector
 from sobrio.engine.energy import StepFlops, open_meter, split_by_flops
 from sobrio.engine.executor import ExecutorDeadError, make_executor
 from sobrio.engine.request import Request, RequestStatus
 from sobrio.engine.sampling import build_sampling_metadata
 from sobrio.engine.scheduler import Scheduler, SchedulerOutput
 from sobrio.engine.stats import StepTokenCounts
-from sobrio.kv.offload import open_offload
+from sobrio.kv.offload import BlockCodec, open_offload
 from sobrio.loader.load import LoadedModelFiles, load_tokenizer
 from sobrio.sample.params import SamplingParams
 from sobrio.sample.rejection import verify
@@ -44,6 +46,9 @@ class EngineCoreRequest:
     kv_offload: bool | None = None  # may its KV blocks be offloaded (a tenant's policy); None: the server's
     # n > 1: start once this sibling has computed the shared prompt, then take its blocks from the cache
     after_prompt_of: str | None = None
+    # disaggregated serving: {"export": True} on the prefill core; on the decode core, the prefill's
+    # kv_transfer_params (where its blocks are), imported before the request is scheduled
+    kv_transfer: dict | None = None
 
 
 @dataclass
@@ -70,6 +75,7 @@ class EngineCoreOutput:
     error: str | None = None  # "error" by the request's own fault (its grammar): what its client is told (400)
     energy_j: float = 0.0  # the request's so far (engine/energy.py)
     energy_source: str | None = None
+    kv_transfer_params: dict | None = None  # a finished prefill's exported blocks (distributed/kv_transfer.py)
 
     @property
     def finished(self) -> bool:
@@ -98,6 +104,9 @@ class EngineCore:
         runner, model = self.executor.runner, config.model_config
         self.offload = open_offload(config.cache_config, f"{model.model}|{model.quantization}",
                                     [runner.kv_cache, runner.draft_kv_cache], self.scheduler.kv)  # or None
+        self.kv_connector = open_connector(config)  # disaggregated prefill/decode, or None
+        self.block_codec = BlockCodec([c for c in (runner.kv_cache, runner.draft_kv_cache) if c is not None]) \
+            if self.kv_connector is not None else None
         # structured output: grammars compile on a worker thread (the tokenizer is read at the first one)
         structured = config.structured_outputs_config
         self.structured = StructuredOutputManager(GrammarCompiler(lambda: load_tokenizer(files, config.model_config)),
@@ -117,10 +126,34 @@ class EngineCore:
                       priority=creq.priority)
         # tiers configured: a request without a policy of its own (no tenant) uses them
         req.kv_offload = self.offload is not None and creq.kv_offload is not False
+        if creq.kv_transfer is not None:
+            req.kv_export = bool(creq.kv_transfer.get("export"))
+            if not req.kv_export:
+                self._import_blocks(creq.kv_transfer, creq.cache_salt)
         if creq.sampling_params.structured_outputs is not None:  # scheduled once its grammar has compiled
             self.structured.submit(req, creq.after_prompt_of)
             return
         self._admit(req, creq.after_prompt_of)
+
+    def _import_blocks(self, params: dict, salt: str | None) -> None:
+        """A prefill core's exported blocks, into the RAM tier: the prefix lookup then restores them."""
+        assert self.kv_connector is not None and self.offload is not None, "a decode core has both"
+        blocks = self.kv_connector.fetch(params)
+        self.offload.put(
+            [bytes.fromhex(h) for h in params["hashes"][:len(blocks)]], salt,
+            [b if isinstance(b, np.ndarray) else np.frombuffer(b, dtype=np.uint8) for b in blocks])
+
+    def _export_blocks(self, req: Request) -> dict:
+        """The full blocks of a finished prefill's prompt, still in the prefix cache (freed, not yet reused)."""
+        block_of = self.scheduler.kv.pool.prefix_cache.block_of
+        hashes, blocks = [], []
+        for block_hash in req.prompt_block_hashes:
+            block_id = block_of.get(block_hash)
+            if block_id is None:
+                break
+            hashes.append(block_hash)
+            blocks.append(self.block_codec.gather(block_id))
+        return self.kv_connector.export(blocks, hashes)
 
     def _admit(self, req: Request, after_prompt_of: str | None) -> None:
         first = self.scheduler.requests.get(after_prompt_of or "")
@@ -312,6 +345,8 @@ class EngineCore:
         if tokens[0].logprob is not None:
             logprobs = [TokenLogprob(t.logprob, t.rank, t.top_logprobs or []) for t in tokens]
         output = self._output(req, [t.token_id for t in tokens] + forced, logprobs)
+        if req.kv_export and req.status.finished:
+            output.kv_transfer_params = self._export_blocks(req)
         if req.prompt_logprobs is not None and not req.prompt_logprobs_sent:
             output.prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
         return output
@@ -394,6 +429,8 @@ class EngineCore:
         other tensor-parallel ranks."""
         if self.offload is not None:
             self.offload.close()
+        if self.kv_connector is not None:
+            self.kv_connector.close()
         self.executor.close()
 
     def stats(self) -> dict:
@@ -405,4 +442,5 @@ class EngineCore:
                 "iteration_tokens": self.step_tokens.snapshot(), "num_blocks": pool.num_blocks,
                 "structured_outputs": self.structured.stats(),
                 "spec_decode": None if self.speculator is None else self.speculator.stats(),
-                "kv_offload": None if self.offload is None else self.offload.snapshot()}
+                "kv_offload": None if self.offload is None else self.offload.snapshot(),
+                "kv_transfer": None if self.kv_connector is None else self.kv_connector.snapshot()}

@@ -17,7 +17,7 @@ import socket
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
@@ -61,7 +61,7 @@ def run_engine_core(config: SobrioConfig, input_addr: str, output_addr: str, log
         outputs.send(encode(("failed", f"{type(exc).__name__}: {exc}")))
         return
     outputs.send(encode(("ready", {"max_model_len": core.max_model_len, "num_blocks": core.scheduler.pool.num_blocks,
-                                   "pid": os.getpid()})))
+                                   "pid": os.getpid(), "layout": core.executor.layout()})))
     try:
         _serve(core, inputs, outputs, parent)
     finally:
@@ -138,6 +138,7 @@ class CoreInfo:
     max_model_len: int
     num_blocks: int
     pid: int
+    layout: list[str] = field(default_factory=list)  # where its model runs: a line per tensor-parallel rank
 
 
 def sweep_stale_socket_folders(root: str | None = None) -> int:
@@ -171,7 +172,7 @@ class CoreProcess:
     """Starts the engine-core process and speaks to it; the front calls it like an in-process core."""
 
     def __init__(self, config: SobrioConfig, startup_timeout: float = 600.0):
-        self.config = config
+        self.config, self.startup_timeout = config, startup_timeout
         if removed := sweep_stale_socket_folders():
             logger.info("removed %d socket folder(s) left by killed sobrio processes", removed)
         self._folder = tempfile.mkdtemp(prefix="sobrio-core-")  # 0700: only this user reaches the sockets
@@ -256,6 +257,14 @@ class CoreProcess:
 
     def is_alive(self) -> bool:
         return self.process.is_alive()
+
+    def layout(self) -> list[str]:
+        return [f"engine core pid {self.info.pid}" + "".join(f"; {line}" for line in self.info.layout)]
+
+    def restarted(self, exc: EngineDeadError) -> "CoreProcess":
+        """A new core in place of this dead one (its tensor-parallel ranks with it)."""
+        self.close(timeout=1)
+        return CoreProcess(self.config, self.startup_timeout)
 
     def close(self, timeout: float = 10.0) -> None:
         """Ask the core to stop, wait a bounded time, then kill it; remove the socket folder. Once only:

@@ -56,7 +56,7 @@ class Executor:
 
     def layout(self) -> list[str]:
         """Where the model runs, a line per process (what `sobrio serve` prints at start)."""
-        return ["rank 0: this process"]
+        return []
 
     def close(self) -> None:
         """Stop the other ranks (one process: nothing)."""

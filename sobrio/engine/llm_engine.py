@@ -168,6 +168,14 @@ class LLMEngine:
         self.sequences.clear()
         self.children.clear()
 
+    def forget(self, core_request_ids: list[str]) -> list[str]:
+        """Drop the requests these core requests belong to (a replica that died held them): their ids."""
+        parents = {self.sequences[c].parent_id for c in core_request_ids if c in self.sequences}
+        for parent in parents:
+            for child_id in self.children.pop(parent, []):
+                self.sequences.pop(child_id, None)
+        return sorted(parents)
+
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 

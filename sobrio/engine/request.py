@@ -34,6 +34,7 @@ class Request:
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     kv_offload: bool = False  # its blocks may go to the KV offload tiers (kv/offload.py) when evicted
+    kv_export: bool = False  # a disaggregated prefill: its prompt's blocks are exported when it finishes
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first schedule

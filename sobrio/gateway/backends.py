@@ -16,12 +16,11 @@ check (`Backends.watch`) probes every replica's /health and brings it back when 
 import asyncio
 import logging
 import os
-import time
-from collections import OrderedDict
 from collections.abc import Iterable
 
 import httpx
 
+from sobrio.distributed.balance import Balanced, chained_hashes, choose
 from sobrio.engine.client import EngineClient
 from sobrio.errors import SobrioError
 from sobrio.gateway.config import RemoteSpec
@@ -31,7 +30,6 @@ logger = logging.getLogger("sobrio.gateway")
 
 PREFIX_BLOCK_CHARS = 64  # about 16 tokens: one KV block of the engines' prefix caches
 MAX_PREFIX_BLOCKS = 128  # 8 KB of prompt: past that, the first blocks decide
-AFFINITY_ENTRIES = 16384  # hashes remembered per replica (a few hundred prompts' worth)
 CLIENTS_PER_REPLICA = 8
 
 
@@ -41,49 +39,22 @@ class NoBackendAvailable(SobrioError):
 
 def prefix_hashes(text: str) -> list[int]:
     """Chained hashes of the prompt's whole blocks: equal lists up to i mean equal text up to block i."""
-    hashes, h = [], 0
-    end = min(len(text), PREFIX_BLOCK_CHARS * MAX_PREFIX_BLOCKS)
-    for start in range(0, end - PREFIX_BLOCK_CHARS + 1, PREFIX_BLOCK_CHARS):
-        h = hash((h, text[start:start + PREFIX_BLOCK_CHARS]))
-        hashes.append(h)
-    return hashes
+    return chained_hashes(text, PREFIX_BLOCK_CHARS, MAX_PREFIX_BLOCKS)
 
 
-class Replica:
+class Replica(Balanced):
     """One backend of one model: its load, its health, the prompt prefixes it has seen."""
 
     is_remote = False
 
     def __init__(self, name: str, region: str):
+        super().__init__()
         self.name = name  # in the ledger's `backend` column: "local:ITA", "remote:host:port"
         self.region = region
-        self.in_flight = 0
-        self.last_chosen = 0.0
-        self.seen: OrderedDict[int, None] = OrderedDict()
 
     @property
     def healthy(self) -> bool:
         return True
-
-    @property
-    def outstanding(self) -> int:
-        return self.in_flight
-
-    def matched(self, hashes: list[int]) -> int:
-        """How many leading blocks of the prompt this replica has seen."""
-        count = 0
-        for h in hashes:
-            if h not in self.seen:
-                break
-            count += 1
-        return count
-
-    def remember(self, hashes: list[int]) -> None:
-        for h in hashes:
-            self.seen[h] = None
-            self.seen.move_to_end(h)
-        while len(self.seen) > AFFINITY_ENTRIES:
-            self.seen.popitem(last=False)
 
 
 class LocalReplica(Replica):
@@ -178,16 +149,7 @@ class ModelBackends:
         candidates = [r for r in candidates if r.healthy and r not in set(exclude)]
         if not candidates:
             raise NoBackendAvailable(f"no backend of model {self.model!r} is available; try again shortly")
-        loads = {r: r.outstanding for r in candidates}
-        least = min(loads.values())
-        affine = max(candidates, key=lambda r: (r.matched(hashes), -loads[r]))
-        if affine.matched(hashes) > 0 and loads[affine] <= least + self.balance_slack:
-            chosen = affine
-        else:
-            chosen = min(candidates, key=lambda r: (loads[r], r.last_chosen))
-        chosen.last_chosen = time.monotonic()
-        chosen.remember(hashes)
-        return chosen
+        return choose(candidates, hashes, self.balance_slack)
 
     def _allowed(self, tenant) -> list[Replica]:
         allowed = tenant.limits.allowed_regions if tenant is not None else None

@@ -315,6 +315,16 @@ class KVOffload:
             self.stats.stored["ram"] += 1
             self._spill()
 
+    def put(self, block_hashes: list[bytes], tenant: str | None, blocks: list[np.ndarray]) -> None:
+        """Blocks computed elsewhere (a disaggregated prefill core's), into RAM: the prefix lookup restores
+        them as it does offloaded ones."""
+        with self.lock:
+            for block_hash, data in zip(block_hashes, blocks):
+                assert data.nbytes == self.codec.block_nbytes, "a block of another layout"
+                self.ram[block_hash] = (tenant or "", data)
+                self.ram.move_to_end(block_hash)
+            self._spill()
+
     def _spill(self) -> None:
         """Past the RAM budget, the least recently used blocks leave RAM, for the disk if it lacks them
         (called with the lock held)."""

@@ -29,7 +29,7 @@ from sobrio.engine.stats import ITERATION_TOKENS_BUCKETS
 from sobrio.structured.backend import COMPILE_SECONDS_BUCKETS
 
 METRICS_PREFIXES = ("sobrio", "vllm")
-ENGINE = "0"  # vLLM's `engine` label: the data-parallel rank; sobrio runs one engine per served model
+ENGINE = "0"  # vLLM's `engine` label: the data-parallel rank ("0" for one core; a group's members: their names)
 FINISHED_REASONS = ("stop", "length", "abort", "error")  # vLLM's FinishReason, as its label values
 PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")  # vLLM's PromptTokenStats
 
@@ -83,8 +83,9 @@ class EngineStatsCollector:
             stats = engine.stats()
             if getattr(engine, "task", "generate") == "generate":
                 generating.append((model_name, stats))
-            for name, family in {**gauges, **counters}.items():
-                family.add_metric([model_name, ENGINE], stats[name])
+            for member in stats.get("members") or [stats]:  # data-parallel replicas, prefill and decode cores
+                for name, family in {**gauges, **counters}.items():
+                    family.add_metric([model_name, engine_label(member)], member[name])
             counts, total = stats.get("iteration_tokens") or ([0] * (len(ITERATION_TOKENS_BUCKETS) + 1), 0)
             steps.add_metric([model_name, ENGINE], cumulative_buckets(ITERATION_TOKENS_BUCKETS, counts), total)
             info = cache_config_info(engine, stats)
@@ -98,6 +99,7 @@ class EngineStatsCollector:
         yield from structured_output_families(generating)
         yield from spec_decode_families(p, generating)
         yield from kv_offload_families(generating)
+        yield from kv_transfer_families(p, generating)
         if cache_infos:  # one label set for the family: every engine's keys
             keys = list(dict.fromkeys(k for info in cache_infos for k in info))
             family = GaugeMetricFamily(f"{p}:cache_config_info", "Information of the LLMEngine CacheConfig",
@@ -196,6 +198,32 @@ def kv_offload_families(generating: list[tuple[str, dict]]):
         for key, family in plain.items():
             family.add_metric([model_name, ENGINE], stats[key])
     yield from (hits, stored, size, misses, *plain.values())
+
+
+def engine_label(stats: dict) -> str:
+    """A group member's `engine` label: a data-parallel rank ("0", "1"), "prefill" or "decode"; one core: "0"."""
+    return str(stats.get("name", ENGINE)).removeprefix("dp")
+
+
+def kv_transfer_families(prefix: str, generating: list[tuple[str, dict]]):
+    """Disaggregated serving: bytes and seconds of KV blocks exported by prefill cores and imported by decode
+    cores (their ratio is the transfer rate)."""
+    labels = ["model_name", "engine"]
+    sent = CounterMetricFamily(f"{prefix}:kv_transfer_bytes_sent", "KV-block bytes a prefill core exported",
+                               labels=labels)
+    received = CounterMetricFamily(f"{prefix}:kv_transfer_bytes_received", "KV-block bytes a decode core imported",
+                                   labels=labels)
+    seconds = CounterMetricFamily(f"{prefix}:kv_transfer_seconds", "Seconds a core spent exporting and importing "
+                                  "KV blocks", labels=labels)
+    for model_name, stats in generating:
+        for member in stats.get("members") or [stats]:
+            transfer = member.get("kv_transfer")
+            if transfer:
+                label = [model_name, engine_label(member)]
+                sent.add_metric(label, transfer["bytes_sent"])
+                received.add_metric(label, transfer["bytes_received"])
+                seconds.add_metric(label, transfer["seconds_exporting"] + transfer["seconds_importing"])
+    yield from (sent, received, seconds)
 
 
 def cache_config_info(engine, stats: dict) -> dict[str, str] | None:

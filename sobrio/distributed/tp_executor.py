@@ -79,7 +79,7 @@ def start_workers(config: SobrioConfig, size: int, host: str, port: int):
     if config.parallel_config.distributed_executor_backend == "ray":
         from sobrio.distributed.ray_workers import RayWorkers
 
-        return RayWorkers(config, size, port)
+        return RayWorkers(config, size, host, port)
     return LocalWorkers(config, size, host, port)
 
 
@@ -88,7 +88,7 @@ class TensorParallelExecutor(Executor):
         check_supported(config, files)
         size = config.parallel_config.tensor_parallel_size
         shards = plan_shards(files.config, size)
-        host = "127.0.0.1" if config.parallel_config.distributed_executor_backend != "ray" else _node_ip()
+        host = _node_ip() if config.parallel_config.distributed_executor_backend == "ray" else "127.0.0.1"
         store = serve_store(host, size)
         with log_step(logger, "starting %d tensor-parallel ranks", size - 1):
             self.workers = start_workers(config, size, host, store.port)
@@ -131,6 +131,7 @@ class TensorParallelExecutor(Executor):
 
 
 def _node_ip() -> str:
-    import ray
+    """The address the other machines of the Ray cluster reach this one at (rank 0's store and gloo)."""
+    from sobrio.distributed.ray_workers import connect_ray
 
-    return ray.util.get_node_ip_address()
+    return connect_ray().util.get_node_ip_address()

@@ -2,7 +2,9 @@
 a rank that dies fails the step at once with ExecutorDeadError."""
 
 import os
+import shutil
 import signal
+import tempfile
 import time
 
 import pytest
@@ -55,3 +57,19 @@ def test_a_rank_that_dies_fails_the_next_step_promptly():
         assert time.monotonic() - start < 5
     finally:
         llm.close()
+
+
+def test_ranks_placed_by_a_local_ray_cluster_give_the_same_tokens(smollm2):
+    ray = pytest.importorskip("ray")
+    folder = tempfile.mkdtemp(prefix="ray-")  # its session files and logs go here, and go with it
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=folder)
+    try:
+        expected = tokens(smollm2.generate(PROMPTS[:3], GREEDY, use_tqdm=False))
+        with LLM("smollm2-135m", **engine_kwargs(tensor_parallel_size=2, distributed_executor_backend="ray")) as llm:
+            assert any("Ray actor on" in line for line in llm.engine.core.executor.layout())
+            assert tokens(llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)) == expected
+        assert ray.util.placement_group_table() and all(
+            pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
+    finally:
+        ray.shutdown()
+        shutil.rmtree(folder, ignore_errors=True)

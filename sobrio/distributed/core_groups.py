@@ -67,8 +67,9 @@ class CoreGroup:
         self.config = configs[0][1]
         self.startup_timeout = startup_timeout
         self.member_configs = [c for _, c in configs]
+        self.core_class = core_class(self.config)
         with ThreadPoolExecutor(len(configs)) as pool:
-            cores = list(pool.map(lambda c: CoreProcess(c[1], startup_timeout), configs))
+            cores = list(pool.map(lambda c: self.core_class(c[1], startup_timeout), configs))
         self.members = [Member(name, core) for (name, _), core in zip(configs, cores)]
         self.info = CoreInfo(min(c.info.max_model_len for c in cores), sum(c.info.num_blocks for c in cores),
                              cores[0].info.pid, self.layout())
@@ -80,8 +81,7 @@ class CoreGroup:
 
     def layout(self) -> list[str]:
         """A line per member: its name, its core's pid, and its tensor-parallel ranks if any."""
-        return [f"{m.name}: engine core pid {m.core.info.pid}" + "".join(f"; {line}" for line in m.core.info.layout)
-                for m in self.members]
+        return [f"{m.name}: {line}" for m in self.members for line in m.core.layout()]
 
     def _send(self, member: Member, creq: EngineCoreRequest) -> None:
         member.core.add_request(creq)
@@ -150,7 +150,7 @@ class CoreGroup:
             member = self.members[index]
             self.poller.unregister(member.core._outputs)  # noqa: SLF001
             member.core.close(timeout=1)
-            member.core = CoreProcess(self.member_configs[index], self.startup_timeout)
+            member.core = self.core_class(self.member_configs[index], self.startup_timeout)
             member.seen.clear()
             self.poller.register(member.core._outputs, zmq.POLLIN)  # noqa: SLF001
             logger.info("%s restarted: engine core pid %d", member.name, member.core.info.pid)
@@ -245,10 +245,19 @@ class DisaggregatedCores(CoreGroup):
         return {**super().table_sizes(), "group_waiting": len(self.waiting)}
 
 
+def core_class(config: SobrioConfig) -> type[CoreProcess]:
+    """Where each core runs: a child process, or a Ray actor (`--distributed-executor-backend ray`)."""
+    if config.parallel_config.distributed_executor_backend == "ray":
+        from sobrio.distributed.ray_workers import RayCoreProcess
+
+        return RayCoreProcess
+    return CoreProcess
+
+
 def open_cores(config: SobrioConfig, startup_timeout: float = 600.0):
     """The engine core(s) one model's front drives: one process, replicas, or a prefill/decode pair."""
     if config.kv_transfer_config.enabled:
         return DisaggregatedCores(config, startup_timeout)
     if config.parallel_config.data_parallel_size > 1:
         return DataParallelCores(config, startup_timeout)
-    return CoreProcess(config, startup_timeout)
+    return core_class(config)(config, startup_timeout)

@@ -1,8 +1,11 @@
-"""Tensor-parallel ranks 1..N-1 as Ray actors (`--distributed-executor-backend ray`), as vLLM places its
-workers: on the machines of the Ray cluster this process joins (`RAY_ADDRESS`, or a cluster started with
-`ray start --head` on this host), or on a local one it starts when there is none. Each actor takes one CPU
-and a bundle of a placement group (PACK: on as few machines as fit), joins rank 0's store over TCP, and runs
-the same loop as a worker process. `ray` is an optional extra: only this path imports it.
+"""Tensor-parallel ranks 1..N-1 and data-parallel engine cores as Ray actors
+(`--distributed-executor-backend ray`), as vLLM places its workers: on the machines of the Ray cluster this
+process joins (`RAY_ADDRESS`, or a cluster started with `ray start --head` on this host), or on a local one it
+starts when there is none. A rank's actor takes one CPU and a bundle of a placement group (PACK: on as few
+machines as fit), joins rank 0's store over TCP, and runs the same loop as a worker process. A replica's
+engine core runs in an actor too, its two ZMQ sockets over TCP at this node's address instead of a private
+Unix folder: the Ray cluster's network must be private (as for vLLM's). Actors die with the process that made
+them (Ray's fate sharing). `ray` is an optional extra: only this path imports it.
 """
 
 import logging
@@ -10,6 +13,7 @@ import os
 
 from sobrio.config import SobrioConfig
 from sobrio.distributed.worker import WorkerArgs, run_worker
+from sobrio.engine.core_process import CoreProcess, run_engine_core
 from sobrio.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -78,3 +82,51 @@ class RayWorkers:
         from ray.util.placement_group import remove_placement_group
 
         remove_placement_group(self.group)
+
+
+class _CoreActor:
+    def run(self, config: SobrioConfig, input_addr: str, output_addr: str, log_level: int) -> None:
+        run_engine_core(config, input_addr, output_addr, log_level, watch_parent=False)
+
+
+class ActorProcess:
+    """A Ray actor seen as a process: alive until its `run` returns or it dies."""
+
+    def __init__(self, ray, actor, run):
+        self.ray, self.actor, self.run = ray, actor, run
+        self.exitcode: int | None = None
+
+    def is_alive(self) -> bool:
+        done, _ = self.ray.wait([self.run], timeout=0)
+        if done and self.exitcode is None:
+            try:
+                self.ray.get(self.run)
+                self.exitcode = 0
+            except Exception:  # the actor died (killed, or its process exited)
+                self.exitcode = 1
+        return not done
+
+    def join(self, timeout: float | None = None) -> None:
+        self.ray.wait([self.run], timeout=timeout)
+
+    def kill(self) -> None:
+        self.ray.kill(self.actor)
+
+
+class RayCoreProcess(CoreProcess):
+    """An engine core in a Ray actor, wherever the cluster has a free CPU."""
+
+    def _bind(self) -> tuple[str, str]:
+        ip = connect_ray().util.get_node_ip_address()
+        in_port = self._inputs.bind_to_random_port(f"tcp://{ip}")
+        out_port = self._outputs.bind_to_random_port(f"tcp://{ip}")
+        return f"tcp://{ip}:{in_port}", f"tcp://{ip}:{out_port}"
+
+    def _start(self, input_addr: str, output_addr: str) -> ActorProcess:
+        ray = connect_ray()
+        actor = ray.remote(num_cpus=1)(_CoreActor).remote()
+        run = actor.run.remote(self.config, input_addr, output_addr, logging.getLogger().getEffectiveLevel())
+        return ActorProcess(ray, actor, run)
+
+    def layout(self) -> list[str]:
+        return [f"engine core in a Ray actor (pid {self.info.pid})" + "".join(f"; {x}" for x in self.info.layout)]

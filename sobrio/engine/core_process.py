@@ -46,14 +46,16 @@ def decode(frame: bytes):
 
 # ---- the child process ----
 
-def run_engine_core(config: SobrioConfig, input_addr: str, output_addr: str, log_level: int) -> None:
-    """Entry point of the engine-core process: load, report ready, then step while there is work."""
+def run_engine_core(config: SobrioConfig, input_addr: str, output_addr: str, log_level: int,
+                    watch_parent: bool = True) -> None:
+    """Entry point of the engine-core process: load, report ready, then step while there is work.
+    `watch_parent`: exit when the process that started this one is gone (a Ray actor: Ray does that)."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s")
     ctx = zmq.Context()
     inputs, outputs = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     inputs.connect(input_addr)
     outputs.connect(output_addr)
-    parent = os.getppid()
+    parent = os.getppid() if watch_parent else None
     try:
         core = _start_core(config)
     except Exception as exc:  # a start-up error: say what it was, then exit
@@ -68,7 +70,8 @@ def run_engine_core(config: SobrioConfig, input_addr: str, output_addr: str, log
         core.close()
     ctx.destroy(linger=0)
     # An API process killed outright cannot remove its socket folder; the core that outlives it does.
-    shutil.rmtree(os.path.dirname(input_addr.removeprefix("ipc://")), ignore_errors=True)
+    if input_addr.startswith("ipc://"):
+        shutil.rmtree(os.path.dirname(input_addr.removeprefix("ipc://")), ignore_errors=True)
 
 
 def _start_core(config: SobrioConfig):
@@ -82,8 +85,12 @@ def _start_core(config: SobrioConfig):
     return core
 
 
-def _serve(core, inputs: zmq.Socket, outputs: zmq.Socket, parent: int) -> None:
-    while os.getppid() == parent:
+def _parent_lives(parent: int | None) -> bool:
+    return parent is None or os.getppid() == parent
+
+
+def _serve(core, inputs: zmq.Socket, outputs: zmq.Socket, parent: int | None) -> None:
+    while _parent_lives(parent):
         busy = core.has_unfinished_requests() or core.on_idle()
         inputs.poll(0 if busy else IDLE_POLL_MS)
         changed, stop = _apply_inputs(core, inputs)
@@ -100,14 +107,14 @@ def _serve(core, inputs: zmq.Socket, outputs: zmq.Socket, parent: int) -> None:
     logger.warning("API process is gone; engine core exits")
 
 
-def _send_while_parent_lives(socket: zmq.Socket, frame: bytes, parent: int) -> bool:
+def _send_while_parent_lives(socket: zmq.Socket, frame: bytes, parent: int | None) -> bool:
     """A PUSH socket waits while its reader is busy; it must not wait for a reader that died."""
     while True:
         try:
             socket.send(frame, zmq.NOBLOCK)
             return True
         except zmq.Again:
-            if os.getppid() != parent:
+            if not _parent_lives(parent):
                 return False
             time.sleep(0.001)
 
@@ -179,19 +186,28 @@ class CoreProcess:
         self._ctx = zmq.Context()
         self._inputs = self._ctx.socket(zmq.PUSH)
         self._outputs = self._ctx.socket(zmq.PULL)
-        self._inputs.bind(f"ipc://{self._folder}/in")
-        self._outputs.bind(f"ipc://{self._folder}/out")
+        input_addr, output_addr = self._bind()
         self.last_stats: dict = {}
         self._closed, self._close_lock = False, threading.Lock()
-        spawn = multiprocessing.get_context("spawn")
-        name = f"sobrio-core-{config.model_config.model}"
-        self.process = spawn.Process(target=run_engine_core, name=name, daemon=True,
-                                     args=(config, f"ipc://{self._folder}/in", f"ipc://{self._folder}/out",
-                                           logging.getLogger().getEffectiveLevel()))
         logger.info("starting the engine-core process of %s (it loads the weights)", config.model_config.model)
-        self.process.start()
+        self.process = self._start(input_addr, output_addr)
         self.info = self._wait_ready(startup_timeout)
         self.max_model_len = self.info.max_model_len
+
+    def _bind(self) -> tuple[str, str]:
+        """Bind the two sockets; the addresses the core connects to."""
+        self._inputs.bind(f"ipc://{self._folder}/in")
+        self._outputs.bind(f"ipc://{self._folder}/out")
+        return f"ipc://{self._folder}/in", f"ipc://{self._folder}/out"
+
+    def _start(self, input_addr: str, output_addr: str):
+        """The core's process (a child of this one); anything with is_alive, exitcode, join and kill."""
+        spawn = multiprocessing.get_context("spawn")
+        process = spawn.Process(target=run_engine_core, name=f"sobrio-core-{self.config.model_config.model}",
+                                daemon=True, args=(self.config, input_addr, output_addr,
+                                                   logging.getLogger().getEffectiveLevel()))
+        process.start()
+        return process
 
     def _wait_ready(self, timeout: float) -> CoreInfo:
         deadline = time.monotonic() + timeout
@@ -264,7 +280,7 @@ class CoreProcess:
     def restarted(self, exc: EngineDeadError) -> "CoreProcess":
         """A new core in place of this dead one (its tensor-parallel ranks with it)."""
         self.close(timeout=1)
-        return CoreProcess(self.config, self.startup_timeout)
+        return type(self)(self.config, self.startup_timeout)
 
     def close(self, timeout: float = 10.0) -> None:
         """Ask the core to stop, wait a bounded time, then kill it; remove the socket folder. Once only:

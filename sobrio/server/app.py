@@ -651,6 +651,10 @@ def _start_engines(configs: list, engine_process: bool, max_restarts: int, on_fa
 
     if not engine_process:
         return [AsyncLLM.from_config(c) for c in configs]
+    if any(c.parallel_config.distributed_executor_backend == "ray" for c in configs):
+        from sobrio.distributed.ray_workers import connect_ray
+
+        connect_ray()  # from this thread: Ray's local processes die with the thread that started them
     with ThreadPoolExecutor(len(configs)) as pool:
         futures = [pool.submit(AsyncMPClient, c, max_restarts, on_fatal=on_fatal) for c in configs]
         errors = [f.exception() for f in futures if f.exception() is not None]

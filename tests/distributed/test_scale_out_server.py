@@ -4,7 +4,9 @@ only what it held, promptly, and the server recovers as documented."""
 
 import asyncio
 import os
+import shutil
 import signal
+import tempfile
 import time
 from pathlib import Path
 
@@ -137,3 +139,17 @@ def test_tensor_parallel_server_answers_as_one_engine_and_restarts_the_group(exp
                           core_pids(srv.proc.pid) not in ([], [core]), 90)
         assert texts(asyncio.run(complete_all(srv.base_url, PROMPTS))) == expected
         assert srv.stop() == 0
+
+
+def test_data_parallel_replicas_placed_by_ray_answer_as_one_engine(expected, monkeypatch):
+    pytest.importorskip("ray")
+    folder = tempfile.mkdtemp(prefix="ray-")  # short: Ray's Unix sockets live under it (107 bytes at most)
+    monkeypatch.setenv("RAY_TMPDIR", folder)  # the local cluster's session files go with the test
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    try:
+        with serving(*FLAGS, "--data-parallel-size", "2", "--distributed-executor-backend", "ray") as srv:
+            assert srv.log_text().count("engine core in a Ray actor") >= 2
+            assert texts(asyncio.run(complete_all(srv.base_url, PROMPTS))) == expected
+            assert srv.stop() == 0
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -21,7 +21,7 @@ IDLE_TIMEOUT = timedelta(days=7)  # a rank waits this long for the next step (an
 
 @dataclass
 class CommStats:
-    """All-reduces and all-gathers since start: count, bytes sent in, seconds spent (the TP benchmark)."""
+    """One kind of collective since start: count, bytes each rank put in, seconds spent (the TP benchmark)."""
 
     calls: int = 0
     bytes: int = 0
@@ -38,7 +38,7 @@ class TPGroup:
         """Join the group of `store` (rank 0's own, or a client of it); rank 0 waits up to `timeout` seconds
         for the others, asking `alive()` (are they all still running?) between tries."""
         self.rank, self.size = rank, size
-        self.stats = CommStats()
+        self.stats = {"all_reduce": CommStats(), "all_gather": CommStats()}
         if dist.is_initialized():
             raise RuntimeError("this process already holds a tensor-parallel group: one tensor-parallel engine per "
                                "process (close the other first)")
@@ -69,7 +69,7 @@ class TPGroup:
         """The sum over ranks of a row-parallel layer's partial output, in place."""
         start = time.perf_counter()
         dist.all_reduce(tensor)
-        self._count(tensor, start)
+        self._count("all_reduce", tensor, start)
         return tensor
 
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -77,7 +77,7 @@ class TPGroup:
         start = time.perf_counter()
         parts = [torch.empty_like(logits) for _ in range(self.size)]
         dist.all_gather(parts, logits.contiguous())
-        self._count(logits, start)
+        self._count("all_gather", logits, start)
         return torch.cat(parts, dim=-1)[:, :vocab_size]
 
     def broadcast(self, message=None):
@@ -86,10 +86,11 @@ class TPGroup:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def _count(self, tensor: torch.Tensor, start: float) -> None:
-        self.stats.calls += 1
-        self.stats.bytes += tensor.numel() * tensor.element_size()
-        self.stats.seconds += time.perf_counter() - start
+    def _count(self, kind: str, tensor: torch.Tensor, start: float) -> None:
+        stats = self.stats[kind]
+        stats.calls += 1
+        stats.bytes += tensor.numel() * tensor.element_size()
+        stats.seconds += time.perf_counter() - start
 
     def close(self) -> None:
         if self.open and dist.is_initialized():

@@ -26,6 +26,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sobrio import LLM, SamplingParams  # noqa: E402
+from sobrio.distributed.shm_allreduce import ShmAllReduce  # noqa: E402
 
 
 def counting_steps(llm: LLM) -> list[float]:
@@ -90,20 +91,27 @@ def report(name: str, one: dict, two: dict) -> None:
 def _all_reduce_rank(rank: int, port: int, sizes: list[int], results) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.set_num_threads(1)
-    for size in sizes:
-        tensor = torch.ones(size // 4)
-        repeats = max(5, min(200, (64 << 20) // size))
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(repeats):
-            dist.all_reduce(tensor)
-        if rank == 0:
-            results.put((size, (time.perf_counter() - start) / repeats))
+    shm = ShmAllReduce(0, 2) if rank == 0 else None
+    box = [shm.name if shm else None]
+    dist.broadcast_object_list(box, src=0)
+    shm = shm or ShmAllReduce(rank, 2, box[0])
+    for name, reduce in (("gloo", dist.all_reduce), ("shared memory", shm.all_reduce)):
+        for size in sizes:
+            tensor = torch.ones(size // 4)
+            repeats = max(5, min(200, (64 << 20) // size))
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(repeats):
+                reduce(tensor)
+            if rank == 0:
+                results.put((name, size, (time.perf_counter() - start) / repeats))
+    dist.barrier()
+    shm.close()
     dist.destroy_process_group()
 
 
-def all_reduce_sweep(sizes: list[int]) -> list[tuple[int, float]]:
-    """gloo all-reduce between two processes on this host: (bytes, seconds per call)."""
+def all_reduce_sweep(sizes: list[int]) -> list[tuple[str, int, float]]:
+    """gloo's and the shared-memory all-reduce between two processes on this host: (path, bytes, seconds)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -112,7 +120,7 @@ def all_reduce_sweep(sizes: list[int]) -> list[tuple[int, float]]:
     ranks = [ctx.Process(target=_all_reduce_rank, args=(r, port, sizes, results)) for r in range(2)]
     for r in ranks:
         r.start()
-    found = [results.get(timeout=300) for _ in sizes]
+    found = [results.get(timeout=300) for _ in range(2 * len(sizes))]
     for r in ranks:
         r.join(30)
     return found
@@ -131,12 +139,15 @@ def main() -> None:
           f"prompt (2 processes on this host)")
     report(f"decode batch {args.batch}", one["decode"], two["decode"])
     report(f"prefill {args.prompt} tokens", one["prefill"], two["prefill"])
-    print("\ngloo all-reduce, 2 idle processes on this host (float32):")
+    print("\nall-reduce between 2 idle processes on this host (float32): gloo (TCP) and shared memory (TP's path)")
     sweep = all_reduce_sweep([4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20])
-    for size, seconds in sweep:
-        print(f"  {size / 1024:7.0f} KiB: {1e6 * seconds:8.1f} us ({size / seconds / 1e9:.2f} GB/s)")
-    latency, (big, big_s) = sweep[0][1], sweep[-1]
-    print(f"  -> scale_model.py --allreduce-us {1e6 * latency:.0f} --local-gbs {big / (big_s - latency) / 1e9:.2f}")
+    for name in ("gloo", "shared memory"):
+        rows = [(size, seconds) for path, size, seconds in sweep if path == name]
+        for size, seconds in rows:
+            print(f"  {name:13s} {size / 1024:7.0f} KiB: {1e6 * seconds:8.1f} us ({size / seconds / 1e9:.2f} GB/s)")
+        latency, (big, big_s) = rows[0][1], rows[-1]
+        print(f"  -> scale_model.py --allreduce-us {1e6 * latency:.0f} --local-gbs "
+              f"{big / max(big_s - latency, 1e-9) / 1e9:.2f}")
 
 
 if __name__ == "__main__":

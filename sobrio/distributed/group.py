@@ -14,6 +14,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from sobrio.distributed.shm_allreduce import ShmAllReduce
+
 logger = logging.getLogger(__name__)
 
 IDLE_TIMEOUT = timedelta(days=7)  # a rank waits this long for the next step (an idle server sends none)
@@ -34,20 +36,27 @@ def serve_store(host: str, size: int, timeout: float = 600.0) -> dist.TCPStore:
 
 
 class TPGroup:
-    def __init__(self, rank: int, size: int, store: dist.Store, alive=lambda: True, timeout: float = 600.0):
+    def __init__(self, rank: int, size: int, store: dist.Store, alive=lambda: True, timeout: float = 600.0,
+                 same_host: bool = False):
         """Join the group of `store` (rank 0's own, or a client of it); rank 0 waits up to `timeout` seconds
-        for the others, asking `alive()` (are they all still running?) between tries."""
+        for the others, asking `alive()` (are they all still running?) between tries. `same_host` (rank 0
+        knows it: its ranks are its children): all-reduces through shared memory."""
         self.rank, self.size = rank, size
         self.stats = {"all_reduce": CommStats(), "all_gather": CommStats()}
         if dist.is_initialized():
             raise RuntimeError("this process already holds a tensor-parallel group: one tensor-parallel engine per "
                                "process (close the other first)")
         self.open = True
+        self.shm = ShmAllReduce(0, size, alive=alive) if rank == 0 and same_host else None
+        if rank == 0:
+            store.set("shm", self.shm.name if self.shm else "")
         store.set(f"ready/{rank}", "1")
         if rank == 0:
             self._wait_for_ranks(store, alive, timeout)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=IDLE_TIMEOUT)
         self.store = store  # rank 0's serves the others until the group closes
+        if rank != 0 and (name := store.get("shm").decode()):
+            self.shm = ShmAllReduce(rank, size, name)
 
     @classmethod
     def join(cls, rank: int, size: int, host: str, port: int, timeout: float = 600.0) -> "TPGroup":
@@ -68,15 +77,22 @@ class TPGroup:
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of a row-parallel layer's partial output, in place."""
         start = time.perf_counter()
-        dist.all_reduce(tensor)
+        if self.shm is not None and self.shm.fits(tensor):
+            self.shm.all_reduce(tensor)
+        else:
+            dist.all_reduce(tensor)
         self._count("all_reduce", tensor, start)
         return tensor
 
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """Every rank's slice of the logits, side by side, the padding rows cut: [rows, vocab_size]."""
         start = time.perf_counter()
-        parts = [torch.empty_like(logits) for _ in range(self.size)]
-        dist.all_gather(parts, logits.contiguous())
+        logits = logits.contiguous()
+        if self.shm is not None and self.shm.fits(logits):
+            parts = self.shm.all_gather(logits)
+        else:
+            parts = [torch.empty_like(logits) for _ in range(self.size)]
+            dist.all_gather(parts, logits)
         self._count("all_gather", logits, start)
         return torch.cat(parts, dim=-1)[:, :vocab_size]
 
@@ -93,6 +109,9 @@ class TPGroup:
         stats.seconds += time.perf_counter() - start
 
     def close(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
         if self.open and dist.is_initialized():
             dist.destroy_process_group()
         self.open = False

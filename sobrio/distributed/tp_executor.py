@@ -93,7 +93,8 @@ class TensorParallelExecutor(Executor):
         with log_step(logger, "starting %d tensor-parallel ranks", size - 1):
             self.workers = start_workers(config, size, host, store.port)
         try:
-            self.group = TPGroup(0, size, store, alive=self.workers.alive)
+            local = isinstance(self.workers, LocalWorkers)
+            self.group = TPGroup(0, size, store, alive=self.workers.alive, same_host=local)
             self.runner = ModelRunner(config, files, tp=TPRank(shards[0], shards, self.group))
         except BaseException:
             self.workers.stop(timeout=0)

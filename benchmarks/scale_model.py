@@ -60,7 +60,7 @@ class Row:
 
 
 MODELS = {
-    "smollm2-135m": Model("smollm2-135m", 576, 30, 49152, 135e6, 30.0),
+    "smollm2-135m": Model("smollm2-135m", 576, 30, 49152, 135e6, 29.3),  # bf16, batch 32 (tensor_parallel.py)
     "llama3-8b": Model("llama3-8b", 4096, 32, 128256, 8.0e9, None),
 }
 RANKS = (1, 2, 4, 8)
@@ -121,7 +121,7 @@ def print_table(p: Platform, rows: list[Row]) -> None:
 
 def platforms(a: argparse.Namespace) -> list[Platform]:
     return [
-        Platform("one host, gloo (measured)", a.allreduce_us, a.local_gbs, 1,
+        Platform("one host, shared memory (measured)", a.allreduce_us, a.local_gbs, 1,
                  "all ranks share one memory bus, so TP compute does not shrink and DP gives 1x "
                  "(k replicas split the same bandwidth)"),
         Platform("multi-socket server (shared memory, UPI)", a.socket_us, a.socket_gbs, a.sockets,
@@ -149,8 +149,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=32, help="tokens per decode step")
     ap.add_argument("--step-ms", type=float, default=None, help="measured one-rank step (default: preset/roofline)")
     ap.add_argument("--mem-gbs", type=float, default=200.0, help="memory bandwidth per socket, GB/s")
-    ap.add_argument("--allreduce-us", type=float, default=60.0, help="measured gloo all-reduce latency, this host")
-    ap.add_argument("--local-gbs", type=float, default=5.0, help="measured gloo all-reduce bandwidth, this host")
+    ap.add_argument("--allreduce-us", type=float, default=33.0, help="measured all-reduce latency between two "
+                    "processes of this host (benchmarks/tensor_parallel.py, shared memory)")
+    ap.add_argument("--local-gbs", type=float, default=2.7, help="measured all-reduce bandwidth, this host")
     ap.add_argument("--sockets", type=int, default=2, help="sockets per server")
     ap.add_argument("--socket-us", type=float, default=5.0)
     ap.add_argument("--socket-gbs", type=float, default=40.0)
@@ -172,7 +173,7 @@ def main() -> None:
     print(f"model {m.name}: hidden {m.hidden}, layers {m.layers}, vocab {m.vocab}, {m.params:.3g} params, "
           f"{a.dtype_bytes}-byte activations, batch {a.batch}")
     print(f"one-rank step {step_ms:.2f} ms: {source}")
-    print(f"this host (gloo, measured): all-reduce {a.allreduce_us:g} us, {a.local_gbs:g} GB/s; "
+    print(f"this host (shared memory, measured): all-reduce {a.allreduce_us:g} us, {a.local_gbs:g} GB/s; "
           f"{a.sockets} sockets per server")
     for p, rows in tables:
         print_table(p, rows)

@@ -24,9 +24,10 @@ import pytest  # noqa: E402 - after the environment it reads
 
 # The files that take minutes (slowest first): with two workers (`make test`) both start on them, and the
 # small files fill in at the end, instead of one worker finishing a long file alone while the other idles.
-SLOW_FILES_FIRST = ("test_speculative.py", "test_hf_equality.py", "test_structured_properties.py",
-                    "test_engine_process.py", "test_batch_invariant.py", "test_cli_serve.py", "test_hostile.py",
-                    "test_awq_gptq_model.py", "test_tools.py", "test_quantized_model.py", "test_sampling_engine.py")
+SLOW_FILES_FIRST = ("test_speculative.py", "test_hf_equality.py", "test_scale_out_server.py",
+                    "test_structured_properties.py", "test_engine_process.py", "test_batch_invariant.py",
+                    "test_cli_serve.py", "test_hostile.py", "test_awq_gptq_model.py", "test_tools.py",
+                    "test_quantized_model.py", "test_sampling_engine.py", "test_tensor_parallel.py")
 
 
 def pytest_collection_modifyitems(items) -> None:

@@ -8,6 +8,7 @@ flight fail, promptly: gloo notices a closed connection at once).
 """
 
 import atexit
+import dataclasses
 import logging
 import os
 import pickle
@@ -119,6 +120,9 @@ class TensorParallelExecutor(Executor):
 
     def layout(self) -> list[str]:
         return [f"tensor-parallel rank 0: this process (pid {os.getpid()})"] + self.workers.describe()
+
+    def stats(self) -> dict:
+        return {"size": self.group.size, **{kind: dataclasses.asdict(s) for kind, s in self.group.stats.items()}}
 
     def close(self) -> None:
         atexit.unregister(self.close)

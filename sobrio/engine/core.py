@@ -443,4 +443,5 @@ class EngineCore:
                 "structured_outputs": self.structured.stats(),
                 "spec_decode": None if self.speculator is None else self.speculator.stats(),
                 "kv_offload": None if self.offload is None else self.offload.snapshot(),
-                "kv_transfer": None if self.kv_connector is None else self.kv_connector.snapshot()}
+                "kv_transfer": None if self.kv_connector is None else self.kv_connector.snapshot(),
+                "tensor_parallel": self.executor.stats()}

@@ -24,6 +24,7 @@ import zmq
 
 from sobrio.config import SobrioConfig
 from sobrio.engine.core import EngineCoreRequest
+from sobrio.engine.executor import ExecutorDeadError
 from sobrio.errors import SobrioError
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,9 @@ def run_engine_core(config: SobrioConfig, input_addr: str, output_addr: str, log
                                    "pid": os.getpid(), "layout": core.executor.layout()})))
     try:
         _serve(core, inputs, outputs, parent)
+    except ExecutorDeadError as exc:  # a tensor-parallel rank died: exit, the client restarts the group
+        logger.error("%s; engine core exits for a restart", exc)
+        raise SystemExit(1) from None
     finally:
         core.close()
     ctx.destroy(linger=0)

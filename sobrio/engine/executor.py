@@ -58,6 +58,10 @@ class Executor:
         """Where the model runs, a line per process (what `sobrio serve` prints at start)."""
         return []
 
+    def stats(self) -> dict | None:
+        """Tensor parallelism's collectives so far (calls, bytes, seconds by kind); None with one rank."""
+        return None
+
     def close(self) -> None:
         """Stop the other ranks (one process: nothing)."""
 

@@ -15,7 +15,7 @@ from sobrio.engine.core import EngineCore, EngineCoreOutput, EngineCoreRequest, 
 from sobrio.engine.detokenize import IncrementalDetokenizer
 from sobrio.engine.input import InputProcessor
 from sobrio.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from sobrio.errors import EngineOverloadedError, InvalidRequestError
+from sobrio.errors import ConfigError, EngineOverloadedError, InvalidRequestError
 from sobrio.loader.load import LoadedModelFiles, load_model_files
 from sobrio.sample.params import SamplingParams
 from sobrio.structured.backend import validate as validate_structured
@@ -63,6 +63,8 @@ class LLMEngine:
     def __init__(self, config: SobrioConfig, core=None, files: LoadedModelFiles | None = None):
         """`core`: an in-process EngineCore by default, or a handle with its interface (`CoreProcess`)."""
         self.config = config
+        if core is None:
+            _one_core_in_process(config)
         files = files or load_model_files(config.model_config)
         self.model_name = files.source.name
         self.tokenizer = files.tokenizer
@@ -273,6 +275,17 @@ class LLMEngine:
     def stats(self) -> dict:
         stats = self.core.stats()
         return {**stats, "num_requests_waiting": self.num_waiting(stats), "tables": self.table_sizes(stats["tables"])}
+
+
+def _one_core_in_process(config: SobrioConfig) -> None:
+    """An in-process engine is one core: replicas and a prefill/decode pair need `sobrio serve`'s engine
+    processes (refused, not silently ignored)."""
+    if config.parallel_config.data_parallel_size > 1:
+        raise ConfigError("--data-parallel-size > 1 runs engine-core processes behind `sobrio serve` (not offline, "
+                          "nor with --engine-process false)", "--data-parallel-size")
+    if config.kv_transfer_config.enabled:
+        raise ConfigError("--kv-transfer-config runs a prefill and a decode engine-core process behind `sobrio "
+                          "serve` (not offline, nor with --engine-process false)", "--kv-transfer-config")
 
 
 def derived_seed(engine_seed: int, number: int) -> int:

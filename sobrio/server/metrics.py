@@ -100,6 +100,7 @@ class EngineStatsCollector:
         yield from spec_decode_families(p, generating)
         yield from kv_offload_families(generating)
         yield from kv_transfer_families(p, generating)
+        yield from tensor_parallel_families(p, generating)
         if cache_infos:  # one label set for the family: every engine's keys
             keys = list(dict.fromkeys(k for info in cache_infos for k in info))
             family = GaugeMetricFamily(f"{p}:cache_config_info", "Information of the LLMEngine CacheConfig",
@@ -224,6 +225,27 @@ def kv_transfer_families(prefix: str, generating: list[tuple[str, dict]]):
                 received.add_metric(label, transfer["bytes_received"])
                 seconds.add_metric(label, transfer["seconds_exporting"] + transfer["seconds_importing"])
     yield from (sent, received, seconds)
+
+
+def tensor_parallel_families(prefix: str, generating: list[tuple[str, dict]]):
+    """Tensor parallelism, as rank 0 sees it: its ranks, and its collectives' calls, bytes and seconds."""
+    labels = ["model_name", "engine", "collective"]
+    ranks = GaugeMetricFamily(f"{prefix}:tensor_parallel_size", "Ranks one model is split across",
+                              labels=labels[:2])
+    families = {key: CounterMetricFamily(f"{prefix}:tensor_parallel_collective_{key}", doc, labels=labels)
+                for key, doc in [("calls", "Collectives run by rank 0"),
+                                 ("bytes", "Bytes rank 0 put into its collectives"),
+                                 ("seconds", "Seconds rank 0 spent in collectives (waiting for the others included)")]}
+    for model_name, stats in generating:
+        for member in stats.get("members") or [stats]:
+            tp = member.get("tensor_parallel")
+            if tp:
+                ranks.add_metric([model_name, engine_label(member)], tp["size"])
+                for collective in ("all_reduce", "all_gather"):
+                    for key, family in families.items():
+                        family.add_metric([model_name, engine_label(member), collective], tp[collective][key])
+    yield ranks
+    yield from families.values()
 
 
 def cache_config_info(engine, stats: dict) -> dict[str, str] | None:

@@ -122,6 +122,10 @@ def test_tensor_parallel_server_answers_as_one_engine_and_restarts_the_group(exp
     with serving(*FLAGS, "--tensor-parallel-size", "2") as srv:
         assert "tensor-parallel rank 1: pid" in srv.log_text()
         assert texts(asyncio.run(complete_all(srv.base_url, PROMPTS))) == expected
+        assert metric_lines(srv.base_url, "tensor_parallel_size") == {"0": 2.0}
+        calls = [line for line in httpx.get(f"{srv.base_url}/metrics").text.splitlines()
+                 if line.startswith("sobrio:tensor_parallel_collective_calls_total{") and "all_reduce" in line]
+        assert calls and float(calls[0].rsplit(" ", 1)[1]) > 0
         [core] = core_pids(srv.proc.pid)
         [rank1] = [p for p, cmd in children(core).items() if b"sobrio.distributed.worker" in cmd]
 

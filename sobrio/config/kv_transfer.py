@@ -8,12 +8,11 @@ core pulls from (another host can). `kv_buffer_size`: bytes of imported blocks t
 its request takes them (an LRU; vLLM's name).
 """
 
-import argparse
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from sobrio.config.fields import Checked, flag
+from sobrio.config.speculative import json_object_flag, parse_json_object
 from sobrio.errors import ConfigError
 
 OPTION = "--kv-transfer-config"
@@ -21,16 +20,6 @@ CONNECTORS = ("SharedMemoryConnector", "TcpConnector")
 ROLES = ("kv_both",)
 DEFAULTS: dict[str, Any] = {"kv_connector": None, "kv_role": "kv_both", "kv_ip": "127.0.0.1", "kv_port": 0,
                             "kv_buffer_size": 1 << 30}
-
-
-def _json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"{OPTION} must be a JSON object: {exc}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"{OPTION} must be a JSON object, got {text!r}")
-    return value
 
 
 def _require(ok: bool, why: str) -> None:
@@ -44,12 +33,12 @@ class KVTransferConfig(Checked):
         None, 'disaggregated prefill and decode as JSON, vLLM\'s keys: {"kv_connector": "SharedMemoryConnector" '
               '(one host) or "TcpConnector" (the decode core pulls from kv_ip:kv_port), "kv_role": "kv_both" (this '
               'server runs a prefill core and a decode core), "kv_buffer_size": bytes the decode core holds for '
-              'imported blocks (1 GiB)}', type=_json_object)
+              'imported blocks (1 GiB)}', type=json_object_flag(OPTION))
 
     def __post_init__(self) -> None:
         spec = self.kv_transfer_config
         if isinstance(spec, str):
-            spec = _json_object(spec)
+            spec = parse_json_object(spec, OPTION)
         if spec is not None:
             unknown = sorted(set(spec) - set(DEFAULTS))
             _require(not unknown, f"unknown key(s) {', '.join(unknown)}; known: {', '.join(DEFAULTS)}")

@@ -30,22 +30,27 @@ DEFAULTS: dict[str, Any] = {"method": None, "num_speculative_tokens": None, "pro
                             "model": None, "exit_layer": None, "quantization": None}
 
 
-def json_object(text: str) -> dict:
-    """The flag's converter: argparse shows its message (a ConfigError would read "invalid value")."""
-    try:
-        return parse_json_object(text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+def json_object_flag(option: str):
+    """A JSON-object flag's converter: argparse shows its message (a ConfigError would read "invalid value")."""
+    def convert(text: str) -> dict:
+        try:
+            return parse_json_object(text, option)
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return convert
 
 
-def parse_json_object(text: str) -> dict:
+json_object = json_object_flag(OPTION)
+
+
+def parse_json_object(text: str, option: str = OPTION) -> dict:
     """A JSON object, or a ConfigError naming the flag."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"{OPTION} must be a JSON object: {exc}", OPTION) from None
+        raise ConfigError(f"{option} must be a JSON object: {exc}", option) from None
     if not isinstance(value, dict):
-        raise ConfigError(f"{OPTION} must be a JSON object, got {text!r}", OPTION)
+        raise ConfigError(f"{option} must be a JSON object, got {text!r}", option)
     return value
 
 

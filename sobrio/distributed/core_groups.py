@@ -260,7 +260,7 @@ class DisaggregatedCores(CoreGroup):
 def core_class(config: SobrioConfig) -> type[CoreProcess]:
     """Where each core runs: a child process, or a Ray actor (`--distributed-executor-backend ray`)."""
     if config.parallel_config.distributed_executor_backend == "ray":
-        from sobrio.distributed.ray_workers import RayCoreProcess
+        from sobrio.distributed.ray_cores import RayCoreProcess
 
         return RayCoreProcess
     return CoreProcess

@@ -15,8 +15,9 @@ import torch
 
 from sobrio.config import SobrioConfig
 from sobrio.distributed.kv_transfer import open_connector
+from sobrio.distributed.tp_executor import TensorParallelExecutor
 from sobrio.engine.energy import StepFlops, open_meter, split_by_flops
-from sobrio.engine.executor import ExecutorDeadError, make_executor
+from sobrio.engine.executor import Executor, ExecutorDeadError
 from sobrio.engine.request import Request, RequestStatus
 from sobrio.engine.sampling import build_sampling_metadata
 from sobrio.engine.scheduler import Scheduler, SchedulerOutput
@@ -93,7 +94,8 @@ class _Deferred:
 class EngineCore:
     def __init__(self, config: SobrioConfig, files: LoadedModelFiles):
         self.config = config
-        self.executor = make_executor(config, files)
+        tp = config.parallel_config.tensor_parallel_size > 1
+        self.executor = TensorParallelExecutor(config, files) if tp else Executor(config, files)
         self.max_model_len = self.executor.max_model_len
         self.scheduler = Scheduler(config, self.executor.num_blocks)
         self.sampler = Sampler()

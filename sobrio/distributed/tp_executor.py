@@ -32,6 +32,8 @@ from sobrio.timing import log_step
 logger = logging.getLogger(__name__)
 
 OPTION = "--tensor-parallel-size"
+# not `-m sobrio.distributed.worker`: importing the package first imports that module, and runpy warns
+WORKER_MAIN = "from sobrio.distributed.worker import main; main()"
 
 
 def check_supported(config: SobrioConfig, files: LoadedModelFiles) -> None:
@@ -55,7 +57,7 @@ class LocalWorkers:
         level = logging.getLogger().getEffectiveLevel()
         self.processes = []
         for rank in range(1, size):
-            process = subprocess.Popen([sys.executable, "-m", "sobrio.distributed.worker"], stdin=subprocess.PIPE)
+            process = subprocess.Popen([sys.executable, "-c", WORKER_MAIN], stdin=subprocess.PIPE)
             process.stdin.write(pickle.dumps(WorkerArgs(config, rank, size, host, port, level)))
             process.stdin.close()
             self.processes.append(process)

@@ -80,8 +80,7 @@ class CoreGroup:
         self.startup_timeout = startup_timeout
         self.member_configs = [c for _, c in configs]
         self.core_class = core_class(self.config)
-        with ThreadPoolExecutor(len(configs)) as pool:
-            cores = list(pool.map(lambda c: self.core_class(c[1], startup_timeout), configs))
+        cores = self._start_all(configs, startup_timeout)
         self.members = [Member(name, core) for (name, _), core in zip(configs, cores)]
         self.info = CoreInfo(min(c.info.max_model_len for c in cores), sum(c.info.num_blocks for c in cores),
                              cores[0].info.pid, self.layout())
@@ -90,6 +89,18 @@ class CoreGroup:
         self.poller = zmq.Poller()
         for core in cores:
             self.poller.register(core._outputs, zmq.POLLIN)  # noqa: SLF001 - the group reads its members' sockets
+
+    def _start_all(self, configs: list[tuple[str, SobrioConfig]], startup_timeout: float) -> list[CoreProcess]:
+        """Every member's core, started together; if one fails, the others are stopped before the error."""
+        with ThreadPoolExecutor(len(configs)) as pool:
+            futures = [pool.submit(self.core_class, config, startup_timeout) for _, config in configs]
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            for future in futures:
+                if future.exception() is None:
+                    future.result().close()
+            raise errors[0]
+        return [f.result() for f in futures]
 
     def layout(self) -> list[str]:
         """A line per member: its name, its core's pid, and its tensor-parallel ranks if any."""

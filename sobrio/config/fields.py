@@ -7,6 +7,8 @@ Python only. `unsupported(...)` names a vLLM flag sobrio lacks: it parses, and a
 refused with "sobrio does not support ... yet".
 """
 
+import argparse
+import json
 from collections.abc import Callable
 from dataclasses import MISSING, Field, field, fields, is_dataclass
 from typing import Any
@@ -85,3 +87,39 @@ class Checked:
             value = getattr(self, name)
             ok = (optional and value is None) or (value is not None and value >= minimum)
             self._require(name, ok, f">= {minimum}" + (" (or unset)" if optional else ""))
+
+
+def parse_json_object(text: str, option: str) -> dict:
+    """A JSON object, or a ConfigError naming the flag."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{option} must be a JSON object: {exc}", option) from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{option} must be a JSON object, got {text!r}", option)
+    return value
+
+
+def json_object_flag(option: str) -> Callable[[str], dict]:
+    """A JSON-object flag's converter: argparse shows its message (a ConfigError would read "invalid value")."""
+    def convert(text: str) -> dict:
+        try:
+            return parse_json_object(text, option)
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return convert
+
+
+def json_object_with_defaults(value: dict | str, option: str, defaults: dict[str, Any]) -> dict:
+    """A JSON-object flag's value (parsed if it is still text) with each key it lacks at its default; an
+    unknown key is a ConfigError that lists the known ones (vLLM's config objects: speculative, KV transfer)."""
+    spec = parse_json_object(value, option) if isinstance(value, str) else dict(value)
+    unknown = sorted(set(spec) - set(defaults))
+    require(not unknown, f"unknown key(s) {', '.join(unknown)}; known: {', '.join(defaults)}", option)
+    return {**defaults, **spec}
+
+
+def require(ok: bool, message: str, option: str) -> None:
+    """A ConfigError "OPTION: message" unless `ok`."""
+    if not ok:
+        raise ConfigError(f"{option}: {message}", option)

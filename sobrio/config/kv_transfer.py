@@ -11,9 +11,7 @@ its request takes them (an LRU; vLLM's name).
 from dataclasses import dataclass
 from typing import Any
 
-from sobrio.config.fields import Checked, flag
-from sobrio.config.speculative import json_object_flag, parse_json_object
-from sobrio.errors import ConfigError
+from sobrio.config.fields import Checked, flag, json_object_flag, json_object_with_defaults, require
 
 OPTION = "--kv-transfer-config"
 CONNECTORS = ("SharedMemoryConnector", "TcpConnector")
@@ -23,8 +21,7 @@ DEFAULTS: dict[str, Any] = {"kv_connector": None, "kv_role": "kv_both", "kv_ip":
 
 
 def _require(ok: bool, why: str) -> None:
-    if not ok:
-        raise ConfigError(f"{OPTION}: {why}", OPTION)
+    require(ok, why, OPTION)
 
 
 @dataclass(frozen=True)
@@ -36,13 +33,8 @@ class KVTransferConfig(Checked):
               'imported blocks (1 GiB)}', type=json_object_flag(OPTION))
 
     def __post_init__(self) -> None:
-        spec = self.kv_transfer_config
-        if isinstance(spec, str):
-            spec = parse_json_object(spec, OPTION)
-        if spec is not None:
-            unknown = sorted(set(spec) - set(DEFAULTS))
-            _require(not unknown, f"unknown key(s) {', '.join(unknown)}; known: {', '.join(DEFAULTS)}")
-            spec = {**DEFAULTS, **spec}
+        if self.kv_transfer_config is not None:
+            spec = json_object_with_defaults(self.kv_transfer_config, OPTION, DEFAULTS)
             _require(spec["kv_connector"] in CONNECTORS, f"kv_connector must be one of {', '.join(CONNECTORS)}")
             _require(spec["kv_role"] in ROLES, "kv_role must be kv_both (this server runs both roles)")
             _require(isinstance(spec["kv_port"], int) and 0 <= spec["kv_port"] < 65536, "kv_port must be a port")

@@ -13,12 +13,10 @@ speculation off for a step with more requests running than that (vLLM's key); `m
 stops it for a request whose drafts are rarely accepted.
 """
 
-import argparse
-import json
 from dataclasses import dataclass
 from typing import Any
 
-from sobrio.config.fields import Checked, flag
+from sobrio.config.fields import Checked, flag, json_object_flag, json_object_with_defaults, require
 from sobrio.config.model import CHECKPOINT_QUANTIZATION, QUANTIZATION_METHODS
 from sobrio.errors import ConfigError
 
@@ -28,30 +26,6 @@ NOT_YET = ("eagle", "eagle3", "mlp_speculator", "deepseek_mtp")
 DEFAULTS: dict[str, Any] = {"method": None, "num_speculative_tokens": None, "prompt_lookup_min": 2,
                             "prompt_lookup_max": 5, "disable_by_batch_size": 8, "min_acceptance_rate": 0.1,
                             "model": None, "exit_layer": None, "quantization": None}
-
-
-def json_object_flag(option: str):
-    """A JSON-object flag's converter: argparse shows its message (a ConfigError would read "invalid value")."""
-    def convert(text: str) -> dict:
-        try:
-            return parse_json_object(text, option)
-        except ConfigError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-    return convert
-
-
-json_object = json_object_flag(OPTION)
-
-
-def parse_json_object(text: str, option: str = OPTION) -> dict:
-    """A JSON object, or a ConfigError naming the flag."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{option} must be a JSON object: {exc}", option) from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"{option} must be a JSON object, got {text!r}", option)
-    return value
 
 
 @dataclass(frozen=True)
@@ -64,21 +38,15 @@ class SpeculativeConfig(Checked):
               'with "model" (a smaller model of the same tokenizer; "quantization" optional); method "medusa" '
               'with "model": a folder from `sobrio train-draft`; sobrio\'s: method "layer_skip" with "exit_layer" '
               '(default: half the layers) drafts with the model\'s own first layers, and "min_acceptance_rate" '
-              '(0.1) stops a request\'s drafts when fewer are accepted', type=json_object)
+              '(0.1) stops a request\'s drafts when fewer are accepted', type=json_object_flag(OPTION))
 
     def __post_init__(self) -> None:
-        spec = self.speculative_config
-        if isinstance(spec, str):
-            spec = parse_json_object(spec)
-        if spec is not None:
-            object.__setattr__(self, "speculative_config", self._checked(dict(spec)))
+        if self.speculative_config is not None:
+            spec = json_object_with_defaults(self.speculative_config, OPTION, DEFAULTS)
+            object.__setattr__(self, "speculative_config", self._checked(spec))
 
     @staticmethod
     def _checked(spec: dict) -> dict:
-        unknown = sorted(set(spec) - set(DEFAULTS))
-        if unknown:
-            raise ConfigError(f"{OPTION}: unknown key(s) {', '.join(unknown)}; known: {', '.join(DEFAULTS)}", OPTION)
-        spec = {**DEFAULTS, **spec}
         method, k = spec["method"], spec["num_speculative_tokens"]
         if method in NOT_YET:
             raise ConfigError(f"{OPTION}: sobrio does not support method {method!r} yet (supported: "
@@ -119,5 +87,4 @@ class SpeculativeConfig(Checked):
 
 
 def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(f"{OPTION}: {message}", OPTION)
+    require(ok, message, OPTION)

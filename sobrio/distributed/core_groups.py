@@ -11,8 +11,8 @@ the others keep serving.
 """
 
 import dataclasses
+import functools
 import logging
-import os
 from concurrent.futures import ThreadPoolExecutor
 
 import zmq
@@ -21,7 +21,9 @@ from sobrio.config import SobrioConfig
 from sobrio.distributed.balance import Balanced, chained_hashes, choose
 from sobrio.engine.core import EngineCoreOutput, EngineCoreRequest
 from sobrio.engine.core_process import CoreInfo, CoreProcess, EngineDeadError
+from sobrio.engine.model_runner import available_cpus
 from sobrio.sample.params import SamplingParams
+from sobrio.timing import start_together
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +69,7 @@ def share_cores(config: SobrioConfig, members: int) -> SobrioConfig:
     parallel = config.parallel_config
     if parallel.num_threads is not None or parallel.distributed_executor_backend == "ray":  # Ray: 1 CPU each
         return config
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    per_member = max(1, cpus // (members * parallel.tensor_parallel_size))
+    per_member = max(1, available_cpus() // (members * parallel.tensor_parallel_size))
     return dataclasses.replace(config, parallel_config=dataclasses.replace(parallel, num_threads=per_member))
 
 
@@ -80,7 +81,8 @@ class CoreGroup:
         self.startup_timeout = startup_timeout
         self.member_configs = [c for _, c in configs]
         self.core_class = core_class(self.config)
-        cores = self._start_all(configs, startup_timeout)
+        cores = start_together([functools.partial(self.core_class, c, startup_timeout) for _, c in configs],
+                               lambda core: core.close())
         self.members = [Member(name, core) for (name, _), core in zip(configs, cores)]
         self.info = CoreInfo(min(c.info.max_model_len for c in cores), sum(c.info.num_blocks for c in cores),
                              cores[0].info.pid, self.layout())
@@ -89,18 +91,6 @@ class CoreGroup:
         self.poller = zmq.Poller()
         for core in cores:
             self.poller.register(core._outputs, zmq.POLLIN)  # noqa: SLF001 - the group reads its members' sockets
-
-    def _start_all(self, configs: list[tuple[str, SobrioConfig]], startup_timeout: float) -> list[CoreProcess]:
-        """Every member's core, started together; if one fails, the others are stopped before the error."""
-        with ThreadPoolExecutor(len(configs)) as pool:
-            futures = [pool.submit(self.core_class, config, startup_timeout) for _, config in configs]
-        errors = [f.exception() for f in futures if f.exception() is not None]
-        if errors:
-            for future in futures:
-                if future.exception() is None:
-                    future.result().close()
-            raise errors[0]
-        return [f.result() for f in futures]
 
     def layout(self) -> list[str]:
         """A line per member: its name, its core's pid, and its tensor-parallel ranks if any."""

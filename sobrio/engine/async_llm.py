@@ -170,16 +170,13 @@ class _ClientBase:
 
     def _fail_all(self, error: Exception, abort_in_core: bool = True) -> None:
         """Every request in flight gets `error`; the front forgets them (the caller holds the lock)."""
-        for request_id, (loop, queue) in list(self._queues.items()):
-            if abort_in_core:
-                self.engine.abort_request(request_id)
-            if self.on_abort is not None:
-                self.on_abort(request_id)
-            loop.call_soon_threadsafe(queue.put_nowait, error)
-        self._queues.clear()
+        for request_id in list(self._queues) if abort_in_core else ():
+            self.engine.abort_request(request_id)
+        self._fail(list(self._queues), error)
 
     def _fail(self, request_ids: list[str], error: Exception) -> None:
-        """These requests (front ids) get `error`; the caller holds the lock and has told the engine."""
+        """These requests (front ids) get `error` and leave the routing table (the caller holds the lock;
+        the engine has been told, or is gone)."""
         for request_id in request_ids:
             target = self._queues.pop(request_id, None)
             if self.on_abort is not None:

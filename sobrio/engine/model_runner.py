@@ -70,7 +70,9 @@ class ModelRunner:
         rank holds as many KV blocks, and the KV budget is per rank."""
         model, cache = config.model_config, config.cache_config
         self.tp = tp
-        threads = config.parallel_config.num_threads or (None if tp is None else max(1, _cpus() // tp.group.size))
+        threads = config.parallel_config.num_threads
+        if threads is None and tp is not None:  # the ranks of one host split its cores
+            threads = max(1, available_cpus() // tp.group.size)
         if threads:
             torch.set_num_threads(threads)
         self.config = config
@@ -249,7 +251,8 @@ def _score(model, rows: torch.Tensor, targets: torch.Tensor, top_n: int, chunk: 
     return entries
 
 
-def _cpus() -> int:
+def available_cpus() -> int:
+    """The cores this process may run on (its affinity), which its ranks or replicas split between them."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 

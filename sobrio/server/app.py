@@ -2,6 +2,7 @@
 
 import asyncio
 import dataclasses
+import functools
 import hmac
 import json
 import logging
@@ -61,7 +62,7 @@ from sobrio.server.metrics import ServerMetrics
 from sobrio.server.protocol import ChatCompletionRequest, CompletionRequest, ignored_fields, log_ignored, new_id, now
 from sobrio.server.responses import ChoiceState, chat_chunk, completion_chunk, final_response, note_usage, usage_of
 from sobrio.server.startup import RootPath, StatsLogger, bind_socket, listening_url, served_names
-from sobrio.timing import log_step
+from sobrio.timing import log_step, start_together
 
 logger = logging.getLogger("sobrio.server")
 
@@ -645,8 +646,6 @@ def _start_local_models(config: ServerConfig, models: list[str], configs: list, 
 
 def _start_engines(configs: list, engine_process: bool, max_restarts: int, on_fatal) -> list:
     """One engine per model, each core in a process of its own (started together), or in this process."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from sobrio.engine.async_llm import AsyncMPClient
 
     if not engine_process:
@@ -655,15 +654,8 @@ def _start_engines(configs: list, engine_process: bool, max_restarts: int, on_fa
         from sobrio.distributed.ray_workers import connect_ray
 
         connect_ray()  # from this thread: Ray's local processes die with the thread that started them
-    with ThreadPoolExecutor(len(configs)) as pool:
-        futures = [pool.submit(AsyncMPClient, c, max_restarts, on_fatal=on_fatal) for c in configs]
-        errors = [f.exception() for f in futures if f.exception() is not None]
-    if errors:
-        for f in futures:
-            if f.exception() is None:
-                f.result().shutdown()
-        raise errors[0]
-    return [f.result() for f in futures]
+    starters = [functools.partial(AsyncMPClient, c, max_restarts, on_fatal=on_fatal) for c in configs]
+    return start_together(starters, lambda client: client.shutdown())
 
 
 def _exit_on_fatal(fatal: threading.Event, server) -> None:

@@ -15,8 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sobrio import LLM, SamplingParams  # noqa: E402
@@ -33,7 +31,7 @@ def transfer_once(codec: BlockCodec, connector: KVConnector, num_blocks: int) ->
     blocks = connector.fetch(params)
     fetched = time.perf_counter()
     for block_id, data in zip(range(num_blocks, 2 * num_blocks), blocks):
-        codec.scatter(block_id, data if not isinstance(data, bytes) else np.frombuffer(data, dtype=np.uint8))
+        codec.scatter(block_id, data)
     imported = time.perf_counter()
     assert len(blocks) == num_blocks
     return exported - start, fetched - exported, imported - fetched

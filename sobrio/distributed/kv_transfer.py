@@ -108,8 +108,9 @@ class KVConnector:
             sock.send_multipart([peer, b"", *(entry[1] if entry else [])])
 
     # ---- the decode side ----
-    def fetch(self, params: dict) -> list[bytes | np.ndarray]:
-        """The blocks a prefill core exported, in order; [] when they are gone (the decode core computes)."""
+    def fetch(self, params: dict) -> list[np.ndarray]:
+        """The blocks a prefill core exported, in order, as uint8 arrays; [] when they are gone (the decode
+        core computes)."""
         start = time.perf_counter()
         try:
             blocks = self._fetch_shm(params) if params["connector"] == "shm" else self._fetch_tcp(params)
@@ -117,7 +118,7 @@ class KVConnector:
             logger.warning("KV transfer %s failed (%s): the decode core computes the prompt", params.get("id"),
                            type(exc).__name__)
             return []
-        self.bytes_received += sum(len(b) for b in blocks)
+        self.bytes_received += sum(b.nbytes for b in blocks)
         self.seconds_importing += time.perf_counter() - start
         return blocks
 
@@ -135,7 +136,7 @@ class KVConnector:
         return [data[i:i + size] for i in range(0, len(data), size)]
 
     @staticmethod
-    def _fetch_tcp(params: dict) -> list[bytes]:
+    def _fetch_tcp(params: dict) -> list[np.ndarray]:
         if "address" not in params:
             return []
         sock = zmq.Context.instance().socket(zmq.REQ)
@@ -145,7 +146,7 @@ class KVConnector:
             sock.send(params["id"].encode())
             if not sock.poll(PULL_TIMEOUT_MS):
                 raise TimeoutError(params["address"])
-            return sock.recv_multipart()
+            return [np.frombuffer(frame, dtype=np.uint8) for frame in sock.recv_multipart()]
         finally:
             sock.close()
 

@@ -54,5 +54,4 @@ class RayCoreProcess(CoreProcess):
         run = actor.run.remote(self.config, input_addr, output_addr, logging.getLogger().getEffectiveLevel())
         return ActorProcess(ray, actor, run)
 
-    def layout(self) -> list[str]:
-        return [f"engine core in a Ray actor (pid {self.info.pid})" + "".join(f"; {x}" for x in self.info.layout)]
+    place = "engine core in a Ray actor (pid {pid})"

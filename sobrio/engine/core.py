@@ -10,7 +10,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from sobrio.config import SobrioConfig
@@ -141,9 +140,7 @@ class EngineCore:
         """A prefill core's exported blocks, into the RAM tier: the prefix lookup then restores them."""
         assert self.kv_connector is not None and self.offload is not None, "a decode core has both"
         blocks = self.kv_connector.fetch(params)
-        self.offload.put(
-            [bytes.fromhex(h) for h in params["hashes"][:len(blocks)]], salt,
-            [b if isinstance(b, np.ndarray) else np.frombuffer(b, dtype=np.uint8) for b in blocks])
+        self.offload.put([bytes.fromhex(h) for h in params["hashes"][:len(blocks)]], salt, blocks)
 
     def _export_blocks(self, req: Request) -> dict:
         """The full blocks of a finished prefill's prompt, still in the prefix cache (freed, not yet reused)."""

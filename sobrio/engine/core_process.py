@@ -278,8 +278,11 @@ class CoreProcess:
     def is_alive(self) -> bool:
         return self.process.is_alive()
 
+    place = "engine core pid {pid}"  # how `layout` names where the core runs
+
     def layout(self) -> list[str]:
-        return [f"engine core pid {self.info.pid}" + "".join(f"; {line}" for line in self.info.layout)]
+        """One line: where the core runs, then its tensor-parallel ranks."""
+        return [self.place.format(pid=self.info.pid) + "".join(f"; {line}" for line in self.info.layout)]
 
     def restarted(self, exc: EngineDeadError) -> "CoreProcess":
         """A new core in place of this dead one (its tensor-parallel ranks with it)."""

@@ -259,6 +259,7 @@ class KVOffload:
         self.pending: dict[bytes, float] = {}  # hashes being read from disk -> deadline
         self.writing: set[bytes] = set()  # hashes queued for the disk
         self.unpersisted: OrderedDict[bytes, str] = OrderedDict()  # pool blocks to write to disk when idle
+        self.shredded: set[str] = set()  # tenants forgotten: writes of theirs still queued are dropped
         self.locate = locate  # block hash -> the pool block holding it (None: not in the pool)
         self.progress = threading.Event()  # set as blocks arrive from disk (the engine waits on it, not spins)
         # Two threads: reads (a request waits on them) never queue behind writes (nobody waits on those).
@@ -396,6 +397,7 @@ class KVOffload:
             for block_hash in [h for h, t in table.items() if t == tenant]:
                 del table[block_hash]
         if self.disk is not None:
+            self.shredded.add(tenant)  # before the key goes: a queued write would make the tenant a new one
             self.disk.keys.forget(tenant_digest(tenant))
             self.jobs.put(("forget", tenant))
 
@@ -403,7 +405,7 @@ class KVOffload:
     def run_job(self, kind: str, payload) -> None:
         if kind == "write":
             block_hash, tenant, data = payload
-            if self.disk.write(block_hash, tenant, data.tobytes()):
+            if tenant not in self.shredded and self.disk.write(block_hash, tenant, data.tobytes()):
                 self.stats.stored["disk"] += 1
             self.writing.discard(block_hash)
         elif kind == "read":

@@ -5,6 +5,7 @@ usage ledger: one row per request, each tenant sees only its own, and nothing of
 import os
 import shutil
 import sqlite3
+import struct
 import subprocess
 import sys
 import time
@@ -18,7 +19,8 @@ import pytest
 
 from sobrio.gateway.ledger import COLUMNS
 from sobrio.gateway.tenants import Limits, TenantStore
-from sobrio.kv.sealing import MASTER_KEY_ENV
+from sobrio.kv.offload import HEADER
+from sobrio.kv.sealing import MASTER_KEY_ENV, tenant_digest
 from tests.server.conftest import SMALL, serving, wait_until
 
 CANARY = "zq7canaryxv"
@@ -323,23 +325,36 @@ def test_dashboard_renders_in_headless_chromium(gateway, tmp_path):
         shutil.copy(shot, os.environ["SOBRIO_DASHBOARD_SHOT"])
 
 
-def kv_files(gateway) -> int:
-    return len(list((gateway.db.parent / "kv").glob("*.kvb")))
+def kv_digest(gateway, tenant: str) -> bytes:
+    return tenant_digest(gateway.store.cache_salt(gateway.store.tenant(tenant)))
+
+
+def kv_files(gateway, digest: bytes) -> int:
+    """A tenant's block files in the disk tier, by the digest each file's header names (a count of all files
+    raced with the writer thread: it could be taken while a tenant's blocks were still being written)."""
+    count = 0
+    for path in (gateway.db.parent / "kv").glob("*.kvb"):
+        try:
+            count += HEADER.unpack(path.read_bytes()[:HEADER.size])[3] == digest
+        except (OSError, struct.error):  # removed or replaced while we looked
+            pass
+    return count
 
 
 def test_kv_offload_is_a_tenants_choice_and_deleting_it_shreds_its_blocks(gateway):
     """Zero Data Retention: a tenant that did not opt in leaves no KV block on disk; one that did finds its
-    blocks written (encrypted under its key); deleting it removes them (the server notices within seconds)."""
+    blocks written (encrypted under its key); deleting it removes them (the server notices within seconds),
+    and only them."""
+    acme, opted, gone = (kv_digest(gateway, name) for name in ("acme", "kv-opted", "kv-gone"))
     long = " ".join(f"word{i}" for i in range(120))
-    before = kv_files(gateway)
     chat(gateway.client("acme"), f"{long} acme")
-    time.sleep(1.0)
-    assert kv_files(gateway) == before
     chat(gateway.client("kv-opted"), f"{long} opted")
-    assert wait_until(lambda: kv_files(gateway) > before, 10)
-    with_opted = kv_files(gateway)
     chat(gateway.client("kv-gone"), f"{long} gone")
-    assert wait_until(lambda: kv_files(gateway) > with_opted, 10)
+    assert wait_until(lambda: kv_files(gateway, opted) > 0 and kv_files(gateway, gone) > 0, 10)
+    time.sleep(1.0)  # the idle engine has queued every block by now; acme's would be among them
+    assert kv_files(gateway, acme) == 0
+    opted_files = kv_files(gateway, opted)
     gateway.store.delete_tenant("kv-gone")
-    assert wait_until(lambda: kv_files(gateway) == with_opted, 20), (kv_files(gateway), with_opted)
+    assert wait_until(lambda: kv_files(gateway, gone) == 0, 20), kv_files(gateway, gone)
+    assert kv_files(gateway, opted) >= opted_files > 0
     assert "sobrio:kv_offload_stored" in httpx.get(f"{gateway.srv.base_url}/metrics").text

@@ -13,7 +13,7 @@ import torch
 
 from sobrio.errors import ConfigError
 from sobrio.kv.cache import KVCache, KVCacheSpec
-from sobrio.kv.offload import HEADER, BlockCodec, DiskTier, Stats
+from sobrio.kv.offload import HEADER, BlockCodec, DiskTier, KVOffload, Stats
 from sobrio.kv.sealing import MASTER_KEY_ENV, TenantKeys, read_master_key, seal, tenant_digest, unseal
 
 MASTER = bytes(range(32))
@@ -93,6 +93,24 @@ def test_forgetting_a_tenant_shreds_its_key_and_its_files_go(tmp_path):
     disk.forget_tenant("A")
     assert len(disk.index) == 1 and len(list(tmp_path.glob("*.kvb"))) == 1
     assert tier(tmp_path).read(b"b" * 16, "B") == block(2)
+
+
+def test_a_write_queued_before_its_tenant_was_forgotten_writes_nothing(tmp_path):
+    """The engine queues disk writes when idle; a tenant deleted while some wait must not get its blocks
+    written after its files were removed, nor key material made anew for it."""
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.bfloat16, block_size=8)
+    offload = KVOffload(BlockCodec([KVCache.allocate(spec, 2)]), 1 << 20, 1 << 20, tmp_path,
+                        TenantKeys(MASTER, tmp_path / "keyring.json"), "model")
+    data = offload.codec.gather(0)
+    try:
+        offload.forget_tenant("A")
+        offload.run_job("write", (b"a" * 16, "A", data))  # as the writer thread would, after the forget
+        offload.run_job("write", (b"b" * 16, "B", data))
+        assert not (tmp_path / "keyring.json").read_text().count(tenant_digest("A").hex())
+        assert offload.disk.read(b"a" * 16, "A") is None and offload.disk.read(b"b" * 16, "B") is not None
+        assert len(list(tmp_path.glob("*.kvb"))) == 1
+    finally:
+        offload.close()
 
 
 def test_the_byte_budget_drops_the_least_recently_used(tmp_path):

@@ -174,16 +174,22 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
 def _add_train_draft(sub) -> None:
     """`sobrio train-draft MODEL OUT` (spec/train.py)."""
-    train = sub.add_parser("train-draft", help="train Medusa-style draft heads for a model on its own answers to "
-                                               "the shipped prompts, on the CPU (--speculative-config medusa)")
+    train = sub.add_parser("train-draft", help="train draft heads for a model on its own answers to the shipped "
+                                               "prompts, on the CPU: an EAGLE head or Medusa-style heads "
+                                               "(--speculative-config eagle or medusa)")
     train.add_argument("model", help="alias, HF model folder or .gguf file")
     train.add_argument("out", help="the folder to write (heads, config.json, training.json, loss.png)")
-    train.add_argument("--num-heads", type=int, default=3, help="heads: the most drafts a step (default: 3)")
+    train.add_argument("--method", choices=("eagle", "medusa"), default="eagle",
+                       help="eagle: one decoder layer on the target's features, drafting autoregressively; "
+                            "medusa: one residual block per draft position (default: eagle)")
+    train.add_argument("--num-heads", type=int, default=3, help="medusa: heads, the most drafts a step (default: 3)")
     train.add_argument("--draft-vocab-size", type=int, default=4096,
                        help="the answers' most frequent tokens the heads may draft (default: 4096)")
     train.add_argument("--max-tokens", type=int, default=192, help="tokens of each answer (default: 192)")
-    train.add_argument("--epochs", type=int, default=4, help="passes over the answers (default: 4)")
-    train.add_argument("--lr", type=float, default=3e-3, help="peak learning rate, one cycle (default: 3e-3)")
+    train.add_argument("--epochs", type=int, default=None,
+                       help="passes over the answers (default: eagle 6, medusa 4)")
+    train.add_argument("--lr", type=float, default=None,
+                       help="peak learning rate, one cycle (default: eagle 1e-3, medusa 3e-3)")
     train.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts only")
     train.add_argument("--dtype", default="auto", help="the target's dtype while it answers (default: auto)")
     train.set_defaults(func=cmd_train_draft)
@@ -198,8 +204,17 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}", f"--{name}")
+    if args.method == "eagle":
+        from sobrio.spec.train_eagle import train_eagle
+
+        figures = train_eagle(args.model, Path(args.out), args.draft_vocab_size, args.max_tokens, args.epochs or 6,
+                              args.lr or 1e-3, args.num_prompts, args.dtype)
+        print(f"wrote {args.out}: an EAGLE head, {figures['bytes'] / 1e6:.1f} MB, trained on {figures['positions']} "
+              f"positions in {figures['seconds']:.0f} s; held-out top-1 of the first draft: "
+              f"{figures['held_out_top1']:.0%}")
+        return 0
     figures = train_draft(args.model, Path(args.out), args.num_heads, args.draft_vocab_size, args.max_tokens,
-                          args.epochs, args.lr, args.num_prompts, args.dtype)
+                          args.epochs or 4, args.lr or 3e-3, args.num_prompts, args.dtype)
     accuracy = ", ".join(f"{a:.0%}" for a in figures["held_out_top1"])
     print(f"wrote {args.out}: {figures['num_heads']} heads, {figures['bytes'] / 1e6:.1f} MB, trained on "
           f"{figures['positions']} positions in {figures['seconds']:.0f} s; held-out top-1 by head: {accuracy}")

@@ -3,14 +3,15 @@
 `{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}` proposes the
 tokens that followed the latest earlier occurrence of the sequence's last n tokens (prompt lookup);
 `{"method": "medusa", "model": FOLDER, "num_speculative_tokens": 3}` drafts with heads `sobrio train-draft`
-trained for the model (spec/medusa.py); `{"method": "layer_skip", "exit_layer": 15, "num_speculative_tokens": 3}`
+trained for the model (spec/medusa.py); `{"method": "eagle", "model": FOLDER, "num_speculative_tokens": 3}`
+drafts with an EAGLE head (one decoder layer on the target's own features, spec/eagle.py) from `sobrio
+train-draft --method eagle`; `{"method": "layer_skip", "exit_layer": 15, "num_speculative_tokens": 3}`
 drafts with the model itself cut after its first `exit_layer` layers (LayerSkip's self-speculation: no second
 model, the draft's KV is the model's own for those layers); `{"method": "draft_model", "model": NAME,
 "num_speculative_tokens": 3}` drafts with a smaller model of the same tokenizer (vLLM's key `quantization`
 quantizes it at load), which keeps its own KV cache in the target's block ids (spec/model_draft.py).
-`disable_by_batch_size` turns
-speculation off for a step with more requests running than that (vLLM's key); `min_acceptance_rate` (sobrio's)
-stops it for a request whose drafts are rarely accepted.
+`disable_by_batch_size` turns speculation off for a step with more requests running than that (vLLM's key);
+`min_acceptance_rate` (sobrio's) stops it for a request whose drafts are rarely accepted.
 """
 
 from dataclasses import dataclass
@@ -21,8 +22,8 @@ from sobrio.config.model import CHECKPOINT_QUANTIZATION, QUANTIZATION_METHODS
 from sobrio.errors import ConfigError
 
 OPTION = "--speculative-config"
-METHODS = ("ngram", "medusa", "layer_skip", "draft_model")
-NOT_YET = ("eagle", "eagle3", "mlp_speculator", "deepseek_mtp")
+METHODS = ("ngram", "medusa", "eagle", "layer_skip", "draft_model")
+NOT_YET = ("eagle3", "mlp_speculator", "deepseek_mtp")
 DEFAULTS: dict[str, Any] = {"method": None, "num_speculative_tokens": None, "prompt_lookup_min": 2,
                             "prompt_lookup_max": 5, "disable_by_batch_size": 8, "min_acceptance_rate": 0.1,
                             "model": None, "exit_layer": None, "quantization": None}
@@ -36,7 +37,8 @@ class SpeculativeConfig(Checked):
         None, 'speculative decoding as JSON, vLLM\'s keys: {"method": "ngram", "num_speculative_tokens": 4, '
               '"prompt_lookup_min": 2, "prompt_lookup_max": 5, "disable_by_batch_size": 8}; method "draft_model" '
               'with "model" (a smaller model of the same tokenizer; "quantization" optional); method "medusa" '
-              'with "model": a folder from `sobrio train-draft`; sobrio\'s: method "layer_skip" with "exit_layer" '
+              'or "eagle" with "model": a folder from `sobrio train-draft`; sobrio\'s: method "layer_skip" with '
+              '"exit_layer" '
               '(default: half the layers) drafts with the model\'s own first layers, and "min_acceptance_rate" '
               '(0.1) stops a request\'s drafts when fewer are accepted', type=json_object_flag(OPTION))
 
@@ -54,8 +56,8 @@ class SpeculativeConfig(Checked):
         _require(method in METHODS, f"method must be one of {', '.join(METHODS)}, got {method!r}")
         _require(isinstance(k, int) and 1 <= k <= 16,
                  f"num_speculative_tokens must be an integer in [1, 16], got {k!r}")
-        _require(method != "medusa" or isinstance(spec["model"], str),
-                 'method "medusa" needs "model": the folder `sobrio train-draft` wrote')
+        _require(method not in ("medusa", "eagle") or isinstance(spec["model"], str),
+                 f'method "{method}" needs "model": the folder `sobrio train-draft` wrote')
         _require(method != "draft_model" or isinstance(spec["model"], str),
                  'method "draft_model" needs "model": a model alias or path with the same tokenizer')
         methods = QUANTIZATION_METHODS + CHECKPOINT_QUANTIZATION

@@ -117,7 +117,8 @@ class EngineCore:
         self.speculator = None
         if speculative.enabled:
             access = ModelAccess(self.executor.runner.hf_config.vocab_size, self.executor.num_layers,
-                                 self.executor.draft, self.scheduler.kv.allocate_slots)
+                                 self.executor.draft, self.scheduler.kv.allocate_slots,
+                                 getattr(self.executor, "draft_eagle", None))
             self.speculator = Speculator(speculative, self.max_model_len, access)
 
     # ---- requests in ----
@@ -227,7 +228,11 @@ class EngineCore:
         outputs += [self._fail(req) for req in failed]
         self.scheduler.update_after_step(out)
         now = time.monotonic()
-        hidden = self._hidden_of_last_tokens(sampled) if self.speculator and self.speculator.needs_hidden else {}
+        hidden = {}
+        if self.speculator is not None and self.speculator.needs_hidden:
+            hidden = self._hidden_of_last_tokens(sampled)
+        elif self.speculator is not None and self.speculator.needs_step_features:
+            hidden = self.executor.step_features
         self._charge_energy(out, flops, self.meter.read() - start)
         outputs += [self._append(req, tokens, now) for req, tokens in sampled]
         if self.speculator is not None:

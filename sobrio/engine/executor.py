@@ -44,6 +44,15 @@ class Executor:
         """Greedy drafts of the model cut after `exit_layer` layers, or of the draft model: `ModelRunner.draft`."""
         return self.runner.draft(reqs, num_tokens, exit_layer)
 
+    def draft_eagle(self, reqs: list, num_tokens: list[int], starts: list[int], features: list) -> list[list[int]]:
+        """Greedy drafts of the EAGLE head from the target's features: `ModelRunner.draft_eagle`."""
+        return self.runner.draft_eagle(reqs, num_tokens, starts, features)
+
+    @property
+    def step_features(self) -> dict:
+        """The last step's final hidden states by request: (its first position, its rows); EAGLE only."""
+        return self.runner.step_features
+
     def check_alive(self) -> None:
         """Raise ExecutorDeadError if a rank is gone (one process: never)."""
 

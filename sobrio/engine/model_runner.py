@@ -11,14 +11,16 @@ from dataclasses import dataclass, field
 import torch
 
 from sobrio.config import ModelConfig, SobrioConfig
+from sobrio.config.speculative import OPTION
 from sobrio.distributed.parallel_model import parallelize
 from sobrio.distributed.sharding import TPRank, local_config, shard_weights
 from sobrio.engine.scheduler import SchedulerOutput
-from sobrio.errors import InvalidRequestError
+from sobrio.errors import ConfigError, InvalidRequestError
 from sobrio.kv.cache import KV_CACHE_DTYPES, KVCache, KVCacheSpec, kv_budget
 from sobrio.layers.attention import AttentionMetadata
 from sobrio.loader.load import LoadedModelFiles
 from sobrio.models.registry import build_model
+from sobrio.spec.eagle import EagleDraft, EagleFiles
 from sobrio.timing import log_step
 
 logger = logging.getLogger(__name__)
@@ -87,7 +89,10 @@ class ModelRunner:
         self.kv_spec = kv_cache_spec(self.rank_config, self.dtype, self.block_size, cache_dtype)
         widest = self.kv_spec if tp is None else kv_cache_spec(tp.widest_config(files.config), self.dtype,
                                                                self.block_size, cache_dtype)
-        draft_spec = None if draft is None else kv_cache_spec(draft.config, self.dtype, self.block_size, cache_dtype)
+        eagle = _eagle_files(config, files)
+        draft_config = draft.config if draft is not None else (eagle.layer_config() if eagle is not None else None)
+        draft_spec = None if draft_config is None else kv_cache_spec(draft_config, self.dtype, self.block_size,
+                                                                     cache_dtype)
         budget = kv_budget(cache.kv_cache_memory, cache.kv_cache_memory_fraction, cache.kv_cache_memory_cap)
         if draft_spec is not None:
             budget = budget * self.kv_spec.block_bytes // (self.kv_spec.block_bytes + draft_spec.block_bytes)
@@ -96,14 +101,23 @@ class ModelRunner:
         self.model = self._build(files, model.quantization, model.batch_invariant)
         assert [a.layer_idx for a in self.model.attention_layers()] == list(range(self.kv_spec.num_layers))
         self.kv_cache = KVCache.allocate(self.kv_spec, self.num_blocks)
-        self.draft_model = self.draft_kv_cache = None
+        self.draft_model = self.draft_kv_cache = self.eagle = None
         if draft is not None:
             self.draft_model = self._build(draft, config.speculative_config.get("quantization"), False)
+        if eagle is not None:
+            self.eagle = EagleDraft(eagle, self.model, self.dtype, self.max_model_len,
+                                    self.config.model_config.attention_backend)
+        if draft_spec is not None:
             self.draft_kv_cache = KVCache.allocate(draft_spec, self.num_blocks)
+        self.step_hidden: torch.Tensor | None = None
+        self.step_features: dict[str, tuple[int, torch.Tensor]] = {}
         logger.info("model %s loaded: dtype=%s quantization=%s kv_cache_dtype=%s kv_blocks=%d max_model_len=%d "
                     "batch_invariant=%s%s%s", files.source.name, self.dtype, quantization_in_use(model, files),
                     cache.kv_cache_dtype, self.num_blocks, self.max_model_len, model.batch_invariant,
                     "" if draft is None else f" draft_model={draft.source.name}", "" if tp is None else f" {tp}")
+        if eagle is not None:
+            logger.info("EAGLE head for %s: %d draft tokens, its own KV cache of one layer", eagle.config["base_model"],
+                        len(self.eagle.vocab_ids))
         with log_step(logger, "warming up %s", files.source.name):
             self.warm_up()
 
@@ -195,6 +209,21 @@ class ModelRunner:
                 req.num_draft_kv = p + n
         return drafts
 
+    def _eagle_pass(self, reqs: list, token_ids: list[list[int]], features: torch.Tensor, starts: list[int]
+                    ) -> tuple[list[int], torch.Tensor]:
+        """One forward of the EAGLE head on its KV cache: request i's tokens and their features at positions
+        from starts[i]; the draft after each request's last position, and the guessed feature it came from."""
+        lengths = torch.tensor([len(t) for t in token_ids])
+        query_start_loc = [0] + torch.cumsum(lengths, 0).tolist()
+        pos = torch.cat([torch.arange(s, s + len(t)) for s, t in zip(starts, token_ids)])
+        seq_of_token = torch.repeat_interleave(torch.arange(len(reqs)), lengths)
+        context_lens = [s + len(t) for s, t in zip(starts, token_ids)]
+        meta = self._metadata([r.block_table for r in reqs], seq_of_token, pos, query_start_loc, context_lens,
+                              self.draft_kv_cache)
+        guessed = self.eagle(torch.tensor([t for ids in token_ids for t in ids]), features, pos, meta)
+        last = guessed[torch.tensor(query_start_loc[1:]) - 1]
+        return self.eagle.greedy(last).tolist(), last
+
     def _draft_pass(self, model, cache: KVCache, reqs: list, token_ids: list[list[int]], starts: list[int],
                     exit_layer: int | None) -> list[int]:
         """One forward of the drafting model: request i's `token_ids[i]` at positions from `starts[i]`; the
@@ -211,10 +240,50 @@ class ModelRunner:
         return logits[:, :self.hf_config.vocab_size].argmax(dim=-1).tolist()
 
     @torch.inference_mode()
+    def draft_eagle(self, reqs: list, num_tokens: list[int], starts: list[int], features: list[torch.Tensor]
+                    ) -> list[list[int]]:
+        """Greedy drafts of the EAGLE head, num_tokens[i] for request i. The first pass reads, for positions
+        starts[i]..n-1 (n: its computed tokens), the target's features there and the tokens after them (the
+        newest last), writing the head's KV; each later pass reads the head's own guessed feature and its
+        draft. The caller allocated the slots (up to n + num_tokens[i] - 2)."""
+        n = [req.num_computed_tokens for req in reqs]
+        assert all(len(f) == p - s for f, p, s in zip(features, n, starts))
+        tokens = [req.all_token_ids[s + 1:p + 1] for req, s, p in zip(reqs, starts, n)]
+        guesses, feats = self._eagle_pass(reqs, tokens, torch.cat(features), starts)
+        drafts: list[list[int]] = [[t] for t in guesses]
+        active = list(range(len(reqs)))  # the requests the rows of `feats` belong to
+        for step in range(1, max(num_tokens, default=0)):
+            keep = [j for j, i in enumerate(active) if num_tokens[i] > step]
+            active = [active[j] for j in keep]
+            guesses, feats = self._eagle_pass([reqs[i] for i in active], [[drafts[i][-1]] for i in active],
+                                              feats[torch.tensor(keep, dtype=torch.long)],
+                                              [n[i] + step - 1 for i in active])
+            for i, token in zip(active, guesses):
+                drafts[i].append(token)
+        return drafts
+
+    @torch.inference_mode()
+    def hidden_states(self, token_ids: list[int]) -> torch.Tensor:
+        """The final hidden states [len, d] of one sequence computed alone, in the KV cache's first blocks:
+        for offline tools on an idle engine (`sobrio train-draft` reads the features the head will see)."""
+        n = len(token_ids)
+        assert n <= self.max_model_len, f"{n} tokens > max_model_len {self.max_model_len}"
+        positions = torch.arange(n)
+        meta = self._metadata([list(range(-(-n // self.block_size)))], torch.zeros(n, dtype=torch.long), positions,
+                              [0, n], [n])
+        return self.model(torch.tensor(token_ids), positions, meta)
+
+    @torch.inference_mode()
     def execute(self, out: SchedulerOutput, prompt_logprobs: dict | None = None) -> torch.Tensor:
         """Run one step; return float32 logits for the requests whose last token was computed. With a dict
         for `prompt_logprobs`, the requests that want them get theirs for this step's prompt positions."""
-        return self.run(self.prepare_inputs(out), prompt_logprobs)
+        logits = self.run(self.prepare_inputs(out), prompt_logprobs)
+        if self.eagle is not None:  # the step's features by request (the EAGLE head reads them when drafting)
+            self.step_features, row = {}, 0
+            for req, num_new in out.scheduled:
+                self.step_features[req.request_id] = (req.num_computed_tokens, self.step_hidden[row:row + num_new])
+                row += num_new
+        return logits
 
     @torch.inference_mode()
     def run(self, step: StepInputs, prompt_logprobs: dict | None = None) -> torch.Tensor:
@@ -231,6 +300,7 @@ class ModelRunner:
             scores = _score(self.model, rows, torch.tensor(targets, dtype=torch.long), top_n)
             if prompt_logprobs is not None:
                 prompt_logprobs[request_id] = (begin, scores)
+        self.step_hidden = hidden if self.eagle is not None else None
         self.sampled_hidden = hidden[torch.tensor(step.sample_rows, dtype=torch.long)]  # draft heads read these
         return self.model.compute_logits(self.sampled_hidden)
 
@@ -254,6 +324,22 @@ def _score(model, rows: torch.Tensor, targets: torch.Tensor, top_n: int, chunk: 
 def available_cpus() -> int:
     """The cores this process may run on (its affinity), which its ranks or replicas split between them."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _eagle_files(config: SobrioConfig, files: LoadedModelFiles) -> EagleFiles | None:
+    """The EAGLE head's files when the speculative method is eagle; one trained for another vocabulary
+    (another tokenizer) or another width is refused."""
+    spec = config.speculative_config
+    if not spec.enabled or spec.get("method") != "eagle":
+        return None
+    eagle = EagleFiles.read(spec.get("model"))
+    trained = (eagle.config["vocab_size"], eagle.config["layer"]["hidden_size"])
+    if trained != (files.config.vocab_size, files.config.hidden_size):
+        raise ConfigError(f"{OPTION}: the EAGLE head in {spec.get('model')} was trained for a model of vocabulary "
+                          f"{trained[0]} and width {trained[1]} ({eagle.config['base_model']}), this one has "
+                          f"{files.config.vocab_size} and {files.config.hidden_size}: another tokenizer or model",
+                          OPTION)
+    return eagle
 
 
 def _max_positions(target, draft: LoadedModelFiles | None) -> int:

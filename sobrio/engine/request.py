@@ -3,6 +3,7 @@
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -59,7 +60,8 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    num_draft_kv: int = 0  # draft_model: positions whose KV the draft model wrote for this request (its blocks)
+    num_draft_kv: int = 0  # draft_model, eagle: positions whose KV the draft wrote for this request (its blocks)
+    draft_features: Any = None  # eagle: the target's features the head has not read yet (spec/eagle.FeatureTrail)
 
     def __post_init__(self) -> None:
         if self.sampling_params.seed is not None:

@@ -96,12 +96,17 @@ class DecoderModel(torch.nn.Module):
         self.norm = norm
         self.embed_scale: float | None = None
 
-    def forward(self, input_ids, positions, meta, num_layers: int | None = None):
-        """The final norm of the residual stream after all layers, or after the first `num_layers` (an early
-        exit: the self-speculative draft)."""
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The input embedding (scaled, for Gemma): also what an EAGLE head reads its tokens through."""
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        return x
+
+    def forward(self, input_ids, positions, meta, num_layers: int | None = None):
+        """The final norm of the residual stream after all layers, or after the first `num_layers` (an early
+        exit: the self-speculative draft)."""
+        x = self.embed(input_ids)
         residual = None
         for layer in self.layers[:num_layers]:
             x, residual = layer(positions, x, residual, meta)

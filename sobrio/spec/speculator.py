@@ -12,6 +12,7 @@ Not every request speculates:
   token, and min_tokens bans EOS by position: such requests decode one token at a time (same output).
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,7 @@ import torch
 from sobrio.config.speculative import OPTION, SpeculativeConfig
 from sobrio.engine.request import Request
 from sobrio.errors import ConfigError
+from sobrio.spec.eagle import EagleProposer
 from sobrio.spec.medusa import DraftHeadProposer, DraftHeads
 from sobrio.spec.model_draft import Drafter, ModelDraftProposer, Reserve
 from sobrio.spec.ngram import NgramProposer
@@ -35,6 +37,7 @@ class ModelAccess:
     num_layers: int
     draft: Drafter
     reserve: Reserve
+    draft_eagle: Callable | None = None  # Executor.draft_eagle
 
 
 def make_proposer(config: SpeculativeConfig, model: ModelAccess):
@@ -50,6 +53,8 @@ def make_proposer(config: SpeculativeConfig, model: ModelAccess):
         return ModelDraftProposer(model.draft, model.reserve, exit_layer, k)
     if config.get("method") == "draft_model":  # the executor loaded it and checked its tokenizer
         return ModelDraftProposer(model.draft, model.reserve, None, k)
+    if config.get("method") == "eagle":  # the runner loaded the head (and checked its vocabulary)
+        return EagleProposer(model.draft_eagle, model.reserve, k)
     heads = DraftHeads.load(config.get("model"))
     if heads.config.vocab_size != vocab_size:
         raise ConfigError(f"{OPTION}: the draft heads in {config.get('model')} were trained for a vocabulary of "
@@ -78,9 +83,16 @@ class Speculator:
         """Whether `propose` reads the hidden states the requests' last tokens came from."""
         return self.proposer.needs_hidden
 
+    @property
+    def needs_step_features(self) -> bool:
+        """Whether `propose` reads every hidden state of the last step (EAGLE: `Executor.step_features`)."""
+        return getattr(self.proposer, "needs_step_features", False)
+
     def propose(self, running: list[Request], hidden: dict[str, torch.Tensor]) -> None:
         """Set each running request's drafts for the next step (none for a step above the batch size)."""
         off = self.disable_by_batch_size is not None and len(running) > self.disable_by_batch_size
+        if self.needs_step_features and not off:  # a busy step keeps none: nobody drafts from it
+            self.proposer.observe(running, hidden)
         todo = [] if off else [(req, self._limit(req)) for req in running if self._eligible(req)]
         drafts = self.proposer.propose_batch([(req, limit) for req, limit in todo if limit > 0], hidden)
         for req in running:

@@ -21,9 +21,69 @@ LAYER_SKIP = {"method": "layer_skip", "num_speculative_tokens": 3, "disable_by_b
 # SmolLM2 drafting for itself in 8 bits: the only smaller model of its tokenizer here, and one that errs
 DRAFT_MODEL = {"method": "draft_model", "model": "smollm2-135m", "quantization": "int8-weight-only",
                "num_speculative_tokens": 3, "disable_by_batch_size": None, "min_acceptance_rate": 0.0}
+EAGLE = {"method": "eagle", "num_speculative_tokens": 3, "disable_by_batch_size": None,
+         "min_acceptance_rate": 0.0}  # "model": the echo_eagle fixture's folder
 GREEDY = SamplingParams(temperature=0, max_tokens=32)
 TEXT = ("The committee met on Tuesday to review the budget. It approved the new library, delayed the road repairs "
         "until spring, and asked the treasurer for a report on the water bills. ")
+
+
+def _with_head(method: dict, request) -> dict:
+    """The EAGLE config with its head's folder (a fixture, made once per module); other methods as they are."""
+    if method["method"] != "eagle":
+        return method
+    return {**method, "model": str(request.getfixturevalue("echo_eagle"))}
+
+
+@pytest.fixture(scope="module")
+def echo_eagle(tmp_path_factory, smollm2) -> Path:
+    """An EAGLE head that passes the target's feature through (fc reads only the feature, the layer's output
+    projections are zero, its draft vocabulary the whole vocabulary): its first draft is the target's own
+    argmax at the newest computed position, i.e. the token just produced, exactly when the head reads that
+    position's feature; later drafts repeat it. Sometimes right (repeats), and a check of the alignment."""
+    import json
+
+    from sobrio.spec.eagle import layer_config
+    from sobrio.spec.train_eagle import EagleTrainee, _layer_keys
+
+    target = smollm2.engine.runner.model
+    rows = target.lm_head_weight().float()
+    config = layer_config(target.config, rows.shape[0])
+    head = EagleTrainee(config, rows, None, rows)
+    d = rows.shape[1]
+    with torch.no_grad():
+        head.fc.weight.zero_()
+        head.fc.weight[:, d:] = torch.eye(d)
+        head.fc.bias.zero_()
+        head.layer.self_attn.o_proj.weight.zero_()
+        head.layer.mlp.down_proj.weight.zero_()
+    folder = tmp_path_factory.mktemp("eagle")
+    head.save(folder, config, torch.arange(rows.shape[0]))
+    (folder / "config.json").write_text(json.dumps({"method": "eagle", "base_model": "smollm2-135m",
+                                                    "vocab_size": rows.shape[0], "layer": _layer_keys(config)}))
+    return folder
+
+
+def test_the_eagle_head_reads_the_feature_of_the_newest_position(smollm2, echo_eagle):
+    """With the echo head, every first draft must be the request's newest token: the head got the feature
+    the target produced that token from (an off-by-one, or another request's rows, would draft others)."""
+    prompts = [{"prompt_token_ids": p} for p in grounded_prompts(smollm2.get_tokenizer())]
+    spec = LLM("smollm2-135m", **engine_kwargs(speculative_config={**EAGLE, "model": str(echo_eagle)},
+                                                max_num_batched_tokens=64))
+    proposer, seen = spec.engine.core.speculator.proposer, []
+    draft = proposer.draft
+
+    def recording(reqs, num_tokens, starts, features):
+        drafts = draft(reqs, num_tokens, starts, features)
+        seen.extend((req.output_token_ids[-1], tokens) for req, tokens in zip(reqs, drafts))
+        return drafts
+
+    proposer.draft = recording
+    expected = _ids(smollm2.generate(prompts, GREEDY, use_tqdm=False))
+    assert _ids(spec.generate(prompts, GREEDY, use_tqdm=False)) == expected
+    assert len(seen) > 50
+    assert sum(tokens[0] == newest for newest, tokens in seen) >= 0.95 * len(seen)
+    assert all(len(set(tokens)) == 1 for _, tokens in seen)  # its own guess fed back: the same feature again
 
 
 def grounded_prompts(tokenizer) -> list[list[int]]:
@@ -46,14 +106,16 @@ def _no_blocks_held(llm: LLM) -> bool:
 
 @pytest.mark.parametrize("alias, method", [
     ("smollm2-135m", NGRAM), ("gemma3-270m", NGRAM), ("smollm2-135m", LAYER_SKIP), ("gemma3-270m", LAYER_SKIP),
-    ("smollm2-135m", DRAFT_MODEL)], ids=["smollm2-ngram", "gemma3-ngram", "smollm2-layer_skip",
-                                         "gemma3-layer_skip", "smollm2-draft_model"])
+    ("smollm2-135m", DRAFT_MODEL), ("smollm2-135m", EAGLE)],
+    ids=["smollm2-ngram", "gemma3-ngram", "smollm2-layer_skip", "gemma3-layer_skip", "smollm2-draft_model",
+         "smollm2-eagle"])
 def test_greedy_output_is_the_same_with_drafts_chunked_and_cached(alias, method, request):
     """Prompt lookup drafts the copies; the model's first layers draft into its own KV cache, at slots taken
     ahead of the scheduler, which the verifying step must find and rewrite whatever was accepted (Gemma's
     sliding windows too); a draft model's own KV cache must hold every position the target's does, prefix
     cache hits included."""
     plain = request.getfixturevalue({"smollm2-135m": "smollm2", "gemma3-270m": "gemma3"}[alias])
+    method = _with_head(method, request)
     prompts = [{"prompt_token_ids": p} for p in grounded_prompts(plain.get_tokenizer())]
     if alias == "gemma3-270m":  # its 262k-row head makes each draft dear: a copy, code and a free answer, batched
         prompts = prompts[1:4]
@@ -67,7 +129,7 @@ def test_greedy_output_is_the_same_with_drafts_chunked_and_cached(alias, method,
         assert one_at_a_time == expected[:2]
     stats = spec.engine.core.stats()["spec_decode"]
     assert stats["num_draft_tokens"] > 100
-    if method is not LAYER_SKIP:  # the copies were drafted; an 8-bit copy of the model mostly agrees with it
+    if method["method"] in ("ngram", "draft_model"):  # the copies were drafted; an 8-bit copy mostly agrees
         assert stats["num_accepted_tokens"] > 0.3 * stats["num_draft_tokens"]
     assert _no_blocks_held(spec)
 
@@ -82,16 +144,18 @@ def test_a_draft_model_with_another_tokenizer_is_refused():
         LLM("smollm2-135m", **engine_kwargs(speculative_config={**DRAFT_MODEL, "model": "gemma3-270m"}))
 
 
-@pytest.mark.parametrize("method", [NGRAM, LAYER_SKIP, DRAFT_MODEL], ids=["ngram", "layer_skip", "draft_model"])
-def test_greedy_output_is_the_same_across_preemption(smollm2, method):
+@pytest.mark.parametrize("method", [NGRAM, LAYER_SKIP, DRAFT_MODEL, EAGLE],
+                         ids=["ngram", "layer_skip", "draft_model", "eagle"])
+def test_greedy_output_is_the_same_across_preemption(smollm2, method, request):
     tokenizer = smollm2.get_tokenizer()
     prompts = [{"prompt_token_ids": p, "cache_salt": str(i)} for i, p in enumerate(grounded_prompts(tokenizer))]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     expected = _ids(smollm2.generate(prompts, params, use_tqdm=False))
     # 12 blocks of 16 = 192 tokens of KV for the 376 the five need at their end: preemption is certain
-    block_bytes = 2 * 30 * 16 * 3 * 64 * 4 * (2 if method is DRAFT_MODEL else 1)  # the draft's KV, same size
+    draft_layers = {"draft_model": 30, "eagle": 1}.get(method["method"], 0)  # the draft's own KV, per block
+    block_bytes = 2 * (30 + draft_layers) * 16 * 3 * 64 * 4
     tight = LLM("smollm2-135m", **engine_kwargs(kv_cache_memory=12 * block_bytes, max_model_len=192,
-                                                speculative_config=method))
+                                                speculative_config=_with_head(method, request)))
     assert tight.engine.scheduler.pool.num_blocks == 12
     assert _ids(tight.generate(prompts, params, use_tqdm=False)) == expected
     assert tight.engine.scheduler.num_preemptions > 0
@@ -157,7 +221,9 @@ def test_tokens_after_accepted_drafts_follow_the_targets_distribution(smollm2_sp
 
 @pytest.mark.parametrize("spec, message", [
     ({"method": "ngram"}, "num_speculative_tokens must be an integer"),
-    ({"method": "eagle", "num_speculative_tokens": 2, "model": "x"}, "does not support method 'eagle'"),
+    ({"method": "eagle3", "num_speculative_tokens": 2, "model": "x"}, "does not support method 'eagle3'"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, 'method "eagle" needs "model"'),
+    ({"method": "eagle", "num_speculative_tokens": 2, "model": "/nonexistent"}, "holds no EAGLE head"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "unknown key(s) lookahead"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      "1 <= min <= max"),

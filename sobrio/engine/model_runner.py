@@ -209,17 +209,23 @@ class ModelRunner:
                 req.num_draft_kv = p + n
         return drafts
 
-    def _eagle_pass(self, reqs: list, token_ids: list[list[int]], features: torch.Tensor, starts: list[int]
-                    ) -> tuple[list[int], torch.Tensor]:
-        """One forward of the EAGLE head on its KV cache: request i's tokens and their features at positions
-        from starts[i]; the draft after each request's last position, and the guessed feature it came from."""
+    def _draft_metadata(self, reqs: list, token_ids: list[list[int]], starts: list[int], cache: KVCache
+                        ) -> tuple[torch.Tensor, list[int], AttentionMetadata]:
+        """Positions, query starts and attention metadata of a drafting pass: request i's tokens at positions
+        from starts[i], on the drafter's KV cache."""
         lengths = torch.tensor([len(t) for t in token_ids])
         query_start_loc = [0] + torch.cumsum(lengths, 0).tolist()
         pos = torch.cat([torch.arange(s, s + len(t)) for s, t in zip(starts, token_ids)])
         seq_of_token = torch.repeat_interleave(torch.arange(len(reqs)), lengths)
         context_lens = [s + len(t) for s, t in zip(starts, token_ids)]
-        meta = self._metadata([r.block_table for r in reqs], seq_of_token, pos, query_start_loc, context_lens,
-                              self.draft_kv_cache)
+        meta = self._metadata([r.block_table for r in reqs], seq_of_token, pos, query_start_loc, context_lens, cache)
+        return pos, query_start_loc, meta
+
+    def _eagle_pass(self, reqs: list, token_ids: list[list[int]], features: torch.Tensor, starts: list[int]
+                    ) -> tuple[list[int], torch.Tensor]:
+        """One forward of the EAGLE head on its KV cache: request i's tokens and their features at positions
+        from starts[i]; the draft after each request's last position, and the guessed feature it came from."""
+        pos, query_start_loc, meta = self._draft_metadata(reqs, token_ids, starts, self.draft_kv_cache)
         guessed = self.eagle(torch.tensor([t for ids in token_ids for t in ids]), features, pos, meta)
         last = guessed[torch.tensor(query_start_loc[1:]) - 1]
         return self.eagle.greedy(last).tolist(), last
@@ -229,12 +235,7 @@ class ModelRunner:
         """One forward of the drafting model: request i's `token_ids[i]` at positions from `starts[i]`; the
         argmax after each request's last token (over the served model's vocabulary: a draft's may be
         padded)."""
-        lengths = torch.tensor([len(t) for t in token_ids])
-        query_start_loc = [0] + torch.cumsum(lengths, 0).tolist()
-        pos = torch.cat([torch.arange(s, s + len(t)) for s, t in zip(starts, token_ids)])
-        seq_of_token = torch.repeat_interleave(torch.arange(len(reqs)), lengths)
-        context_lens = [s + len(t) for s, t in zip(starts, token_ids)]
-        meta = self._metadata([r.block_table for r in reqs], seq_of_token, pos, query_start_loc, context_lens, cache)
+        pos, query_start_loc, meta = self._draft_metadata(reqs, token_ids, starts, cache)
         hidden = model(torch.tensor([t for ids in token_ids for t in ids]), pos, meta, num_layers=exit_layer)
         logits = model.compute_logits(hidden[torch.tensor(query_start_loc[1:]) - 1])
         return logits[:, :self.hf_config.vocab_size].argmax(dim=-1).tolist()

@@ -454,7 +454,8 @@ def test_tokenizer_and_chat_template_flags_replace_the_models_own():
 
 @pytest.mark.parametrize("value, message", [
     ('{"method": ', "--speculative-config must be a JSON object"),
-    ('{"method": "eagle", "num_speculative_tokens": 2}', "sobrio does not support method 'eagle' yet"),
+    ('{"method": "eagle3", "num_speculative_tokens": 2}', "sobrio does not support method 'eagle3' yet"),
+    ('{"method": "eagle", "num_speculative_tokens": 2}', 'method "eagle" needs "model"'),
     ('{"method": "medusa", "num_speculative_tokens": 2}', 'method "medusa" needs "model"'),
     ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be an integer in [1, 16]"),
 ])

@@ -118,7 +118,7 @@ class EngineCore:
         if speculative.enabled:
             access = ModelAccess(self.executor.runner.hf_config.vocab_size, self.executor.num_layers,
                                  self.executor.draft, self.scheduler.kv.allocate_slots,
-                                 getattr(self.executor, "draft_eagle", None))
+                                 self.executor.draft_eagle)
             self.speculator = Speculator(speculative, self.max_model_len, access)
 
     # ---- requests in ----

@@ -31,13 +31,13 @@ PROBATION = 32  # draft tokens a request is judged on before `min_acceptance_rat
 @dataclass(frozen=True)
 class ModelAccess:
     """What a proposer that runs a model needs of the engine: the served model's size, greedy drafts (its
-    early exit, or the draft model), and KV slots ahead of the scheduler."""
+    early exit, or the draft model; the EAGLE head's), and KV slots ahead of the scheduler."""
 
     vocab_size: int
     num_layers: int
     draft: Drafter
     reserve: Reserve
-    draft_eagle: Callable | None = None  # Executor.draft_eagle
+    draft_eagle: Callable  # Executor.draft_eagle
 
 
 def make_proposer(config: SpeculativeConfig, model: ModelAccess):

@@ -114,22 +114,34 @@ def top1_accuracy(heads: DraftHeads, x: torch.Tensor, t: torch.Tensor, y: torch.
 def train(heads: DraftHeads, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor, epochs: int, lr: float,
           batch_size: int = 512) -> list[float]:
     """AdamW over shuffled batches; the loss of every step."""
-    params = [p for p in heads.parameters() if p.requires_grad]
+    return one_cycle(heads, lambda generator: torch.randperm(len(x), generator=generator).split(batch_size),
+                     epochs * -(-len(x) // batch_size), epochs, lr,
+                     lambda batch: head_loss(heads, x[batch], t[batch], y[batch]), "training draft heads")
+
+
+def one_cycle(module: torch.nn.Module, epoch_batches, steps: int, epochs: int, lr: float, loss_of, desc: str,
+              clip: float | None = None) -> list[float]:
+    """AdamW with a one-cycle schedule over `epochs` passes of `epoch_batches(generator)` (shuffled by a
+    generator seeded 0), `steps` batches in all; the loss of every step (`loss_of(batch)`), a progress bar."""
+    params = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    steps = epochs * -(-len(x) // batch_size)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps, pct_start=0.1)
     losses, generator = [], torch.Generator().manual_seed(0)
-    with tqdm(total=steps, desc="training draft heads") as bar:
+    module.train()
+    with tqdm(total=steps, desc=desc) as bar:
         for _ in range(epochs):
-            for batch in torch.randperm(len(x), generator=generator).split(batch_size):
-                loss = head_loss(heads, x[batch], t[batch], y[batch])
+            for batch in epoch_batches(generator):
+                loss = loss_of(batch)
                 optimizer.zero_grad()
                 loss.backward()
+                if clip is not None:
+                    torch.nn.utils.clip_grad_norm_(params, clip)
                 optimizer.step()
                 schedule.step()
                 losses.append(loss.item())
                 bar.set_postfix(loss=f"{losses[-1]:.3f}")
                 bar.update()
+    module.eval()
     return losses
 
 

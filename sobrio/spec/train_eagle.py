@@ -9,6 +9,7 @@ draft-vocabulary logits name x_{j+2} (cross-entropy). Noise on the input feature
 tolerate its own guesses, which it reads from its second draft on. Losses count on answer positions only.
 """
 
+import json
 import time
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from sobrio.spec.eagle import CONFIG, WEIGHTS, layer_config
-from sobrio.spec.train import Answers
+from sobrio.spec.train import Answers, one_cycle
 
 IGNORE = -100
 FEATURE_NOISE = 0.2  # uniform noise on the input features, times their mean absolute value (EAGLE: U(-0.1, 0.1))
@@ -50,7 +51,12 @@ class EagleTrainee(torch.nn.Module):
                        position_embeddings=self.rotary(x, positions))
         return self.norm(h[0] if isinstance(h, tuple) else h)
 
-    def save(self, folder: Path, config, vocab_ids: torch.Tensor) -> None:
+    def save(self, folder: Path, config, vocab_ids: torch.Tensor, base_model: str, vocab_size: int) -> None:
+        """The weights in the names EagleDraft loads, and config.json (the layer's config, what it was for)."""
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / CONFIG).write_text(json.dumps({"method": "eagle", "base_model": base_model,
+                                                 "vocab_size": vocab_size, "layer": _layer_keys(config)},
+                                                indent=2) + "\n")
         tensors = {"fc.weight": self.fc.weight, "fc.bias": self.fc.bias, "vocab_ids": vocab_ids,
                    "model.norm.weight": self.norm.weight, "model.embed_tokens.weight": self.head_rows}
         tensors |= {f"model.layers.0.{k}": v for k, v in self.layer.state_dict().items()}
@@ -116,8 +122,6 @@ def train_eagle(model: str, out: Path, draft_vocab_size: int = 4096, max_tokens:
                 batch_size: int = 8) -> dict:
     """The whole recipe; returns the figures written to training.json. The target answers through sobrio's
     engine and its features come from the same engine (the ones the head reads when serving)."""
-    import json
-
     from sobrio.data import DRAFT_PROMPTS, read_text
     from sobrio.llm import LLM
     from sobrio.spec.train import draft_vocabulary, plot_losses
@@ -142,10 +146,7 @@ def train_eagle(model: str, out: Path, draft_vocab_size: int = 4096, max_tokens:
     held_set = (answers.sequences[:held], answers.starts[:held], hidden[:held])
     before = held_out_top1(head, held_set, index)
     losses = fit(head, train_set, index, epochs, lr, batch_size)
-    out.mkdir(parents=True, exist_ok=True)
-    head.save(out, config, vocab_ids)
-    (out / CONFIG).write_text(json.dumps({"method": "eagle", "base_model": model, "vocab_size": vocab_size,
-                                          "layer": _layer_keys(config)}, indent=2) + "\n")
+    head.save(out, config, vocab_ids, model, vocab_size)
     plot_losses(losses, out / "loss.png")
     figures = {"method": "eagle", "model": model, "prompts": len(prompts), "answers": len(answers.sequences),
                "held_out_answers": held, "positions": sum(len(s) - st for s, st in zip(*train_set[:2])),
@@ -158,7 +159,7 @@ def train_eagle(model: str, out: Path, draft_vocab_size: int = 4096, max_tokens:
 
 
 def _layer_keys(config) -> dict:
-    """The keys EagleFiles needs back, whatever transformers' diff leaves out."""
+    """The layer config's keys that EagleFiles.layer_config builds it back from."""
     keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
             "head_dim", "rms_norm_eps", "hidden_act", "rope_parameters", "max_position_embeddings", "vocab_size",
             "tie_word_embeddings", "attention_bias", "mlp_bias", "model_type")
@@ -166,27 +167,10 @@ def _layer_keys(config) -> dict:
 
 
 def fit(head: EagleTrainee, data, index: torch.Tensor, epochs: int, lr: float, batch_size: int) -> list[float]:
-    """AdamW, one cycle; the loss of every step."""
-    params = [p for p in head.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    steps = epochs * -(-len(data[0]) // batch_size)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps, pct_start=0.1)
-    losses, generator = [], torch.Generator().manual_seed(0)
-    head.train()
-    with tqdm(total=steps, desc="training the EAGLE head") as bar:
-        for _ in range(epochs):
-            for batch in batches(*data, index, batch_size, generator):
-                loss, _, _ = step_loss(head, batch, FEATURE_NOISE)
-                optimizer.zero_grad()
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(params, 1.0)
-                optimizer.step()
-                schedule.step()
-                losses.append(loss.item())
-                bar.set_postfix(loss=f"{losses[-1]:.3f}")
-                bar.update()
-    head.eval()
-    return losses
+    """AdamW, one cycle, gradients clipped at norm 1; the loss of every step."""
+    return one_cycle(head, lambda generator: batches(*data, index, batch_size, generator),
+                     epochs * -(-len(data[0]) // batch_size), epochs, lr,
+                     lambda batch: step_loss(head, batch, FEATURE_NOISE)[0], "training the EAGLE head", clip=1.0)
 
 
 @torch.no_grad()

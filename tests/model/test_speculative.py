@@ -41,10 +41,8 @@ def echo_eagle(tmp_path_factory, smollm2) -> Path:
     projections are zero, its draft vocabulary the whole vocabulary): its first draft is the target's own
     argmax at the newest computed position, i.e. the token just produced, exactly when the head reads that
     position's feature; later drafts repeat it. Sometimes right (repeats), and a check of the alignment."""
-    import json
-
     from sobrio.spec.eagle import layer_config
-    from sobrio.spec.train_eagle import EagleTrainee, _layer_keys
+    from sobrio.spec.train_eagle import EagleTrainee
 
     target = smollm2.engine.runner.model
     rows = target.lm_head_weight().float()
@@ -58,9 +56,7 @@ def echo_eagle(tmp_path_factory, smollm2) -> Path:
         head.layer.self_attn.o_proj.weight.zero_()
         head.layer.mlp.down_proj.weight.zero_()
     folder = tmp_path_factory.mktemp("eagle")
-    head.save(folder, config, torch.arange(rows.shape[0]))
-    (folder / "config.json").write_text(json.dumps({"method": "eagle", "base_model": "smollm2-135m",
-                                                    "vocab_size": rows.shape[0], "layer": _layer_keys(config)}))
+    head.save(folder, config, torch.arange(rows.shape[0]), "smollm2-135m", rows.shape[0])
     return folder
 
 

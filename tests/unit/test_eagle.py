@@ -12,7 +12,7 @@ from sobrio.errors import ConfigError
 from sobrio.kv.cache import KVCache
 from sobrio.layers.attention import AttentionMetadata
 from sobrio.spec.eagle import EagleDraft, EagleFiles, FeatureTrail, layer_config
-from sobrio.spec.train_eagle import EagleTrainee, _layer_keys, batches, held_out_top1
+from sobrio.spec.train_eagle import EagleTrainee, batches, held_out_top1
 
 D, VOCAB, DRAFT_VOCAB, BLOCK = 64, 90, 40, 16
 
@@ -28,8 +28,6 @@ def _target_config():
 @pytest.fixture(scope="module")
 def trained_folder(tmp_path_factory):
     """A head with random weights (norms too), saved as `sobrio train-draft --method eagle` saves one."""
-    import json
-
     torch.manual_seed(0)
     config = layer_config(_target_config(), DRAFT_VOCAB)
     embed, head_rows = torch.randn(VOCAB, D), torch.randn(DRAFT_VOCAB, D)
@@ -39,9 +37,7 @@ def trained_folder(tmp_path_factory):
             p.add_(torch.randn_like(p) * 0.05)
     folder = tmp_path_factory.mktemp("eagle")
     vocab_ids = torch.arange(0, 2 * DRAFT_VOCAB, 2)
-    head.save(folder, config, vocab_ids)
-    (folder / "config.json").write_text(json.dumps({"method": "eagle", "base_model": "tiny", "vocab_size": VOCAB,
-                                                    "layer": _layer_keys(config)}))
+    head.save(folder, config, vocab_ids, "tiny", VOCAB)
     return folder, head, embed, vocab_ids
 
 

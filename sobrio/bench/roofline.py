@@ -97,8 +97,10 @@ def _tensors_read(module: torch.nn.Module) -> list[torch.Tensor]:
     """The tensors of this module (not its children) a decode step reads whole."""
     if isinstance(module, RotaryEmbedding):
         return []  # cos/sin tables: a row per token
-    if isinstance(module, QuantizedLinear) and module.packed is not None:
-        return [t for t in (module.packed, module.scale_fp32, module.bias) if t is not None]
+    if isinstance(module, QuantizedLinear) and (module.packed is not None or module.amx_packed is not None):
+        packed = module.packed if module.packed is not None else module.amx_packed
+        return [t for t in (packed, module.scale_fp32, module.bias, module.outliers and module.outliers.weight)
+                if t is not None]
     return [*module.parameters(recurse=False), *module.buffers(recurse=False)]
 
 

@@ -11,8 +11,10 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
@@ -20,6 +22,10 @@
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#include "vec.h"
+#endif
+#if defined(SOBRIO_AMX) && defined(__AMX_INT8__) && defined(__AVX512BF16__)
+#define SOBRIO_AMX_INT8 1
 #endif
 
 namespace {
@@ -47,8 +53,8 @@ void configure_tiles() {
   _tile_loadconfig(&config);
 }
 
-inline void prefetch_tile(const c10::BFloat16* p) {
-  for (int line = 0; line < 16; ++line) _mm_prefetch(reinterpret_cast<const char*>(p + line * 32), _MM_HINT_T0);
+inline void prefetch_tile(const void* p) {  // a 1 KB tile: 16 lines of 64 bytes
+  for (int line = 0; line < 16; ++line) _mm_prefetch(static_cast<const char*>(p) + line * 64, _MM_HINT_T0);
 }
 
 // y rows [m, m+32) x columns [n, n+32): the float block in `acc` [32][32].
@@ -80,6 +86,104 @@ void store_block(const float* acc, const c10::BFloat16* bias, c10::BFloat16* y, 
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < kBlockN; ++c)
       y[r * N + n + c] = static_cast<c10::BFloat16>(acc[r * kBlockN + c] + (bias ? static_cast<float>(bias[n + c]) : 0.f));
+}
+#endif
+
+#if defined(SOBRIO_AMX_INT8)
+constexpr int64_t kTileK8 = 64;  // int8 inputs per tile row: 16 quads, what TDPBSSD reads
+
+// y rows [m, m+32) x columns [n, n+32) as int32 sums in `acc` [32][32]: the bf16 block product's loop on
+// int8 tiles of 64 inputs.
+void block_product_s8(const int8_t* xp, const int8_t* w0, const int8_t* w1, int64_t K, int32_t* acc) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const int64_t tile_bytes = kTileRows * kTileK8, k_tiles = K / kTileK8;
+  for (int64_t kt = 0; kt < k_tiles; ++kt) {
+    if (kt + 4 < k_tiles) prefetch_tile(w0 + (kt + 4) * tile_bytes), prefetch_tile(w1 + (kt + 4) * tile_bytes);
+    _tile_loadd(4, xp + kt * kTileK8, K);
+    _tile_loadd(5, xp + kTileRows * K + kt * kTileK8, K);
+    _tile_loadd(6, w0 + kt * tile_bytes, 64);
+    _tile_loadd(7, w1 + kt * tile_bytes, 64);
+    _tile_dpbssd(0, 4, 6);
+    _tile_dpbssd(1, 4, 7);
+    _tile_dpbssd(2, 5, 6);
+    _tile_dpbssd(3, 5, 7);
+  }
+  _tile_stored(0, acc, 128);
+  _tile_stored(1, acc + 16, 128);
+  _tile_stored(2, acc + 16 * 32, 128);
+  _tile_stored(3, acc + 16 * 32 + 16, 128);
+}
+
+// One token's row to int8 with its own symmetric scale (max |x| / 127; rounding to nearest even, as
+// torch.round): what `quantize_per_token` computes in Python.
+template <typename T>
+float quantize_row(const T* x, int64_t K, int8_t* q) {
+  __m512 mx = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(sobrio_vec::load16(x + k)));
+  const float scale = std::max(_mm512_reduce_max_ps(mx), std::numeric_limits<float>::min()) / 127.f;
+  const __m512 step = _mm512_set1_ps(scale);  // divided, not multiplied by 1 / scale: the same ties as Python
+  for (int64_t k = 0; k < K; k += 16) {
+    const __m512i v = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_div_ps(sobrio_vec::load16(x + k), step),
+                                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtsepi32_epi8(v));
+  }
+  return scale;
+}
+
+// A 32x32 block of sums to T: times each row's and column's scale, plus the bias.
+template <typename T>
+void store_block_s8(const int32_t* acc, const float* x_scale, const float* w_scale, const T* bias, T* y,
+                    int64_t rows, int64_t N, int64_t n) {
+  __m512 ws[2], b[2];
+  for (int h = 0; h < 2; ++h) {
+    ws[h] = _mm512_loadu_ps(w_scale + n + 16 * h);
+    b[h] = bias ? sobrio_vec::load16(bias + n + 16 * h) : _mm512_setzero_ps();
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int h = 0; h < 2; ++h) {
+      const __m512 s = _mm512_cvtepi32_ps(_mm512_loadu_si512(acc + r * kBlockN + 16 * h));
+      const __m512 out = _mm512_fmadd_ps(_mm512_mul_ps(s, _mm512_set1_ps(x_scale[r])), ws[h], b[h]);
+      sobrio_vec::store16(y + r * N + n + 16 * h, out);
+    }
+}
+
+constexpr int64_t kRowsPerPass = 256;  // x rows a thread keeps in L2 while it sweeps its columns
+
+template <typename T>
+void amx_int8_kernel(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& w_scale,
+                     const c10::optional<torch::Tensor>& bias, torch::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), N = y.size(1);
+  const int64_t rows_padded = (M + 2 * kTileRows - 1) / (2 * kTileRows) * (2 * kTileRows);
+  auto xq = torch::zeros({rows_padded, K}, x.options().dtype(at::kChar));
+  auto xs = torch::empty({rows_padded}, x.options().dtype(at::kFloat));
+  const T* xp = x.data_ptr<T>();
+  int8_t* qp = xq.data_ptr<int8_t>();
+  float* sp = xs.data_ptr<float>();
+  at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) sp[m] = quantize_row(xp + m * x.stride(0), K, qp + m * K);
+  });
+  const auto* wp = packed.data_ptr<int8_t>();
+  const float* wsp = w_scale.data_ptr<float>();
+  torch::Tensor bc = bias.has_value() ? bias->contiguous() : torch::Tensor();
+  const T* b = bias.has_value() ? bc.data_ptr<T>() : nullptr;
+  T* yp = y.data_ptr<T>();
+  const int64_t blocks = N / kBlockN, grain = std::max<int64_t>(1, (256 << 10) / (kBlockN * K));
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    alignas(64) int32_t acc[2 * kTileRows * kBlockN];
+    for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass)
+      for (int64_t nb = begin; nb < end; ++nb) {
+        const int8_t* w0 = wp + (2 * nb) * kTileRows * K;
+        for (int64_t m = m0; m < std::min(M, m0 + kRowsPerPass); m += 2 * kTileRows) {
+          block_product_s8(qp + m * K, w0, w0 + kTileRows * K, K, acc);
+          store_block_s8(acc, sp + m, wsp, b, yp + m * N, std::min<int64_t>(2 * kTileRows, M - m), N, nb * kBlockN);
+        }
+      }
+    _tile_release();
+  });
 }
 #endif
 
@@ -139,6 +243,47 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::
   return y;
 }
 
+
+bool amx_int8_supported() {
+#if defined(SOBRIO_AMX_INT8)
+  return request_amx();
+#else
+  return false;
+#endif
+}
+
+// w [N, K] int8 -> [N/16, K/64, 16 (input quads), 16 (columns), 4]: tile (n, k) holds w[n*16 + c][k*64 + 4r + e]
+// at [r][c][e].
+torch::Tensor amx_pack_weight_int8(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar, "amx int8: a 2-D int8 weight");
+  TORCH_CHECK(w.size(0) % kBlockN == 0 && w.size(1) % 64 == 0, "amx int8: N a multiple of 32, K of 64");
+  const int64_t N = w.size(0), K = w.size(1);
+  return w.contiguous().view({N / kTileRows, kTileRows, K / 64, 16, 4}).permute({0, 2, 3, 1, 4}).contiguous();
+}
+
+// W8A8: x [M, K] (bf16 or float32, rows with unit stride) rounded to int8 per token in the kernel, times the
+// int8 weight packed by amx_pack_weight_int8 with its float32 scale per output channel; y in x's dtype.
+torch::Tensor amx_int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w_scale, int64_t N,
+                              c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(amx_int8_supported(), "amx_int8_linear needs AMX-INT8");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "amx_int8_linear: x [M, K] bf16 or float32, unit stride along K");
+  const int64_t K = x.size(1);
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.numel() == N * K && N % kBlockN == 0 && K % 64 == 0,
+              "amx_int8_linear: packed weight shape");
+  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.numel() == N && w_scale.is_contiguous(),
+              "amx_int8_linear: float32 scales, one per output channel");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == x.scalar_type() && bias->numel() == N),
+              "amx_int8_linear: a bias of x's dtype, one per output channel");
+  auto y = torch::empty({x.size(0), N}, x.options());
+#if defined(SOBRIO_AMX_INT8)
+  if (x.size(0) == 0) return y;
+  if (x.scalar_type() == at::kBFloat16) amx_int8_kernel<c10::BFloat16>(x, packed, w_scale, bias, y);
+  else amx_int8_kernel<float>(x, packed, w_scale, bias, y);
+#endif
+  return y;
+}
+
 }  // namespace
 
 void register_amx_ops(pybind11::module& m) {
@@ -146,4 +291,8 @@ void register_amx_ops(pybind11::module& m) {
   m.def("amx_pack_weight", &amx_pack_weight, "a bf16 weight [N, K] in amx_linear's tile layout");
   m.def("amx_linear", &amx_linear, "x @ w.T (+ bias) on AMX tiles, w packed by amx_pack_weight",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
+  m.def("amx_int8_supported", &amx_int8_supported, "whether amx_int8_linear was built and the OS grants AMX");
+  m.def("amx_pack_weight_int8", &amx_pack_weight_int8, "an int8 weight [N, K] in amx_int8_linear's tile layout");
+  m.def("amx_int8_linear", &amx_int8_linear, "W8A8 x @ (w * scale).T (+ bias) on AMX-INT8 tiles, x rounded per token",
+        py::arg("x"), py::arg("packed"), py::arg("w_scale"), py::arg("n"), py::arg("bias") = py::none());
 }

@@ -54,3 +54,10 @@ def amx_available() -> bool:
     """Whether the AMX matmul was built (Intel AMX-BF16) and the kernel grants this process the tiles."""
     ops = cpu_ops()
     return ops is not None and ops.amx_supported()
+
+
+@functools.cache
+def amx_int8_available() -> bool:
+    """Whether the W8A8 matmul on AMX-INT8 tiles was built and the kernel grants this process the tiles."""
+    ops = cpu_ops()
+    return ops is not None and ops.amx_int8_supported()

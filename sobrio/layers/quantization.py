@@ -76,7 +76,7 @@ import torch.nn.functional as F
 from sobrio.csrc import cpu_flags
 from sobrio.errors import ConfigError
 from sobrio.layers import vnni
-from sobrio.layers.cpu_ops import avx2_without_avx512, grouped_linear_available
+from sobrio.layers.cpu_ops import amx_int8_available, avx2_without_avx512, cpu_ops, grouped_linear_available
 from sobrio.layers.grouped import GroupedCodes, GroupedLinear
 from sobrio.layers.int4 import Int4Linear, check_int4_shape
 
@@ -211,6 +211,35 @@ def onednn_int8_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -
     return out.mul_(x_scale).to(x.dtype)
 
 
+def amx_int8_fits(weight: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether `int8` takes the AMX-INT8 kernel (csrc/amx_linear.cpp) for this int8 weight in a model of
+    `dtype`: whole tiles (N a multiple of 32, K of 64), bf16 or float32 activations, AMX-INT8 granted. There it
+    streams the int8 weight at about memory speed at every row count; oneDNN's int8 linear and
+    `torch._int_mm` ran slower than the bf16 AMX kernel past a few rows (the table above). A SmolLM2 step's
+    121 matmuls (`benchmarks/quant_kernels.py --amx`, 2 threads): 1 row 12.4 -> 7.0 ms against bf16 AMX, 32
+    rows 12.7 -> 8.3, 512 rows 84.8 -> 59.8."""
+    n, k = weight.shape
+    return n % 32 == 0 and k % 64 == 0 and dtype in (torch.bfloat16, torch.float32) and amx_int8_available()
+
+
+def amx_int8_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                outliers: Outliers | None = None) -> torch.Tensor:
+    """W8A8 on the AMX tiles, the activations rounded per token inside the kernel. With `outliers` (the tied
+    LM head) their channels are zeroed before and added in fp32 after, as `int8_mm` does, and the result stays
+    float32: the logits are wanted in float32, and rounding them to bf16 and back cost 1 ms of a batch-32 step."""
+    if outliers is None:
+        return cpu_ops().amx_int8_linear(x, packed, scale, scale.shape[0], None)
+    x_out = x[:, outliers.index].float()
+    x_in = x.float().index_fill_(1, outliers.index, 0)
+    return cpu_ops().amx_int8_linear(x_in, packed, scale, scale.shape[0], None).addmm_(x_out, outliers.weight.T)
+
+
+def amx_int8_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of an int8 matrix [N, K] from its AMX tile copy ([N/16, K/64, 16, 16, 4], see
+    `amx_pack_weight_int8`): row n is column n % 16 of its 16-row tiles, read in input order."""
+    return packed[ids // 16, :, :, ids % 16].reshape(len(ids), -1)
+
+
 def quantized_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, method: str,
                  outliers: Outliers | None = None) -> torch.Tensor:
     """x [M, K] @ (q * scale).T on a plain int8 weight, by the kernel that was fastest for M rows."""
@@ -229,7 +258,8 @@ class QuantizedLinear(torch.nn.Module):
     without `pack` (the tied LM head: the embedding's matrix) the plain one only."""
 
     packed: torch.Tensor | None = None
-    outliers: Outliers | None = None  # `int8` on the plain matrix: input channels kept in float
+    amx_packed: torch.Tensor | None = None  # `int8` on AMX-INT8: the tile-layout copy (`amx_int8_fits`)
+    outliers: Outliers | None = None  # `int8`: input channels kept in float (the tied LM head)
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, method: str,
                  pack: bool = True):
@@ -237,10 +267,14 @@ class QuantizedLinear(torch.nn.Module):
         assert weight.dtype == torch.int8 and method in ("int8", "int8-weight-only"), method
         self.method = method
         self.in_features = weight.shape[1]
-        if method == "int8" and pack:
+        if method == "int8" and amx_int8_fits(weight, weight_scale.dtype):
+            self.amx_packed = cpu_ops().amx_pack_weight_int8(weight)
+            self.scale_fp32 = weight_scale.float().contiguous()
+        elif method == "int8" and pack:
             self.packed = onednn_pack(weight)
             self.scale_fp32 = weight_scale.float()
-        self.register_buffer("weight", weight if self.packed is None else None)
+        kept = pack and (self.packed is not None or self.amx_packed is not None)
+        self.register_buffer("weight", None if kept else weight)
         self.register_buffer("weight_scale", weight_scale)
         self.register_buffer("bias", bias)
 
@@ -252,13 +286,15 @@ class QuantizedLinear(torch.nn.Module):
     def keep_in_float(self, max_abs_x: torch.Tensor, count: int = OUTLIER_CHANNELS) -> None:
         """`int8` on the plain matrix: the `count` input channels of largest calibrated max |x| computed in
         fp32 (their columns a buffer, so that resident_bytes counts them: 6.3 MB on SmolLM2's head)."""
-        assert self.packed is None and self.method == "int8", "outlier channels: W8A8 on the plain matrix only"
+        assert self.weight is not None and self.method == "int8", "outlier channels: W8A8 with its plain matrix only"
         self.outliers = Outliers.of(max_abs_x, self.weight, self.weight_scale, count)
         self.register_buffer("outlier_weight", self.outliers.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).contiguous()
-        if self.packed is not None:
+        if self.amx_packed is not None:
+            out = amx_int8_mm(rows, self.amx_packed, self.scale_fp32, self.outliers)
+        elif self.packed is not None:
             out = onednn_int8_mm(rows, self.packed, self.scale_fp32)
         else:
             out = quantized_mm(rows, self.weight, self.weight_scale, self.method, self.outliers)
@@ -344,9 +380,14 @@ class QuantizedEmbedding(torch.nn.Module):
         """Quantize a float embedding; its rows come out in the weight's dtype."""
         return cls(*quantize_weight(weight, weight.dtype))
 
+    amx_rows: torch.Tensor | None = None  # the tied head's AMX tile copy, once it is the only copy
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = F.embedding(input_ids, self.weight).to(self.weight_scale.dtype)
-        return rows * F.embedding(input_ids, self.weight_scale[:, None])
+        if self.amx_rows is not None:
+            codes = amx_int8_rows(self.amx_rows, input_ids.reshape(-1)).view(*input_ids.shape, -1)
+        else:
+            codes = F.embedding(input_ids, self.weight)
+        return codes.to(self.weight_scale.dtype) * F.embedding(input_ids, self.weight_scale[:, None])
 
     def lm_head(self, method: str, max_abs_x: torch.Tensor | None = None) -> torch.nn.Module:
         """The tied LM head: a QuantizedLinear over this same int8 matrix and scales (no copy, not even
@@ -358,4 +399,6 @@ class QuantizedEmbedding(torch.nn.Module):
         head = QuantizedLinear(self.weight, self.weight_scale, None, method, pack=False)
         if method == "int8" and max_abs_x is not None:
             head.keep_in_float(max_abs_x)
+        if head.amx_packed is not None:  # AMX-INT8: the head's tile copy serves the lookups too, the only copy
+            self.amx_rows, self.weight, head.weight = head.amx_packed, None, None
         return head

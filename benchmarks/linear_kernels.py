@@ -1,9 +1,11 @@
 """The matmuls of a SmolLM2-135M decode step (30 layers' qkv, o, gate_up and down, then the LM head: 270 MB
 of bf16 weights, read from memory as a step reads them) through each kernel at a given row count:
 aten (F.linear), oneDNN with its packed weight, the C++ AMX kernel, the C++ GEMV and the C++ lane kernel
-(`invariant_linear`: what float32 takes on an AVX2-only CPU). Prints ms per step's matmuls, the weight
-bytes per second, and aten's time over the fastest other kernel's. Run it on a quiet machine;
-`--threads 1` times CPU, so it holds up under load.
+(`invariant_linear`: what float32 takes on an AVX2-only CPU), and on AMX-INT8 the W8A8 kernel that
+`--quantization int8` takes there (int8 weights per channel, activations rounded per token in the kernel:
+half the bytes). Prints ms per step's matmuls, the weight bytes per second (each kernel's own bytes), and
+aten's time over the fastest other float kernel's, then the fastest float kernel's over AMX int8's. Run it
+on a quiet machine; `--threads 1` times CPU, so it holds up under load.
 
     .venv/bin/python benchmarks/linear_kernels.py [--rows 1 4 8 32 64 128 512] [--threads 2] [--dtype float32]
 """
@@ -18,8 +20,17 @@ import sobrio  # noqa: F401  (first: it sets the OpenMP thread policy before tor
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from sobrio.layers.cpu_ops import amx_available, cpu_ops, gemv_available, invariant_linear_available  # noqa: E402
+from sobrio.layers.cpu_ops import (  # noqa: E402
+    amx_available,
+    amx_int8_available,
+    cpu_ops,
+    gemv_available,
+    invariant_linear_available,
+)
 from sobrio.layers.linear import amx_pack_weight, pack_weight  # noqa: E402
+from sobrio.layers.quantization import quantize_weight  # noqa: E402
+
+INT8 = "AMX int8"
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): qkv, o, gate_up, down
 LAYERS, VOCAB, HIDDEN = 30, 49152, 576
@@ -45,6 +56,10 @@ def kernels(ws: list[torch.Tensor], rows: int) -> dict:
         found["GEMV"] = lambda: [cpu_ops().gemv_bf16(xs[w.shape[1]], w) for w in ws]
     if invariant_linear_available() and rows <= 64:
         found["C++ lanes"] = lambda: [cpu_ops().invariant_linear(xs[w.shape[1]], w) for w in ws]
+    if amx_int8_available():
+        int8 = [(cpu_ops().amx_pack_weight_int8(q), s.float()) for q, s in (quantize_weight(w, w.dtype) for w in ws)]
+        found[INT8] = lambda: [cpu_ops().amx_int8_linear(xs[w.shape[1]], p, s, w.shape[0])
+                               for w, (p, s) in zip(ws, int8)]
     return found
 
 
@@ -59,6 +74,7 @@ def main() -> None:
     clock = time.process_time if args.threads == 1 else time.perf_counter
     ws = weights(getattr(torch, args.dtype))
     total = sum(w.numel() * w.element_size() for w in ws)
+    size = {INT8: sum(w.numel() for w in ws)}  # bytes each kernel reads a step: one a weight in int8
     for rows in args.rows:
         found, best = kernels(ws, rows), {}
         for _ in range(args.repeats):  # interleaved, so a burst of load hits every kernel alike
@@ -66,11 +82,12 @@ def main() -> None:
                 start = clock()
                 run()
                 best[name] = min(best.get(name, float("inf")), clock() - start)
-        cells = "  ".join(f"{n} {t * 1e3:6.1f} ms ({total / t / 1e9:4.1f} GB/s)" for n, t in best.items())
-        others = {n: t for n, t in best.items() if n != "aten"}
+        cells = "  ".join(f"{n} {t * 1e3:6.1f} ms ({size.get(n, total) / t / 1e9:4.1f} GB/s)" for n, t in best.items())
+        others = {n: t for n, t in best.items() if n not in ("aten", INT8)}
         fastest = min(others, key=others.get) if others else "aten"
+        int8 = f", {fastest}/{INT8} {best[fastest] / best[INT8]:.2f}x" if INT8 in best else ""
         print(f"rows {rows:4d}, {args.threads} thread(s), {args.dtype}: {cells}  | aten/{fastest} "
-              f"{best['aten'] / best[fastest]:.2f}x", flush=True)
+              f"{best['aten'] / best[fastest]:.2f}x{int8}", flush=True)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 # run on a fresh server started for it, with quiet gaps between: a server started right after the other
 # one is killed measured up to 10% slow here. One seed per pair (same prompts and arrivals for both):
 #   benchmarks/peers/ab_serving.sh 908 909        -> results/{sobrio,vllm}-SEED-{batch32,batch1,poisson}.json
+# SOBRIO_ARGS adds flags to sobrio's server (e.g. SOBRIO_ARGS="--quantization int8"; vLLM stays bf16).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 wait_for() { for _ in $(seq 300); do curl -sf "$1" >/dev/null && return 0; sleep 1; done; echo "no answer from $1" >&2; return 1; }
@@ -17,7 +18,8 @@ print(f"{sys.argv[1]}: batch32 {r['batch32']['output_throughput']:.0f} tok/s | b
 PY
 }
 for SEED in "$@"; do
-  .venv/bin/sobrio serve smollm2-135m --port 8000 > "results/sobrio-$SEED-serve.log" 2>&1 &
+  # shellcheck disable=SC2086
+  .venv/bin/sobrio serve smollm2-135m --port 8000 ${SOBRIO_ARGS:-} > "results/sobrio-$SEED-serve.log" 2>&1 &
   SERVER=$!
   wait_for http://127.0.0.1:8000/health; sleep 5
   benchmarks/peers/serving_workloads.sh http://127.0.0.1:8000 "sobrio-$SEED" "$SEED" > /dev/null

@@ -91,6 +91,7 @@ void store_block(const float* acc, const c10::BFloat16* bias, c10::BFloat16* y, 
 
 #if defined(SOBRIO_AMX_INT8)
 constexpr int64_t kTileK8 = 64;  // int8 inputs per tile row: 16 quads, what TDPBSSD reads
+constexpr int64_t kPrefetchTiles = 6;  // tiles ahead a weight stream is fetched
 
 // y rows [m, m+32) x columns [n, n+32) as int32 sums in `acc` [32][32]: the bf16 block product's loop on
 // int8 tiles of 64 inputs.
@@ -100,8 +101,13 @@ void block_product_s8(const int8_t* xp, const int8_t* w0, const int8_t* w1, int6
   _tile_zero(2);
   _tile_zero(3);
   const int64_t tile_bytes = kTileRows * kTileK8, k_tiles = K / kTileK8;
+  // A block is K / 64 tiles a stream (9 for K = 576): the last iterations fetch the next block's first tiles
+  // (it follows w1), or every block would start on a miss. A prefetch past the weight's end does not fault.
+  const int8_t* next = w1 + kTileRows * K;
   for (int64_t kt = 0; kt < k_tiles; ++kt) {
-    if (kt + 4 < k_tiles) prefetch_tile(w0 + (kt + 4) * tile_bytes), prefetch_tile(w1 + (kt + 4) * tile_bytes);
+    const int64_t ahead = kt + kPrefetchTiles;
+    if (ahead < k_tiles) prefetch_tile(w0 + ahead * tile_bytes), prefetch_tile(w1 + ahead * tile_bytes);
+    else prefetch_tile(next + (ahead - k_tiles) * tile_bytes), prefetch_tile(next + ahead * tile_bytes);
     _tile_loadd(4, xp + kt * kTileK8, K);
     _tile_loadd(5, xp + kTileRows * K + kt * kTileK8, K);
     _tile_loadd(6, w0 + kt * tile_bytes, 64);

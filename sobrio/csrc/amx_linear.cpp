@@ -139,10 +139,11 @@ float quantize_row(const T* x, int64_t K, int8_t* q) {
   return scale;
 }
 
-// A 32x32 block of sums to T: times each row's and column's scale, plus the bias.
-template <typename T>
-void store_block_s8(const int32_t* acc, const float* x_scale, const float* w_scale, const T* bias, T* y,
-                    int64_t rows, int64_t N, int64_t n) {
+// A 32x32 block of sums to TOut: times each row's and column's scale, plus the bias. `acc2`, where an outlier
+// group was computed apart (see `Outlier`), adds its sums times its own row scales before the column's.
+template <typename TB, typename TOut>
+void store_block_s8(const int32_t* acc, const float* x_scale, const int32_t* acc2, const float* x_scale2,
+                    const float* w_scale, const TB* bias, TOut* y, int64_t rows, int64_t N, int64_t n) {
   __m512 ws[2], b[2];
   for (int h = 0; h < 2; ++h) {
     ws[h] = _mm512_loadu_ps(w_scale + n + 16 * h);
@@ -150,42 +151,78 @@ void store_block_s8(const int32_t* acc, const float* x_scale, const float* w_sca
   }
   for (int64_t r = 0; r < rows; ++r)
     for (int h = 0; h < 2; ++h) {
-      const __m512 s = _mm512_cvtepi32_ps(_mm512_loadu_si512(acc + r * kBlockN + 16 * h));
-      const __m512 out = _mm512_fmadd_ps(_mm512_mul_ps(s, _mm512_set1_ps(x_scale[r])), ws[h], b[h]);
-      sobrio_vec::store16(y + r * N + n + 16 * h, out);
+      __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(acc + r * kBlockN + 16 * h)),
+                               _mm512_set1_ps(x_scale[r]));
+      if (acc2)
+        s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(acc2 + r * kBlockN + 16 * h)),
+                            _mm512_set1_ps(x_scale2[r]), s);
+      sobrio_vec::store16(y + r * N + n + 16 * h, _mm512_fmadd_ps(s, ws[h], b[h]));
     }
 }
 
 constexpr int64_t kRowsPerPass = 256;  // x rows a thread keeps in L2 while it sweeps its columns
+constexpr int64_t kOutlierChannels = 64;  // one tile of inputs
 
+// Input channels rounded apart from the rest, with a per-token scale of their own (their columns of the same
+// int8 weight packed on their own): the tied LM head's few channels far above the others, which would
+// otherwise set every token's step.
+struct Outlier {
+  const int64_t* index = nullptr;  // [64] the channels
+  const int8_t* packed = nullptr;  // w[:, index] packed by amx_pack_weight_int8: [N/16, 1, 16, 16, 4]
+};
+
+// Row m of x into qp (its outlier channels zeroed there and rounded into qo on their own scale, so2[m]).
 template <typename T>
+void quantize_token(const T* x, int64_t K, const Outlier& outlier, int8_t* qp, float* scale, int8_t* qo,
+                    float* scale2, float* buffer) {
+  if (!outlier.index) {
+    *scale = quantize_row(x, K, qp);
+    return;
+  }
+  float picked[kOutlierChannels];
+  for (int64_t k = 0; k < K; ++k) buffer[k] = sobrio_vec::to_float(x[k]);
+  for (int64_t j = 0; j < kOutlierChannels; ++j) picked[j] = buffer[outlier.index[j]], buffer[outlier.index[j]] = 0.f;
+  *scale = quantize_row(buffer, K, qp);
+  *scale2 = quantize_row(picked, kOutlierChannels, qo);
+}
+
+template <typename T, typename TOut>
 void amx_int8_kernel(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& w_scale,
-                     const c10::optional<torch::Tensor>& bias, torch::Tensor& y) {
+                     const c10::optional<torch::Tensor>& bias, const Outlier& outlier, torch::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), N = y.size(1);
   const int64_t rows_padded = (M + 2 * kTileRows - 1) / (2 * kTileRows) * (2 * kTileRows);
-  auto xq = torch::zeros({rows_padded, K}, x.options().dtype(at::kChar));
-  auto xs = torch::empty({rows_padded}, x.options().dtype(at::kFloat));
+  const bool split = outlier.index != nullptr;
+  auto xq = torch::zeros({rows_padded, K + (split ? kOutlierChannels : 0)}, x.options().dtype(at::kChar));
+  auto xs = torch::empty({2, rows_padded}, x.options().dtype(at::kFloat));
   const T* xp = x.data_ptr<T>();
   int8_t* qp = xq.data_ptr<int8_t>();
-  float* sp = xs.data_ptr<float>();
+  int8_t* qo = qp + rows_padded * K;  // the outlier group's rows, 64 bytes each, after the others
+  float *sp = xs.data_ptr<float>(), *sp2 = sp + rows_padded;
   at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) sp[m] = quantize_row(xp + m * x.stride(0), K, qp + m * K);
+    std::vector<float> buffer(split ? K : 0);
+    for (int64_t m = begin; m < end; ++m)
+      quantize_token(xp + m * x.stride(0), K, outlier, qp + m * K, sp + m, qo + m * kOutlierChannels, sp2 + m,
+                     buffer.data());
   });
   const auto* wp = packed.data_ptr<int8_t>();
   const float* wsp = w_scale.data_ptr<float>();
   torch::Tensor bc = bias.has_value() ? bias->contiguous() : torch::Tensor();
   const T* b = bias.has_value() ? bc.data_ptr<T>() : nullptr;
-  T* yp = y.data_ptr<T>();
+  TOut* yp = y.data_ptr<TOut>();
   const int64_t blocks = N / kBlockN, grain = std::max<int64_t>(1, (256 << 10) / (kBlockN * K));
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     configure_tiles();
-    alignas(64) int32_t acc[2 * kTileRows * kBlockN];
+    alignas(64) int32_t acc[2 * kTileRows * kBlockN], acc2[split ? 2 * kTileRows * kBlockN : 1];
     for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass)
       for (int64_t nb = begin; nb < end; ++nb) {
         const int8_t* w0 = wp + (2 * nb) * kTileRows * K;
+        const int8_t* o0 = split ? outlier.packed + (2 * nb) * kTileRows * kOutlierChannels : nullptr;
         for (int64_t m = m0; m < std::min(M, m0 + kRowsPerPass); m += 2 * kTileRows) {
           block_product_s8(qp + m * K, w0, w0 + kTileRows * K, K, acc);
-          store_block_s8(acc, sp + m, wsp, b, yp + m * N, std::min<int64_t>(2 * kTileRows, M - m), N, nb * kBlockN);
+          if (split)
+            block_product_s8(qo + m * kOutlierChannels, o0, o0 + kTileRows * kOutlierChannels, kOutlierChannels, acc2);
+          store_block_s8(acc, sp + m, split ? acc2 : nullptr, sp2 + m, wsp, b, yp + m * N,
+                         std::min<int64_t>(2 * kTileRows, M - m), N, nb * kBlockN);
         }
       }
     _tile_release();
@@ -268,9 +305,12 @@ torch::Tensor amx_pack_weight_int8(torch::Tensor w) {
 }
 
 // W8A8: x [M, K] (bf16 or float32, rows with unit stride) rounded to int8 per token in the kernel, times the
-// int8 weight packed by amx_pack_weight_int8 with its float32 scale per output channel; y in x's dtype.
+// int8 weight packed by amx_pack_weight_int8 with its float32 scale per output channel; y in x's dtype, or
+// float32 with `float_out`. `outlier_index` (64 channels) and `outlier_packed` (the weight's columns there,
+// packed): those channels rounded on a per-token scale of their own.
 torch::Tensor amx_int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w_scale, int64_t N,
-                              c10::optional<torch::Tensor> bias) {
+                              c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> outlier_index,
+                              c10::optional<torch::Tensor> outlier_packed, bool float_out) {
   TORCH_CHECK(amx_int8_supported(), "amx_int8_linear needs AMX-INT8");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "amx_int8_linear: x [M, K] bf16 or float32, unit stride along K");
@@ -281,11 +321,25 @@ torch::Tensor amx_int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tens
               "amx_int8_linear: float32 scales, one per output channel");
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == x.scalar_type() && bias->numel() == N),
               "amx_int8_linear: a bias of x's dtype, one per output channel");
-  auto y = torch::empty({x.size(0), N}, x.options());
+  TORCH_CHECK(outlier_index.has_value() == outlier_packed.has_value(), "amx_int8_linear: outlier index and weight");
+  Outlier outlier;
+  torch::Tensor index;
+  if (outlier_index.has_value()) {
+    index = outlier_index->contiguous();
+    TORCH_CHECK(index.scalar_type() == at::kLong && index.numel() == kOutlierChannels &&
+                    index.min().item<int64_t>() >= 0 && index.max().item<int64_t>() < K,
+                "amx_int8_linear: 64 outlier channels of x");
+    TORCH_CHECK(outlier_packed->scalar_type() == at::kChar && outlier_packed->numel() == N * kOutlierChannels &&
+                    outlier_packed->is_contiguous(),
+                "amx_int8_linear: the outlier channels' weight, packed");
+    outlier = {index.data_ptr<int64_t>(), outlier_packed->data_ptr<int8_t>()};
+  }
+  auto y = torch::empty({x.size(0), N}, x.options().dtype(float_out ? at::kFloat : x.scalar_type()));
 #if defined(SOBRIO_AMX_INT8)
   if (x.size(0) == 0) return y;
-  if (x.scalar_type() == at::kBFloat16) amx_int8_kernel<c10::BFloat16>(x, packed, w_scale, bias, y);
-  else amx_int8_kernel<float>(x, packed, w_scale, bias, y);
+  if (x.scalar_type() == at::kFloat) amx_int8_kernel<float, float>(x, packed, w_scale, bias, outlier, y);
+  else if (float_out) amx_int8_kernel<c10::BFloat16, float>(x, packed, w_scale, bias, outlier, y);
+  else amx_int8_kernel<c10::BFloat16, c10::BFloat16>(x, packed, w_scale, bias, outlier, y);
 #endif
   return y;
 }
@@ -300,5 +354,6 @@ void register_amx_ops(pybind11::module& m) {
   m.def("amx_int8_supported", &amx_int8_supported, "whether amx_int8_linear was built and the OS grants AMX");
   m.def("amx_pack_weight_int8", &amx_pack_weight_int8, "an int8 weight [N, K] in amx_int8_linear's tile layout");
   m.def("amx_int8_linear", &amx_int8_linear, "W8A8 x @ (w * scale).T (+ bias) on AMX-INT8 tiles, x rounded per token",
-        py::arg("x"), py::arg("packed"), py::arg("w_scale"), py::arg("n"), py::arg("bias") = py::none());
+        py::arg("x"), py::arg("packed"), py::arg("w_scale"), py::arg("n"), py::arg("bias") = py::none(),
+        py::arg("outlier_index") = py::none(), py::arg("outlier_packed") = py::none(), py::arg("float_out") = false);
 }

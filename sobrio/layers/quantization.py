@@ -26,21 +26,29 @@ SmolLM2 step 19.7 -> 8.9 ms, a batch-32 one 50 -> 41 ms; perplexity (`sobrio ben
 22.6763): int8 22.7365 (+0.27%), int8-weight-only 22.6608 (-0.07%). The rest of this docstring is the
 AMX host's story.
 
-- `int8`: oneDNN's int8 linear on its packed copy of the weight (`onednn::qlinear_pointwise`, the per-token
-  activation scales applied to its output) at every row count: the fastest int8 kernel at each. The layer
-  keeps that copy only. The tied LM head keeps the embedding's plain matrix (no second copy), on which
-  `aten._weight_int8pack_mm` wins up to `INT8PACK_MAX_ROWS` rows and `torch._int_mm` (W8A8) past them;
-  those two also serve wherever oneDNN is missing.
+- `int8` with AMX-INT8 (`amx_int8_fits`: N a multiple of 32, K of 64, bf16 or float32 activations): sobrio's
+  own kernel (csrc/amx_linear.cpp, `amx_int8_mm`): the activations rounded per token inside it, the int8
+  weight in AMX tiles streamed once, int32 sums scaled per token and per channel. A step's matmuls
+  (`benchmarks/linear_kernels.py`, 2 threads, against the bf16 AMX kernel): 1 row 13.0 -> 7.1 ms, 32 rows
+  13.0 -> 9.2, 512 rows 94.1 -> 79.8, so the table below no longer decides `int8` here. The layer keeps the
+  tile copy only; the tied LM head packs the embedding's matrix and the embedding then reads its rows from
+  that copy (`amx_int8_rows`), one copy.
+- `int8` elsewhere: oneDNN's int8 linear on its packed copy of the weight (`onednn::qlinear_pointwise`, the
+  per-token activation scales applied to its output) at every row count: the fastest int8 kernel PyTorch
+  ships at each. The layer keeps that copy only. The tied LM head keeps the embedding's plain matrix (no
+  second copy), on which `aten._weight_int8pack_mm` wins up to `INT8PACK_MAX_ROWS` rows and `torch._int_mm`
+  (W8A8) past them; those two also serve wherever oneDNN is missing.
 - `int8-weight-only`: `aten._weight_int8pack_mm` below `DEQUANT_MIN_ROWS` rows, then the weight converted
   to bf16 for aten's matmul (the scales on the output): compute-bound there, it pays for the conversion.
 - torch.ao's dynamic linear (fbgemm) is the fastest at 1-4 rows, but its activation scale is per tensor
   (per token only at one row), its packed weight would be a second copy, and PyTorch deprecates it.
 
-On this AMX host no int8 kernel PyTorch ships beats the bf16 AMX kernel past about 8 rows: here int8 saves
-memory (SmolLM2's resident weights 807 -> 136 MB, bf16's packed copies counted) and is a little faster at
-1-8 rows only (2 threads, 1 row: int8pack_mm 1.22x, oneDNN W8A8 1.08x). End to end (offline, 2 threads,
-bf16 = 1): batch 1 about even, batch 32 0.64x (`int8`) and 0.34x (`int8-weight-only`). Faster int8 needs
-kernels of sobrio's own (issue 13's next slices).
+On this AMX host no int8 kernel PyTorch ships beats the bf16 AMX kernel past about 8 rows: with them int8
+saved memory (SmolLM2's resident weights 807 -> 136 MB, bf16's packed copies counted) and was a little
+faster at 1-8 rows only (2 threads, 1 row: int8pack_mm 1.22x, oneDNN W8A8 1.08x); end to end (offline, 2
+threads, bf16 = 1) batch 1 about even, batch 32 0.64x (`int8`) and 0.34x (`int8-weight-only`). That is why
+`int8` takes sobrio's AMX-INT8 kernel there now (`benchmarks/step_overhead.py --quantization int8`, against
+no flag: batch 1 18.0 -> 12.8 ms a step, batch 32 about 1.12x).
 
 Quality. `int8` first calibrates (layers/smoothing.py, on the shipped calibration text only): SmoothQuant's
 scales (alpha 0.5) folded into the norms before qkv_proj and gate_up_proj and into up_proj's rows before
@@ -85,6 +93,7 @@ DEQUANT_MIN_ROWS = 24  # int8-weight-only: _weight_int8pack_mm below, dequantize
 INT8_MAX = 127
 INT4_GROUP_SIZE = 32  # divides SmolLM2's 576 and 1536 and Gemma 3's 640, 1024 and 2048 (128 does not divide 576)
 OUTLIER_CHANNELS = 32  # the LM head's input channels kept in float in `int8` (see `Outliers`)
+AMX_OUTLIER_CHANNELS = 64  # on the AMX kernel: rounded as a group of their own (one tile of inputs)
 TINY = torch.finfo(torch.float32).tiny  # the scale of an all-zero row or token: its int8 values stay 0
 ZERO_POINT = torch.zeros((), dtype=torch.long)  # oneDNN's weight zero point: symmetric weights
 ONEDNN_U8_ZERO_POINT = 128  # activations as uint8 where oneDNN takes no s8 ones (`onednn_signed_activations`)
@@ -144,13 +153,20 @@ class Outliers:
     the tied LM head, which smoothing cannot reach (its scales would change the embedding too)."""
 
     index: torch.Tensor  # [k] the channels, ascending
-    weight: torch.Tensor  # [N, k] fp32: their columns of the dequantized weight
+    weight: torch.Tensor  # [N, k] fp32: their columns of the dequantized weight (AMX: int8, packed for it)
 
     @classmethod
     def of(cls, max_abs_x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, count: int) -> "Outliers":
         """The `count` channels of largest calibrated max |x|."""
         index = max_abs_x.topk(min(count, len(max_abs_x))).indices.sort().values
         return cls(index, dequantize_weight(q[:, index], scale, torch.float32))
+
+    @classmethod
+    def of_amx(cls, max_abs_x: torch.Tensor, q: torch.Tensor) -> "Outliers":
+        """For the AMX kernel: the `AMX_OUTLIER_CHANNELS` largest, rounded per token on a scale of their own
+        inside the kernel (no float pass over the logits); `weight` is their int8 columns packed for it."""
+        index = max_abs_x.topk(AMX_OUTLIER_CHANNELS).indices.sort().values
+        return cls(index, cpu_ops().amx_pack_weight_int8(q[:, index].contiguous()))
 
 
 def int8_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, outliers: Outliers | None = None) -> torch.Tensor:
@@ -215,9 +231,8 @@ def amx_int8_fits(weight: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether `int8` takes the AMX-INT8 kernel (csrc/amx_linear.cpp) for this int8 weight in a model of
     `dtype`: whole tiles (N a multiple of 32, K of 64), bf16 or float32 activations, AMX-INT8 granted. There it
     streams the int8 weight at about memory speed at every row count; oneDNN's int8 linear and
-    `torch._int_mm` ran slower than the bf16 AMX kernel past a few rows (the table above). A SmolLM2 step's
-    121 matmuls (`benchmarks/quant_kernels.py --amx`, 2 threads): 1 row 12.4 -> 7.0 ms against bf16 AMX, 32
-    rows 12.7 -> 8.3, 512 rows 84.8 -> 59.8."""
+    `torch._int_mm` ran slower than the bf16 AMX kernel past a few rows (the table above; figures against
+    bf16 in the module docstring, from `benchmarks/linear_kernels.py`)."""
     n, k = weight.shape
     return n % 32 == 0 and k % 64 == 0 and dtype in (torch.bfloat16, torch.float32) and amx_int8_available()
 
@@ -225,13 +240,17 @@ def amx_int8_fits(weight: torch.Tensor, dtype: torch.dtype) -> bool:
 def amx_int8_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                 outliers: Outliers | None = None) -> torch.Tensor:
     """W8A8 on the AMX tiles, the activations rounded per token inside the kernel. With `outliers` (the tied
-    LM head) their channels are zeroed before and added in fp32 after, as `int8_mm` does, and the result stays
-    float32: the logits are wanted in float32, and rounding them to bf16 and back cost 1 ms of a batch-32 step."""
+    LM head, `Outliers.of_amx`) their channels are rounded on a per-token scale of their own, in the same
+    pass, and the result is float32: the logits are wanted in float32. (Zeroing them and adding their fp32
+    product after, as `int8_mm` does, cost 6.5% of the engine's time serving 32 streams.)"""
+    n = scale.shape[0]
     if outliers is None:
-        return cpu_ops().amx_int8_linear(x, packed, scale, scale.shape[0], None)
-    x_out = x[:, outliers.index].float()
-    x_in = x.float().index_fill_(1, outliers.index, 0)
-    return cpu_ops().amx_int8_linear(x_in, packed, scale, scale.shape[0], None).addmm_(x_out, outliers.weight.T)
+        return cpu_ops().amx_int8_linear(x, packed, scale, n, None)
+    if outliers.weight.dtype == torch.int8:
+        return cpu_ops().amx_int8_linear(x, packed, scale, n, None, outliers.index, outliers.weight, True)
+    x_out = x[:, outliers.index].float()  # fewer inputs than two groups of 64: in fp32 beside the kernel
+    return cpu_ops().amx_int8_linear(x.index_fill(1, outliers.index, 0), packed, scale, n, None, None, None,
+                                     True).addmm_(x_out, outliers.weight.T)
 
 
 def amx_int8_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -285,9 +304,13 @@ class QuantizedLinear(torch.nn.Module):
 
     def keep_in_float(self, max_abs_x: torch.Tensor, count: int = OUTLIER_CHANNELS) -> None:
         """`int8` on the plain matrix: the `count` input channels of largest calibrated max |x| computed in
-        fp32 (their columns a buffer, so that resident_bytes counts them: 6.3 MB on SmolLM2's head)."""
+        fp32 (their columns a buffer, so that resident_bytes counts them: 6.3 MB on SmolLM2's head); on the
+        AMX kernel the `AMX_OUTLIER_CHANNELS` largest rounded as a group of their own (3.1 MB there)."""
         assert self.weight is not None and self.method == "int8", "outlier channels: W8A8 with its plain matrix only"
-        self.outliers = Outliers.of(max_abs_x, self.weight, self.weight_scale, count)
+        if self.amx_packed is not None and self.in_features >= 2 * AMX_OUTLIER_CHANNELS:
+            self.outliers = Outliers.of_amx(max_abs_x, self.weight)
+        else:
+            self.outliers = Outliers.of(max_abs_x, self.weight, self.weight_scale, count)
         self.register_buffer("outlier_weight", self.outliers.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

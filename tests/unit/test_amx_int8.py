@@ -103,5 +103,22 @@ def test_the_tied_head_and_the_embedding_share_the_tile_copy():
     hidden[:, 5] *= 50
     logits = head(hidden)
     assert logits.dtype == torch.float32  # the logits stay float32
-    assert relative_error(logits, int8_mm(hidden, plain, scale, head.outliers).float()) < 1e-2
-    assert relative_error(logits, hidden.float() @ dequantize_weight(plain, scale, torch.float32).T) < 2e-2
+    index = head.outliers.index
+    assert len(index) == 64 and {5, 77} <= set(index.tolist())
+    rest = hidden.index_fill(1, index, 0)  # two groups, each rounded on its own per-token scale
+    expected = (int8_reference(rest, plain, torch.ones(1024)) + int8_reference(hidden[:, index], plain[:, index],
+                                                                              torch.ones(1024))) * scale.float()
+    assert relative_error(logits, expected) < 1e-5
+    dense = hidden.float() @ dequantize_weight(plain, scale, torch.float32).T
+    assert relative_error(logits, dense) < 2.5e-2
+    single = int8_reference(hidden, plain, scale)  # one scale per token: the outlier channels set its step
+    assert relative_error(logits, dense) < relative_error(single, dense)
+
+
+def test_a_small_head_keeps_its_outliers_in_float():
+    embed = QuantizedEmbedding.from_float(torch.randn(256, 64).bfloat16())  # 64 inputs: no room for a group
+    plain, scale = embed.weight.clone(), embed.weight_scale
+    head = embed.lm_head("int8", torch.rand(64))
+    assert head.outliers.weight.dtype == torch.float32
+    hidden = torch.randn(5, 64).bfloat16()
+    assert relative_error(head(hidden), int8_mm(hidden, plain, scale, head.outliers).float()) < 1e-2

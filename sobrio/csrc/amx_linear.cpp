@@ -180,7 +180,7 @@ void quantize_token(const T* x, int64_t K, const Outlier& outlier, int8_t* qp, f
     return;
   }
   float picked[kOutlierChannels];
-  for (int64_t k = 0; k < K; ++k) buffer[k] = sobrio_vec::to_float(x[k]);
+  for (int64_t k = 0; k < K; k += 16) _mm512_storeu_ps(buffer + k, sobrio_vec::load16(x + k));
   for (int64_t j = 0; j < kOutlierChannels; ++j) picked[j] = buffer[outlier.index[j]], buffer[outlier.index[j]] = 0.f;
   *scale = quantize_row(buffer, K, qp);
   *scale2 = quantize_row(picked, kOutlierChannels, qo);
@@ -328,7 +328,7 @@ torch::Tensor amx_int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tens
     index = outlier_index->contiguous();
     TORCH_CHECK(index.scalar_type() == at::kLong && index.numel() == kOutlierChannels &&
                     index.min().item<int64_t>() >= 0 && index.max().item<int64_t>() < K,
-                "amx_int8_linear: 64 outlier channels of x");
+                "amx_int8_linear: 64 outlier channels of x, each < K");
     TORCH_CHECK(outlier_packed->scalar_type() == at::kChar && outlier_packed->numel() == N * kOutlierChannels &&
                     outlier_packed->is_contiguous(),
                 "amx_int8_linear: the outlier channels' weight, packed");

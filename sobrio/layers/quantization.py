@@ -237,20 +237,22 @@ def amx_int8_fits(weight: torch.Tensor, dtype: torch.dtype) -> bool:
     return n % 32 == 0 and k % 64 == 0 and dtype in (torch.bfloat16, torch.float32) and amx_int8_available()
 
 
-def amx_int8_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
-                outliers: Outliers | None = None) -> torch.Tensor:
-    """W8A8 on the AMX tiles, the activations rounded per token inside the kernel. With `outliers` (the tied
-    LM head, `Outliers.of_amx`) their channels are rounded on a per-token scale of their own, in the same
-    pass, and the result is float32: the logits are wanted in float32. (Zeroing them and adding their fp32
-    product after, as `int8_mm` does, cost 6.5% of the engine's time serving 32 streams.)"""
+def amx_int8_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, outliers: Outliers | None = None,
+                float_out: bool = False) -> torch.Tensor:
+    """W8A8 on the AMX tiles, the activations rounded per token inside the kernel. With `outliers`
+    (`Outliers.of_amx`: the tied LM head's, each down_proj's) their channels are rounded on a per-token scale
+    of their own, in the same pass. `float_out`: the result in float32 (the logits), else in x's dtype.
+    (Zeroing the head's outliers and adding their fp32 product after, as `int8_mm` does, cost 6.5% of the
+    engine's time serving 32 streams.)"""
     n = scale.shape[0]
     if outliers is None:
-        return cpu_ops().amx_int8_linear(x, packed, scale, n, None)
+        return cpu_ops().amx_int8_linear(x, packed, scale, n, None, None, None, float_out)
     if outliers.weight.dtype == torch.int8:
-        return cpu_ops().amx_int8_linear(x, packed, scale, n, None, outliers.index, outliers.weight, True)
+        return cpu_ops().amx_int8_linear(x, packed, scale, n, None, outliers.index, outliers.weight, float_out)
     x_out = x[:, outliers.index].float()  # fewer inputs than two groups of 64: in fp32 beside the kernel
-    return cpu_ops().amx_int8_linear(x.index_fill(1, outliers.index, 0), packed, scale, n, None, None, None,
-                                     True).addmm_(x_out, outliers.weight.T)
+    out = cpu_ops().amx_int8_linear(x.index_fill(1, outliers.index, 0), packed, scale, n, None, None, None, True)
+    out.addmm_(x_out, outliers.weight.T)
+    return out if float_out else out.to(x.dtype)
 
 
 def amx_int8_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -281,14 +283,18 @@ class QuantizedLinear(torch.nn.Module):
     outliers: Outliers | None = None  # `int8`: input channels kept in float (the tied LM head)
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, method: str,
-                 pack: bool = True):
+                 pack: bool = True, input_max_abs: torch.Tensor | None = None):
         super().__init__()
         assert weight.dtype == torch.int8 and method in ("int8", "int8-weight-only"), method
         self.method = method
         self.in_features = weight.shape[1]
+        self.float_out = False  # the tied head's logits: float32 (`keep_in_float`)
         if method == "int8" and amx_int8_fits(weight, weight_scale.dtype):
             self.amx_packed = cpu_ops().amx_pack_weight_int8(weight)
             self.scale_fp32 = weight_scale.float().contiguous()
+            if input_max_abs is not None and self.in_features >= 2 * AMX_OUTLIER_CHANNELS:
+                self.outliers = Outliers.of_amx(input_max_abs, weight)  # nearly free there: one more tile of K
+                self.register_buffer("outlier_weight", self.outliers.weight)
         elif method == "int8" and pack:
             self.packed = onednn_pack(weight)
             self.scale_fp32 = weight_scale.float()
@@ -298,9 +304,12 @@ class QuantizedLinear(torch.nn.Module):
         self.register_buffer("bias", bias)
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, method: str) -> "QuantizedLinear":
-        """Quantize a float weight; its scales (and so the activations' kernels) in the weight's dtype."""
-        return cls(*quantize_weight(weight, weight.dtype), None if bias is None else bias.detach(), method)
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, method: str,
+                   input_max_abs: torch.Tensor | None = None) -> "QuantizedLinear":
+        """Quantize a float weight; its scales (and so the activations' kernels) in the weight's dtype.
+        `input_max_abs`: its inputs' calibrated max |x|, whose largest channels `int8` on AMX rounds apart."""
+        return cls(*quantize_weight(weight, weight.dtype), None if bias is None else bias.detach(), method,
+                   input_max_abs=input_max_abs)
 
     def keep_in_float(self, max_abs_x: torch.Tensor, count: int = OUTLIER_CHANNELS) -> None:
         """`int8` on the plain matrix: the `count` input channels of largest calibrated max |x| computed in
@@ -312,11 +321,12 @@ class QuantizedLinear(torch.nn.Module):
         else:
             self.outliers = Outliers.of(max_abs_x, self.weight, self.weight_scale, count)
         self.register_buffer("outlier_weight", self.outliers.weight)
+        self.float_out = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).contiguous()
         if self.amx_packed is not None:
-            out = amx_int8_mm(rows, self.amx_packed, self.scale_fp32, self.outliers)
+            out = amx_int8_mm(rows, self.amx_packed, self.scale_fp32, self.outliers, self.float_out)
         elif self.packed is not None:
             out = onednn_int8_mm(rows, self.packed, self.scale_fp32)
         else:
@@ -360,8 +370,9 @@ def vnni_int8_codes(weight: torch.Tensor) -> vnni.VnniCodes:
 
 
 def quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, method: str,
-                     name: str) -> torch.nn.Module:
-    """The quantized form of one Linear for `--quantization method`; `name` goes into a shape error."""
+                     name: str, input_max_abs: torch.Tensor | None = None) -> torch.nn.Module:
+    """The quantized form of one Linear for `--quantization method`; `name` goes into a shape error;
+    `input_max_abs` (calibrated, `smoothing.smooth`) picks the channels `int8` on AMX rounds apart."""
     if method == "int4":
         return int4_linear_from_float(weight, bias, name)
     if vnni_int8_preferred(weight.shape[1]):
@@ -369,7 +380,7 @@ def quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, method: st
     if method == "int8-weight-only" and grouped_int8_preferred(weight.shape[1]):
         return GroupedLinear(grouped_int8_codes(*quantize_weight(weight, weight.dtype)),
                              None if bias is None else bias.detach())
-    return QuantizedLinear.from_float(weight, bias, method)
+    return QuantizedLinear.from_float(weight, bias, method, input_max_abs)
 
 
 def quantized_embedding(weight: torch.Tensor) -> torch.nn.Module:

@@ -122,3 +122,20 @@ def test_a_small_head_keeps_its_outliers_in_float():
     assert head.outliers.weight.dtype == torch.float32
     hidden = torch.randn(5, 64).bfloat16()
     assert relative_error(head(hidden), int8_mm(hidden, plain, scale, head.outliers).float()) < 1e-2
+
+
+def test_a_layer_given_its_calibrated_inputs_rounds_their_largest_channels_apart():
+    torch.manual_seed(1)
+    w = torch.randn(64, 256).bfloat16()
+    max_abs = torch.rand(256)
+    max_abs[[3, 200]] = 80.0
+    layer = QuantizedLinear.from_float(w, None, "int8", input_max_abs=max_abs)  # a down_proj after smoothing
+    plain = QuantizedLinear.from_float(w, None, "int8")
+    assert layer.outliers is not None and layer.outliers.weight.dtype == torch.int8 and plain.outliers is None
+    assert {3, 200} <= set(layer.outliers.index.tolist()) and layer.weight is None  # the tile copies only
+    x = torch.randn(6, 256).bfloat16()
+    x[:, [3, 200]] *= 80
+    out = layer(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (6, 64)  # in the model's dtype, unlike the head's
+    dense = x.float() @ dequantize_weight(*quantize_weight(w, torch.float32), torch.float32).T
+    assert relative_error(out, dense) < 0.75 * relative_error(plain(x), dense)

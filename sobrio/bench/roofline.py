@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from sobrio.layers import quantization
+from sobrio.layers.cpu_ops import amx_int8_available, cpu_ops
 from sobrio.layers.quantization import QuantizedLinear
 from sobrio.layers.rotary import RotaryEmbedding
 
@@ -56,9 +57,11 @@ def peak_matmul_flops(dtype: torch.dtype, n: int = 2048) -> float:
 
 
 def int8_matmul_kernels(n: int) -> dict[str, Callable[[], torch.Tensor]]:
-    """n x n int8 x int8 matmuls by each kernel PyTorch has here (oneDNN's on a prepacked weight, as the
-    `int8` layers run it, where oneDNN is built in), on the same operands."""
+    """n x n int8 x int8 matmuls by each kernel here (oneDNN's on a prepacked weight where oneDNN is built in;
+    sobrio's AMX-INT8 kernel where the CPU has it, on bf16 activations it rounds itself, as the `int8` layers
+    run it), on the same operands. n: a multiple of 64."""
     a = torch.randint(-127, 128, (n, n), dtype=torch.int8)
+    a[:, 0] = 127  # every row reaches 127: the AMX kernel's per-token rounding leaves its integers as they are
     b = torch.randint(-127, 128, (n, n), dtype=torch.int8)
     kernels = {"torch._int_mm": lambda: torch._int_mm(a, b.t())}
     if not quantization.int8_dot_products():  # as `int8_mm` runs there: the integers summed in fp32
@@ -70,13 +73,17 @@ def int8_matmul_kernels(n: int) -> dict[str, Callable[[], torch.Tensor]]:
         x = (a.to(torch.int16) + zero_point).to(torch.uint8) if zero_point else a  # as the layers run it
         kernels["onednn qlinear"] = lambda: torch.ops.onednn.qlinear_pointwise(
             x, 1.0, zero_point, packed, scale, INT8_ZERO_POINT, None, 1.0, 0, torch.bfloat16, "none", [], "")
+    if amx_int8_available() and n % 64 == 0:
+        tiles, activations, ones = cpu_ops().amx_pack_weight_int8(b), a.to(torch.bfloat16), torch.ones(n)
+        kernels["sobrio amx int8"] = lambda: cpu_ops().amx_int8_linear(activations, tiles, ones, n, None, None,
+                                                                       None, True)
     return kernels
 
 
 def peak_int8_ops(n: int = 2048) -> tuple[float, str]:
     """(int8 ops/s, kernel) of the fastest int8 matmul kernel: the ceiling of W8A8 at large batches."""
     rates = {name: sized_rate(lambda size, name=name: int8_matmul_kernels(size)[name], n)
-             for name in int8_matmul_kernels(16)}
+             for name in int8_matmul_kernels(64)}
     best = max(rates, key=rates.get)
     return rates[best], best
 

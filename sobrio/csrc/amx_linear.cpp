@@ -192,13 +192,15 @@ void amx_int8_kernel(const torch::Tensor& x, const torch::Tensor& packed, const 
   const int64_t M = x.size(0), K = x.size(1), N = y.size(1);
   const int64_t rows_padded = (M + 2 * kTileRows - 1) / (2 * kTileRows) * (2 * kTileRows);
   const bool split = outlier.index != nullptr;
-  auto xq = torch::zeros({rows_padded, K + (split ? kOutlierChannels : 0)}, x.options().dtype(at::kChar));
+  auto xq = torch::empty({rows_padded, K + (split ? kOutlierChannels : 0)}, x.options().dtype(at::kChar));
   auto xs = torch::empty({2, rows_padded}, x.options().dtype(at::kFloat));
   const T* xp = x.data_ptr<T>();
   int8_t* qp = xq.data_ptr<int8_t>();
   int8_t* qo = qp + rows_padded * K;  // the outlier group's rows, 64 bytes each, after the others
   float *sp = xs.data_ptr<float>(), *sp2 = sp + rows_padded;
-  at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
+  std::memset(qp + M * K, 0, (rows_padded - M) * K);  // the padding rows only: the others are written below
+  if (split) std::memset(qo + M * kOutlierChannels, 0, (rows_padded - M) * kOutlierChannels);
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {  // a decode batch of 32 on both threads
     std::vector<float> buffer(split ? K : 0);
     for (int64_t m = begin; m < end; ++m)
       quantize_token(xp + m * x.stride(0), K, outlier, qp + m * K, sp + m, qo + m * kOutlierChannels, sp2 + m,

@@ -20,11 +20,11 @@ needs_smollm2 = pytest.mark.skipif(not is_installed("smollm2-135m"), reason="llm
 
 def test_int8_peak_is_a_positive_rate_of_a_known_kernel():
     ops, kernel = roofline.peak_int8_ops(n=128)
-    assert ops > 0 and math.isfinite(ops) and kernel in roofline.int8_matmul_kernels(16)
+    assert ops > 0 and math.isfinite(ops) and kernel in roofline.int8_matmul_kernels(64)
 
 
 def test_int8_kernels_compute_the_same_products():
-    kernels = roofline.int8_matmul_kernels(32)
+    kernels = roofline.int8_matmul_kernels(64)  # sobrio's AMX kernel takes whole tiles of 64 inputs
     exact = kernels["torch._int_mm"]()
     assert exact.dtype == torch.int32
     for out in (fn() for fn in kernels.values()):

@@ -200,7 +200,7 @@ void amx_int8_kernel(const torch::Tensor& x, const torch::Tensor& packed, const 
   float *sp = xs.data_ptr<float>(), *sp2 = sp + rows_padded;
   std::memset(qp + M * K, 0, (rows_padded - M) * K);  // the padding rows only: the others are written below
   if (split) std::memset(qo + M * kOutlierChannels, 0, (rows_padded - M) * kOutlierChannels);
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {  // a decode batch of 32 on both threads
+  at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {  // a decode batch inline: no thread to wait on
     std::vector<float> buffer(split ? K : 0);
     for (int64_t m = begin; m < end; ++m)
       quantize_token(xp + m * x.stride(0), K, outlier, qp + m * K, sp + m, qo + m * kOutlierChannels, sp2 + m,

@@ -30,7 +30,7 @@ AMX host's story.
   own kernel (csrc/amx_linear.cpp, `amx_int8_mm`): the activations rounded per token inside it, the int8
   weight in AMX tiles streamed once, int32 sums scaled per token and per channel. A step's matmuls
   (`benchmarks/linear_kernels.py`, 2 threads, against the bf16 AMX kernel): 1 row 13.0 -> 7.1 ms, 32 rows
-  13.0 -> 9.2, 512 rows 94.1 -> 79.8, so the table below no longer decides `int8` here. The layer keeps the
+  12.9 -> 8.6-9.2, 512 rows 94.1 -> 79.8, so the table below no longer decides `int8` here. The layer keeps the
   tile copy only; the tied LM head packs the embedding's matrix and the embedding then reads its rows from
   that copy (`amx_int8_rows`), one copy.
 - `int8` elsewhere: oneDNN's int8 linear on its packed copy of the weight (`onednn::qlinear_pointwise`, the
@@ -68,6 +68,12 @@ text, windows of 512 every 256, prompts in chunks of 32):
 Gemma 3 270M (the quicker proxy of smoothing.py: windows of 512 not overlapping, BOS first; bf16 23.74):
 weight-only +0.6%, W8A8 unsmoothed +4.1%, smoothed +2.3% (alpha 0.65: +1.7%); its down_proj (GELU-tanh's
 outputs) is what is left: weight-only there, +0.9%, at a cost to the batch-32 step (dequant + mm), not taken.
+
+On AMX-INT8 (`amx_int8_mm`) the head's and each down_proj's 64 largest calibrated input channels are rounded
+as a group of their own, in the kernel's pass (`Outliers.of_amx`: one more tile of K). `sobrio bench
+perplexity --quantization none,int8` (2026-12-03): SmolLM2 22.6826 -> 22.8929 (+0.93%; +0.64% with the head's
+group only), Gemma 3 270M 20.6907 -> 20.9551 (+1.28%; +1.94% with one scale a token in down_proj). Tried,
+worse: alpha searched per layer by the W8A8 output error (SmolLM2 +0.96%, Gemma +2.39%), groups of 128.
 
 `_weight_int8pack_mm` in bf16 or fp16 reads past the row when K is not a multiple of 16 (NaN or a crash,
 PyTorch 2.13): such weights take `dequant_mm` (weight-only) or `int8_mm` (W8A8) instead. None of these kernels
@@ -280,7 +286,7 @@ class QuantizedLinear(torch.nn.Module):
 
     packed: torch.Tensor | None = None
     amx_packed: torch.Tensor | None = None  # `int8` on AMX-INT8: the tile-layout copy (`amx_int8_fits`)
-    outliers: Outliers | None = None  # `int8`: input channels kept in float (the tied LM head)
+    outliers: Outliers | None = None  # `int8`: input channels apart (the tied head's; on AMX each down_proj's)
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, method: str,
                  pack: bool = True, input_max_abs: torch.Tensor | None = None):

@@ -164,14 +164,14 @@ constexpr int64_t kRowsPerPass = 256;  // x rows a thread keeps in L2 while it s
 constexpr int64_t kOutlierChannels = 64;  // one tile of inputs
 
 // Input channels rounded apart from the rest, with a per-token scale of their own (their columns of the same
-// int8 weight packed on their own): the tied LM head's few channels far above the others, which would
-// otherwise set every token's step.
+// int8 weight packed on their own): the few channels of the tied LM head's and the down_projs' inputs far
+// above the others, which would otherwise set every token's step.
 struct Outlier {
   const int64_t* index = nullptr;  // [64] the channels
   const int8_t* packed = nullptr;  // w[:, index] packed by amx_pack_weight_int8: [N/16, 1, 16, 16, 4]
 };
 
-// Row m of x into qp (its outlier channels zeroed there and rounded into qo on their own scale, so2[m]).
+// Row m of x into qp (its outlier channels zeroed there and rounded into qo on their own scale, *scale2).
 template <typename T>
 void quantize_token(const T* x, int64_t K, const Outlier& outlier, int8_t* qp, float* scale, int8_t* qo,
                     float* scale2, float* buffer) {

@@ -89,6 +89,17 @@ void store_block(const float* acc, const c10::BFloat16* bias, c10::BFloat16* y, 
 }
 #endif
 
+// Outside the AMX guards: amx_int8_linear checks its operands on every CPU, and builds on any.
+constexpr int64_t kOutlierChannels = 64;  // one tile of inputs
+
+// Input channels rounded apart from the rest, with a per-token scale of their own (their columns of the same
+// int8 weight packed on their own): the few channels of the tied LM head's and the down_projs' inputs far
+// above the others, which would otherwise set every token's step.
+struct Outlier {
+  const int64_t* index = nullptr;  // [64] the channels
+  const int8_t* packed = nullptr;  // w[:, index] packed by amx_pack_weight_int8: [N/16, 1, 16, 16, 4]
+};
+
 #if defined(SOBRIO_AMX_INT8)
 constexpr int64_t kTileK8 = 64;  // int8 inputs per tile row: 16 quads, what TDPBSSD reads
 constexpr int64_t kPrefetchTiles = 6;  // tiles ahead a weight stream is fetched
@@ -161,15 +172,6 @@ void store_block_s8(const int32_t* acc, const float* x_scale, const int32_t* acc
 }
 
 constexpr int64_t kRowsPerPass = 256;  // x rows a thread keeps in L2 while it sweeps its columns
-constexpr int64_t kOutlierChannels = 64;  // one tile of inputs
-
-// Input channels rounded apart from the rest, with a per-token scale of their own (their columns of the same
-// int8 weight packed on their own): the few channels of the tied LM head's and the down_projs' inputs far
-// above the others, which would otherwise set every token's step.
-struct Outlier {
-  const int64_t* index = nullptr;  // [64] the channels
-  const int8_t* packed = nullptr;  // w[:, index] packed by amx_pack_weight_int8: [N/16, 1, 16, 16, 4]
-};
 
 // Row m of x into qp (its outlier channels zeroed there and rounded into qo on their own scale, *scale2).
 template <typename T>

@@ -229,3 +229,18 @@ def test_real_operators_load_without_torch_extension_folder(tmp_path):
                          timeout=60, check=True).stdout.strip()
     assert Path(out).is_relative_to(csrc.ops_roots()[0]) or Path(out).is_relative_to(csrc.ops_roots()[1])
     assert [p.name for p in torch_dir.rglob("*")] == ["sobrio_cpu_ops", "lock"]
+
+
+def test_the_real_operators_build_on_this_cpu():
+    """Where a C++ compiler is, the operators must have built for this CPU: a source that fails to compile on
+    one CPU (say a name kept under an AMX guard but used outside it, which broke the build on AMD hosts
+    once) would otherwise leave the whole suite green on the slower PyTorch path."""
+    if os.environ.get("SOBRIO_DISABLE_CPP"):
+        pytest.skip("SOBRIO_DISABLE_CPP is set")
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler")
+    try:
+        module = csrc.load_or_build()
+    except Exception as exc:  # the build's own message, whole: it names the file and line
+        pytest.fail(f"the C++ operators did not build: {exc}")
+    assert hasattr(module, "amx_int8_linear") and hasattr(module, "amx_supported")

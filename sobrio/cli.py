@@ -187,10 +187,15 @@ def _add_train_draft(sub) -> None:
                        help="the answers' most frequent tokens the heads may draft (default: 4096)")
     train.add_argument("--max-tokens", type=int, default=192, help="tokens of each answer (default: 192)")
     train.add_argument("--epochs", type=int, default=None,
-                       help="passes over the answers (default: eagle 6, medusa 4)")
+                       help="passes over the answers (default: 4)")
     train.add_argument("--lr", type=float, default=None,
                        help="peak learning rate, one cycle (default: eagle 1e-3, medusa 3e-3)")
     train.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts only")
+    train.add_argument("--self-prompts", type=int, default=1000,
+                       help="eagle: also answer N requests the model writes itself from its chat template's user "
+                            "turn (Magpie); 0: the shipped prompts only (default: 1000)")
+    train.add_argument("--samples", type=int, default=1,
+                       help="eagle: sampled answers per prompt besides the greedy one (default: 1)")
     train.add_argument("--dtype", default="auto", help="the target's dtype while it answers (default: auto)")
     train.set_defaults(func=cmd_train_draft)
 
@@ -204,11 +209,15 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}", f"--{name}")
+    for name in ("self_prompts", "samples"):
+        if getattr(args, name) < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}", f"--{name}")
     if args.method == "eagle":
         from sobrio.spec.train_eagle import train_eagle
 
-        figures = train_eagle(args.model, Path(args.out), args.draft_vocab_size, args.max_tokens, args.epochs or 6,
-                              args.lr or 1e-3, args.num_prompts, args.dtype)
+        figures = train_eagle(args.model, Path(args.out), args.draft_vocab_size, args.max_tokens, args.epochs or 4,
+                              args.lr or 1e-3, args.num_prompts, args.dtype, args.samples,
+                              num_self_prompts=args.self_prompts)
         print(f"wrote {args.out}: an EAGLE head, {figures['bytes'] / 1e6:.1f} MB, trained on {figures['positions']} "
               f"positions in {figures['seconds']:.0f} s; held-out top-1 of the first draft: "
               f"{figures['held_out_top1']:.0%}")

@@ -1,7 +1,8 @@
 """`sobrio train-draft --method eagle`: an EAGLE head (spec/eagle.py) for a served model, trained on the CPU.
 
-The data: the target's own answers to the shipped prompts (greedy, and sampled ones for more of them) and
-its final hidden states over prompt + answer, both from sobrio's engine (the features it will serve with).
+The data: the target's own answers (greedy, and sampled ones for more of them) to the shipped prompts and to
+requests it wrote itself (spec/self_prompts.py: far more varied than the shipped ones), and its final hidden
+states over prompt + answer, both from sobrio's engine (the features it will serve with).
 At each position j of a sequence the head reads the target's feature f_j and the embedding of x_{j+1};
 through a causal decoder layer over the whole sequence (teacher forcing: every earlier position's true
 feature) it must give f_{j+1} (smooth L1, EAGLE's regression loss) whose
@@ -119,17 +120,21 @@ def answer_prompts(llm, prompts: list[str], max_tokens: int, samples: int) -> An
 
 def train_eagle(model: str, out: Path, draft_vocab_size: int = 4096, max_tokens: int = 192, epochs: int = 6,
                 lr: float = 1e-3, num_prompts: int | None = None, dtype: str = "auto", samples: int = 2,
-                batch_size: int = 8) -> dict:
+                batch_size: int = 8, num_self_prompts: int = 0) -> dict:
     """The whole recipe; returns the figures written to training.json. The target answers through sobrio's
-    engine and its features come from the same engine (the ones the head reads when serving)."""
+    engine and its features come from the same engine (the ones the head reads when serving). Besides the
+    shipped prompts it answers `num_self_prompts` requests it wrote itself (spec/self_prompts.py); the
+    held-out answers are the first shipped prompts' only."""
     from sobrio.data import DRAFT_PROMPTS, read_text
     from sobrio.llm import LLM
+    from sobrio.spec.self_prompts import self_prompts
     from sobrio.spec.train import draft_vocabulary, plot_losses
 
     started = time.monotonic()
     prompts = [p for p in read_text(DRAFT_PROMPTS).splitlines() if p.strip()][:num_prompts]
     llm = LLM(model, dtype=dtype, max_model_len=1024)
-    answers = answer_prompts(llm, prompts, max_tokens, samples)
+    written = self_prompts(llm, num_self_prompts) if num_self_prompts else []
+    answers = answer_prompts(llm, prompts + written, max_tokens, samples)
     runner = llm.engine.runner
     hidden = [runner.hidden_states(seq).to(torch.bfloat16) for seq in tqdm(answers.sequences, desc="features")]
     held = max(1, len(prompts) // 10) * (1 + samples)  # the first prompts' answers, all of them
@@ -148,7 +153,8 @@ def train_eagle(model: str, out: Path, draft_vocab_size: int = 4096, max_tokens:
     losses = fit(head, train_set, index, epochs, lr, batch_size)
     head.save(out, config, vocab_ids, model, vocab_size)
     plot_losses(losses, out / "loss.png")
-    figures = {"method": "eagle", "model": model, "prompts": len(prompts), "answers": len(answers.sequences),
+    figures = {"method": "eagle", "model": model, "prompts": len(prompts), "self_prompts": len(written),
+               "answers": len(answers.sequences),
                "held_out_answers": held, "positions": sum(len(s) - st for s, st in zip(*train_set[:2])),
                "draft_vocab_size": len(vocab_ids), "epochs": epochs,
                "final_loss": sum(losses[-20:]) / len(losses[-20:]), "held_out_top1_before": before,

@@ -107,3 +107,11 @@ def test_bad_params_raise_typed_errors(bad):
     with pytest.raises(InvalidRequestError) as err:
         SamplingParams(**bad)
     assert err.value.param == next(iter(bad))
+
+
+def test_a_step_with_no_rows_samples_nothing_and_leaves_its_logits_alone():
+    """A chunked-prefill step where no request reaches its last prompt token has no rows to sample; the
+    engine's logits are inference tensors, which no path may update in place without copying them first."""
+    with torch.inference_mode():
+        logits = torch.randn(0, 100)
+    assert Sampler()(logits, []) == []

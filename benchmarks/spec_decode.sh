@@ -5,6 +5,8 @@
 # prompts (80 in / 128 out). Each server is fresh, with a quiet gap between runs.
 #   benchmarks/spec_decode.sh [MODEL] [SPECULATIVE_CONFIG_JSON] [PROMPTS.jsonl] [TAG]
 #   -> results/spec-TAG-{off,on}-{one,batch32}.json, results/spec-TAG-on-metrics.txt, and a summary with ratios
+# SOBRIO_ARGS adds flags to both servers (e.g. SOBRIO_ARGS="--quantization gguf": the drafts verified on the
+# packed kernels).
 # Draft heads on open chat prompts (held out from `sobrio train-draft`'s):
 #   .venv/bin/sobrio train-draft smollm2-135m results/heads-smollm2   # about 10 minutes on 2 cores
 #   benchmarks/spec_decode.sh smollm2-135m '{"method": "medusa", "model": "results/heads-smollm2",
@@ -32,7 +34,8 @@ wait_for() {  # URL: until it answers, the server exits (its log says why), or 3
 
 run() {  # NAME [serve flags...]
   local name=$1; shift
-  .venv/bin/sobrio serve "$MODEL" --port $PORT "$@" > "results/spec-$TAG-$name-serve.log" 2>&1 &
+  # shellcheck disable=SC2086
+  .venv/bin/sobrio serve "$MODEL" --port $PORT ${SOBRIO_ARGS:-} "$@" > "results/spec-$TAG-$name-serve.log" 2>&1 &
   SERVER=$!
   wait_for "$URL/health"; sleep 3
   .venv/bin/sobrio bench serve --base-url "$URL" --model "$MODEL" --endpoint chat --no-progress \

@@ -8,7 +8,7 @@
 # SOBRIO_ARGS adds flags to both servers (e.g. SOBRIO_ARGS="--quantization gguf": the drafts verified on the
 # packed kernels).
 # Draft heads on open chat prompts (held out from `sobrio train-draft`'s):
-#   .venv/bin/sobrio train-draft smollm2-135m results/heads-smollm2   # about 10 minutes on 2 cores
+#   .venv/bin/sobrio train-draft --method medusa smollm2-135m results/heads-smollm2   # about 10 minutes on 2 cores
 #   benchmarks/spec_decode.sh smollm2-135m '{"method": "medusa", "model": "results/heads-smollm2",
 #     "num_speculative_tokens": 3}' benchmarks/data/open_chat_prompts.jsonl medusa
 set -euo pipefail

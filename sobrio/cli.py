@@ -205,13 +205,11 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
 
     from sobrio.spec.train import train_draft
 
-    for name in ("num_heads", "draft_vocab_size", "max_tokens", "epochs", "num_prompts"):
+    for name, least in (("num_heads", 1), ("draft_vocab_size", 1), ("max_tokens", 1), ("epochs", 1),
+                        ("num_prompts", 1), ("self_prompts", 0), ("samples", 0)):
         value = getattr(args, name)
-        if value is not None and value < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}", f"--{name}")
-    for name in ("self_prompts", "samples"):
-        if getattr(args, name) < 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}", f"--{name}")
+        if value is not None and value < least:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= {least}, got {value}", f"--{name}")
     if args.method == "eagle":
         from sobrio.spec.train_eagle import train_eagle
 

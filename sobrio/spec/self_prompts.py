@@ -42,8 +42,9 @@ def self_prompts(llm, count: int, max_tokens: int = 64, seed: int = 0) -> list[s
     """`count` distinct requests sampled from the target (temperature 1, top-p 0.95, one seed each): only
     turns that ended by themselves within `max_tokens`, of MIN_WORDS..MAX_WORDS words, no duplicates. Asks
     for a few more than `count` to make up for those dropped; may return fewer, never more."""
-    frame, stop = user_turn_frame(llm.get_tokenizer())
-    prefix = llm.get_tokenizer().encode(frame, add_special_tokens=False)
+    tokenizer = llm.get_tokenizer()
+    frame, stop = user_turn_frame(tokenizer)
+    prefix = tokenizer.encode(frame, add_special_tokens=False)
     asked = count + count // 4 + 8
     params = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=max_tokens, seed=seed + i,
                              stop_token_ids=stop) for i in range(asked)]

@@ -118,9 +118,9 @@ def answer_prompts(llm, prompts: list[str], max_tokens: int, samples: int) -> An
     return answers
 
 
-def train_eagle(model: str, out: Path, draft_vocab_size: int = 4096, max_tokens: int = 192, epochs: int = 6,
-                lr: float = 1e-3, num_prompts: int | None = None, dtype: str = "auto", samples: int = 2,
-                batch_size: int = 8, num_self_prompts: int = 0) -> dict:
+def train_eagle(model: str, out: Path, draft_vocab_size: int = 4096, max_tokens: int = 192, epochs: int = 4,
+                lr: float = 1e-3, num_prompts: int | None = None, dtype: str = "auto", samples: int = 1,
+                batch_size: int = 8, num_self_prompts: int = 1000) -> dict:
     """The whole recipe; returns the figures written to training.json. The target answers through sobrio's
     engine and its features come from the same engine (the ones the head reads when serving). Besides the
     shipped prompts it answers `num_self_prompts` requests it wrote itself (spec/self_prompts.py); the

@@ -44,9 +44,10 @@ class Executor:
         """Greedy drafts of the model cut after `exit_layer` layers, or of the draft model: `ModelRunner.draft`."""
         return self.runner.draft(reqs, num_tokens, exit_layer)
 
-    def draft_eagle(self, reqs: list, num_tokens: list[int], starts: list[int], features: list) -> list[list[int]]:
+    def draft_eagle(self, reqs: list, num_tokens: list[int], starts: list[int], features: list,
+                    min_confidence: float) -> list[list[int]]:
         """Greedy drafts of the EAGLE head from the target's features: `ModelRunner.draft_eagle`."""
-        return self.runner.draft_eagle(reqs, num_tokens, starts, features)
+        return self.runner.draft_eagle(reqs, num_tokens, starts, features, min_confidence)
 
     @property
     def step_features(self) -> dict:

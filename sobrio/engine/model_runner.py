@@ -222,13 +222,15 @@ class ModelRunner:
         return pos, query_start_loc, meta
 
     def _eagle_pass(self, reqs: list, token_ids: list[list[int]], features: torch.Tensor, starts: list[int]
-                    ) -> tuple[list[int], torch.Tensor]:
+                    ) -> tuple[list[int], list[float], torch.Tensor]:
         """One forward of the EAGLE head on its KV cache: request i's tokens and their features at positions
-        from starts[i]; the draft after each request's last position, and the guessed feature it came from."""
+        from starts[i]; the draft after each request's last position, the head's confidence in it, and the
+        guessed feature it came from."""
         pos, query_start_loc, meta = self._draft_metadata(reqs, token_ids, starts, self.draft_kv_cache)
         guessed = self.eagle(torch.tensor([t for ids in token_ids for t in ids]), features, pos, meta)
         last = guessed[torch.tensor(query_start_loc[1:]) - 1]
-        return self.eagle.greedy(last).tolist(), last
+        tokens, confidence = self.eagle.greedy(last)
+        return tokens.tolist(), confidence.tolist(), last
 
     def _draft_pass(self, model, cache: KVCache, reqs: list, token_ids: list[list[int]], starts: list[int],
                     exit_layer: int | None) -> list[int]:
@@ -241,26 +243,39 @@ class ModelRunner:
         return logits[:, :self.hf_config.vocab_size].argmax(dim=-1).tolist()
 
     @torch.inference_mode()
-    def draft_eagle(self, reqs: list, num_tokens: list[int], starts: list[int], features: list[torch.Tensor]
-                    ) -> list[list[int]]:
-        """Greedy drafts of the EAGLE head, num_tokens[i] for request i. The first pass reads, for positions
-        starts[i]..n-1 (n: its computed tokens), the target's features there and the tokens after them (the
-        newest last), writing the head's KV; each later pass reads the head's own guessed feature and its
-        draft. The caller allocated the slots (up to n + num_tokens[i] - 2)."""
+    def draft_eagle(self, reqs: list, num_tokens: list[int], starts: list[int], features: list[torch.Tensor],
+                    min_confidence: float = 0.0) -> list[list[int]]:
+        """Greedy drafts of the EAGLE head, at most num_tokens[i] for request i. The first pass reads, for
+        positions starts[i]..n-1 (n: its computed tokens), the target's features there and the tokens after
+        them (the newest last), writing the head's KV; each later pass reads the head's own guessed feature
+        and its draft. A request's drafts end before the first whose joint confidence (the product of the
+        head's probabilities so far: EAGLE-2's estimate of its acceptance) is below `min_confidence`, so a
+        guess the head doubts costs neither a drafting pass nor a verified row. The caller allocated the
+        slots (up to n + num_tokens[i] - 2)."""
         n = [req.num_computed_tokens for req in reqs]
         assert all(len(f) == p - s for f, p, s in zip(features, n, starts))
         tokens = [req.all_token_ids[s + 1:p + 1] for req, s, p in zip(reqs, starts, n)]
-        guesses, feats = self._eagle_pass(reqs, tokens, torch.cat(features), starts)
-        drafts: list[list[int]] = [[t] for t in guesses]
+        guesses, confidence, feats = self._eagle_pass(reqs, tokens, torch.cat(features), starts)
+        drafts: list[list[int]] = [[] for _ in reqs]
+        joint = [1.0] * len(reqs)
         active = list(range(len(reqs)))  # the requests the rows of `feats` belong to
-        for step in range(1, max(num_tokens, default=0)):
-            keep = [j for j, i in enumerate(active) if num_tokens[i] > step]
+        for step in range(max(num_tokens, default=0)):
+            if step:
+                guesses, confidence, feats = self._eagle_pass([reqs[i] for i in active],
+                                                              [[drafts[i][-1]] for i in active], feats,
+                                                              [n[i] + step - 1 for i in active])
+            keep = []
+            for j, i in enumerate(active):
+                joint[i] *= confidence[j]
+                if joint[i] < min_confidence:
+                    continue
+                drafts[i].append(guesses[j])
+                if num_tokens[i] > step + 1:
+                    keep.append(j)
             active = [active[j] for j in keep]
-            guesses, feats = self._eagle_pass([reqs[i] for i in active], [[drafts[i][-1]] for i in active],
-                                              feats[torch.tensor(keep, dtype=torch.long)],
-                                              [n[i] + step - 1 for i in active])
-            for i, token in zip(active, guesses):
-                drafts[i].append(token)
+            if not active:
+                break
+            feats = feats[torch.tensor(keep, dtype=torch.long)]
         return drafts
 
     @torch.inference_mode()

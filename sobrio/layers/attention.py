@@ -270,6 +270,8 @@ class CppPagedAttention(BatchedDecodeAttention):
         if decode is not None and len(decode[0]) == meta.num_seqs:  # a pure decode step (most): no scatter
             return self.decode(q, meta).view(q.shape[0], -1)
         short = meta.short_query_rows(SHORT_QUERY)
+        if short is not None and len(short[0]) == meta.num_seqs:  # all short (verifying drafts): no scatter
+            return self.rows(q, meta, short[2], short[3]).view(q.shape[0], -1)
         out = torch.empty_like(q)
         done = set()
         if short is not None:

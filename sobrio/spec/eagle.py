@@ -103,9 +103,11 @@ class EagleDraft(torch.nn.Module):
         x, residual = layer(positions, x, None, meta)
         return self.lm.model.norm.add_and_norm(x, residual)[0]
 
-    def greedy(self, features: torch.Tensor) -> torch.Tensor:
-        """Guessed features -> the draft tokens (ids of the target's vocabulary)."""
-        return self.vocab_ids[self.lm.compute_logits(features).argmax(dim=-1)]
+    def greedy(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Guessed features -> the draft tokens (ids of the target's vocabulary) and the head's probability of
+        each (over the draft vocabulary: its confidence, which tracks how often the target agrees)."""
+        confidence, index = torch.softmax(self.lm.compute_logits(features), dim=-1).max(dim=-1)
+        return self.vocab_ids[index], confidence
 
 
 @dataclass
@@ -150,8 +152,9 @@ class EagleProposer:
     needs_hidden = False
     needs_step_features = True
 
-    def __init__(self, draft, reserve, num_speculative_tokens: int):
+    def __init__(self, draft, reserve, num_speculative_tokens: int, min_confidence: float):
         self.draft, self.reserve, self.k = draft, reserve, num_speculative_tokens
+        self.min_confidence = min_confidence
 
     def observe(self, reqs: list, features: dict[str, tuple[int, torch.Tensor]]) -> None:
         """Keep the last step's features of these requests (the rows are copied: the step's tensor goes)."""
@@ -180,7 +183,7 @@ class EagleProposer:
             starts.append(begin)
         if not ready:
             return {}
-        drafts = self.draft([r for r, _ in ready], [c for _, c in ready], starts, rows)
+        drafts = self.draft([r for r, _ in ready], [c for _, c in ready], starts, rows, self.min_confidence)
         for req, _ in ready:
             req.num_draft_kv = req.num_computed_tokens
         return {req.request_id: tokens for (req, _), tokens in zip(ready, drafts)}

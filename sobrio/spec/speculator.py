@@ -54,7 +54,7 @@ def make_proposer(config: SpeculativeConfig, model: ModelAccess):
     if config.get("method") == "draft_model":  # the executor loaded it and checked its tokenizer
         return ModelDraftProposer(model.draft, model.reserve, None, k)
     if config.get("method") == "eagle":  # the runner loaded the head (and checked its vocabulary)
-        return EagleProposer(model.draft_eagle, model.reserve, k)
+        return EagleProposer(model.draft_eagle, model.reserve, k, config.get("min_draft_confidence"))
     heads = DraftHeads.load(config.get("model"))
     if heads.config.vocab_size != vocab_size:
         raise ConfigError(f"{OPTION}: the draft heads in {config.get('model')} were trained for a vocabulary of "

@@ -22,7 +22,7 @@ LAYER_SKIP = {"method": "layer_skip", "num_speculative_tokens": 3, "disable_by_b
 DRAFT_MODEL = {"method": "draft_model", "model": "smollm2-135m", "quantization": "int8-weight-only",
                "num_speculative_tokens": 3, "disable_by_batch_size": None, "min_acceptance_rate": 0.0}
 EAGLE = {"method": "eagle", "num_speculative_tokens": 3, "disable_by_batch_size": None,
-         "min_acceptance_rate": 0.0}  # "model": the echo_eagle fixture's folder
+         "min_acceptance_rate": 0.0, "min_draft_confidence": 0.0}  # "model": the echo_eagle fixture's folder
 GREEDY = SamplingParams(temperature=0, max_tokens=32)
 TEXT = ("The committee met on Tuesday to review the budget. It approved the new library, delayed the road repairs "
         "until spring, and asked the treasurer for a report on the water bills. ")
@@ -69,8 +69,8 @@ def test_the_eagle_head_reads_the_feature_of_the_newest_position(smollm2, echo_e
     proposer, seen = spec.engine.core.speculator.proposer, []
     draft = proposer.draft
 
-    def recording(reqs, num_tokens, starts, features):
-        drafts = draft(reqs, num_tokens, starts, features)
+    def recording(reqs, num_tokens, starts, features, min_confidence):
+        drafts = draft(reqs, num_tokens, starts, features, min_confidence)
         seen.extend((req.output_token_ids[-1], tokens) for req, tokens in zip(reqs, drafts))
         return drafts
 
@@ -227,6 +227,7 @@ def test_tokens_after_accepted_drafts_follow_the_targets_distribution(smollm2_sp
     ({"method": "layer_skip", "num_speculative_tokens": 2, "exit_layer": 0}, "exit_layer must be an integer >= 1"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, 'method "draft_model" needs "model"'),
     ({**DRAFT_MODEL, "quantization": "int3"}, "quantization (the draft model's) must be one of"),
+    ({**EAGLE, "model": "x", "min_draft_confidence": 1.5}, "min_draft_confidence must be in [0, 1]"),
 ])
 def test_bad_speculative_configs_are_refused_naming_the_problem(spec, message):
     with pytest.raises(ConfigError, match="--speculative-config") as exc:

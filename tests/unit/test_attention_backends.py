@@ -49,11 +49,14 @@ def test_cpp_operator_builds():
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("window", [None, 24])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 32), (9, 3, 64)])  # 64: the C++ bf16 fast path
-def test_fast_backends_equal_reference_on_ragged_batches(backend, dtype, tol, window, heads, kv_heads, dim):
+@pytest.mark.parametrize("query_lens, context_lens", [
+    ([1, 7, 1, 1, 30, 1, 16], [1, 40, 77, 5, 30, 130, 16]),  # decodes, a chunk with context, a whole prompt
+    ([4, 2, 1, 3], [60, 9, 33, 120])],  # verifying drafts only: every query short, several rows each
+    ids=["mixed", "verifying"])
+def test_fast_backends_equal_reference_on_ragged_batches(backend, dtype, tol, window, heads, kv_heads, dim,
+                                                         query_lens, context_lens):
     if backend is CppPagedAttention and load() is None:
         pytest.skip("C++ operators unavailable")
-    query_lens = [1, 7, 1, 1, 30, 1, 16]  # decodes, a chunk with context, a whole prompt
-    context_lens = [1, 40, 77, 5, 30, 130, 16]
     outs = []
     for cls in (ReferenceAttention, backend):
         cache, meta, q, k, v = ragged_step(query_lens, context_lens, 16, heads, kv_heads, dim, dtype)

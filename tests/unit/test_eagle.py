@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from sobrio.engine.model_runner import kv_cache_spec
+from sobrio.engine.model_runner import ModelRunner, kv_cache_spec
 from sobrio.errors import ConfigError
 from sobrio.kv.cache import KVCache
 from sobrio.layers.attention import AttentionMetadata
@@ -65,9 +65,11 @@ def test_the_serving_head_equals_the_training_head_whole_and_a_position_at_a_tim
     rows = [draft(tokens[:25], feats[:25], torch.arange(25), _meta(cache, 0, 25))]
     rows += [draft(tokens[p:p + 1], feats[p:p + 1], torch.tensor([p]), _meta(cache, p, 1)) for p in range(25, 40)]
     torch.testing.assert_close(torch.cat(rows), expected, atol=2e-4, rtol=2e-4)
-    assert set(draft.greedy(whole).tolist()) <= set(vocab_ids.tolist())  # target ids of the draft vocabulary
+    tokens, confidence = draft.greedy(whole)
+    assert set(tokens.tolist()) <= set(vocab_ids.tolist())  # target ids of the draft vocabulary
     logits = expected @ head.head_rows.T
-    assert torch.equal(draft.greedy(whole), vocab_ids[logits.argmax(-1)])
+    assert torch.equal(tokens, vocab_ids[logits.argmax(-1)])
+    torch.testing.assert_close(confidence, logits.softmax(-1).amax(-1), atol=1e-4, rtol=1e-4)
 
 
 def test_a_folder_without_a_head_or_of_another_method_is_refused(tmp_path, trained_folder):
@@ -78,6 +80,36 @@ def test_a_folder_without_a_head_or_of_another_method_is_refused(tmp_path, train
     (tmp_path / "config.json").write_text('{"method": "medusa"}')
     with pytest.raises(ConfigError, match="not an EAGLE head"):
         EagleFiles.read(tmp_path)
+
+
+def test_drafts_end_before_the_first_whose_joint_confidence_falls_below_the_floor():
+    """Scripted head passes (confidence by request and pass): a stays sure (joint 0.9, 0.81, 0.73), b doubts
+    its second draft (joint 0.27), c its first (0.2), d may draft one token only. With a floor of 0.5 a drafts
+    3, b 1, c none, d 1, and no pass runs a request whose drafts ended; with no floor each drafts its limit."""
+    script = {"a": [0.9, 0.9, 0.9], "b": [0.9, 0.3, 0.9], "c": [0.2, 0.9, 0.9], "d": [0.99, 0.99, 0.99]}
+    reqs = [types.SimpleNamespace(request_id=r, num_computed_tokens=5, all_token_ids=list(range(6))) for r in script]
+    limits = [3, 3, 3, 1]
+
+    def drafts_and_passes(floor: float) -> tuple[list[list[int]], list[list[str]]]:
+        passes: list[list[str]] = []
+
+        def scripted_pass(batch, token_ids, features, starts):
+            step = len(passes)
+            passes.append([r.request_id for r in batch])
+            assert len(features) == len(batch) and all(len(t) == 1 for t in token_ids)
+            return ([10 * step + ord(r.request_id) for r in batch], [script[r.request_id][step] for r in batch],
+                    torch.zeros(len(batch), 4))
+
+        runner = types.SimpleNamespace(_eagle_pass=scripted_pass)
+        drafts = ModelRunner.draft_eagle(runner, reqs, limits, [4] * 4, [torch.zeros(1, 4)] * 4, floor)
+        return drafts, passes
+
+    drafts, passes = drafts_and_passes(0.5)
+    assert [len(d) for d in drafts] == [3, 1, 0, 1]
+    assert drafts[0] == [ord("a"), 10 + ord("a"), 20 + ord("a")] and drafts[1] == [ord("b")]
+    assert passes == [["a", "b", "c", "d"], ["a", "b"], ["a"]]
+    drafts, passes = drafts_and_passes(0.0)
+    assert [len(d) for d in drafts] == limits and passes == [["a", "b", "c", "d"], ["a", "b", "c"], ["a", "b", "c"]]
 
 
 def test_the_trail_keeps_contiguous_rows_replaces_rejected_ones_and_drops_what_was_read():

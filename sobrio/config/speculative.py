@@ -9,7 +9,8 @@ train-draft --method eagle`; `{"method": "layer_skip", "exit_layer": 15, "num_sp
 drafts with the model itself cut after its first `exit_layer` layers (LayerSkip's self-speculation: no second
 model, the draft's KV is the model's own for those layers); `{"method": "draft_model", "model": NAME,
 "num_speculative_tokens": 3}` drafts with a smaller model of the same tokenizer (vLLM's key `quantization`
-quantizes it at load), which keeps its own KV cache in the target's block ids (spec/model_draft.py).
+quantizes it at load, and an EAGLE head's own matrices too), which keeps its own KV cache in the target's
+block ids (spec/model_draft.py).
 `disable_by_batch_size` turns speculation off for a step with more requests running than that (vLLM's key);
 `min_acceptance_rate` (sobrio's) stops it for a request whose drafts are rarely accepted;
 `min_draft_confidence` (sobrio's, EAGLE only; EAGLE-2's dynamic draft length; default 0.2, 0 for always k)
@@ -67,10 +68,10 @@ class SpeculativeConfig(Checked):
                  f'method "{method}" needs "model": the folder `sobrio train-draft` wrote')
         _require(method != "draft_model" or isinstance(spec["model"], str),
                  'method "draft_model" needs "model": a model alias or path with the same tokenizer')
-        methods = QUANTIZATION_METHODS + CHECKPOINT_QUANTIZATION
+        methods = QUANTIZATION_METHODS + (CHECKPOINT_QUANTIZATION if method != "eagle" else ())
         _require(spec["quantization"] is None or spec["quantization"] in methods,
-                 f"quantization (the draft model's) must be one of {', '.join(methods)} or null, "
-                 f"got {spec['quantization']!r}")
+                 f"quantization (the draft model's, or the EAGLE head's) must be one of {', '.join(methods)} or "
+                 f"null, got {spec['quantization']!r}")
         exit_layer = spec["exit_layer"]
         _require(exit_layer is None or (isinstance(exit_layer, int) and exit_layer >= 1),
                  f"exit_layer must be an integer >= 1 (the layers the draft runs; unset: half), got {exit_layer!r}")

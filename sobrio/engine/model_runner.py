@@ -106,7 +106,8 @@ class ModelRunner:
             self.draft_model = self._build(draft, config.speculative_config.get("quantization"), False)
         if eagle is not None:
             self.eagle = EagleDraft(eagle, self.model, self.dtype, self.max_model_len,
-                                    self.config.model_config.attention_backend)
+                                    self.config.model_config.attention_backend,
+                                    config.speculative_config.get("quantization"))
         if draft_spec is not None:
             self.draft_kv_cache = KVCache.allocate(draft_spec, self.num_blocks)
         self.step_hidden: torch.Tensor | None = None

@@ -168,10 +168,12 @@ class CausalLM(torch.nn.Module):
         is found."""
         if method not in ("int8", "int4") or not smoothing.all_float(self):
             return None, {}
-        ids = smoothing.calibration_ids(self.config) if ids is None else ids
+        if ids is None:  # an empty list: no calibration, on purpose (an EAGLE head has no text of its own)
+            ids = smoothing.calibration_ids(self.config)
+            if not ids:
+                logger.warning("--quantization %s: no tokenizer in %r to read the calibration text: quantizing "
+                               "without calibration", method, getattr(self.config, "name_or_path", ""))
         if not ids:
-            logger.warning("--quantization %s: no tokenizer in %r to read the calibration text: quantizing "
-                           "without calibration", method, getattr(self.config, "name_or_path", ""))
             return None, {}
         if method == "int4":
             smoothing.awq(self, ids, INT4_GROUP_SIZE)

@@ -28,7 +28,8 @@ def model_class(config) -> type[CausalLM]:
 
 
 def build_model(config, max_positions: int, weights, dtype: torch.dtype, attention_backend: str,
-                batch_invariant: bool = False, quantization: str | None = None) -> CausalLM:
+                batch_invariant: bool = False, quantization: str | None = None,
+                calibration_ids: list[int] | None = None) -> CausalLM:
     from sobrio.layers.attention import BatchInvariantAttention, resolve_backend
     from sobrio.models.weights import load_weights
 
@@ -41,7 +42,7 @@ def build_model(config, max_positions: int, weights, dtype: torch.dtype, attenti
     model = model.to(dtype).eval().requires_grad_(False)
     install_prequantized(model, prequantized, dtype)
     if quantization in QUANTIZATION_METHODS:  # at load; a checkpoint's own method (awq, gptq, gguf) is in place
-        model.quantize(quantization)
+        model.quantize(quantization, calibration_ids)
     model.prepack()
     return model
 

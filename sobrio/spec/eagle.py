@@ -77,21 +77,30 @@ class EagleDraft(torch.nn.Module):
     """The head at serving time: sobrio's own Llama layer (paged attention on the head's KV cache, the
     packed matmuls) behind `fc`, reading the target's input embedding."""
 
-    def __init__(self, files: EagleFiles, target, dtype: torch.dtype, max_positions: int, attention_backend: str):
+    def __init__(self, files: EagleFiles, target, dtype: torch.dtype, max_positions: int, attention_backend: str,
+                 quantization: str | None = None):
+        """`quantization` (the speculative config's key): the head's own matrices in int8 or int4, as the
+        target's would be (no calibration: the head has no text of its own), so each draft reads half the
+        bytes or less. The drafts may change a little; the output cannot (the target verifies)."""
         super().__init__()
         from sobrio.layers.linear import Linear
+        from sobrio.layers.quantization import quantized_linear
         from sobrio.models.registry import build_model
 
         tensors = files.tensors
         self.lm = build_model(files.layer_config(), max_positions,
-                              ((n, t) for n, t in tensors.items() if n.startswith("model.")), dtype, attention_backend)
+                              ((n, t) for n, t in tensors.items() if n.startswith("model.")), dtype, attention_backend,
+                              quantization=quantization, calibration_ids=[])
         d = self.lm.config.hidden_size
         self.fc = Linear(2 * d, d, bias=True)
         with torch.no_grad():
             self.fc.weight.copy_(tensors["fc.weight"])
             self.fc.bias.copy_(tensors["fc.bias"])
         self.fc = self.fc.to(dtype).requires_grad_(False)
-        self.fc.prepack()
+        if quantization is None:
+            self.fc.prepack()
+        else:
+            self.fc = quantized_linear(self.fc.weight, self.fc.bias, quantization, "eagle fc")
         self.register_buffer("vocab_ids", tensors["vocab_ids"].long())
         self.embed = target.model.embed  # the target's (not a module of this one: never copied)
         self.dtype = dtype

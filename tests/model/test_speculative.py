@@ -226,7 +226,8 @@ def test_tokens_after_accepted_drafts_follow_the_targets_distribution(smollm2_sp
     ('{"method": ', "must be a JSON object"),
     ({"method": "layer_skip", "num_speculative_tokens": 2, "exit_layer": 0}, "exit_layer must be an integer >= 1"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, 'method "draft_model" needs "model"'),
-    ({**DRAFT_MODEL, "quantization": "int3"}, "quantization (the draft model's) must be one of"),
+    ({**DRAFT_MODEL, "quantization": "int3"}, "quantization (the draft model's, or the EAGLE head's) must be one"),
+    ({**EAGLE, "model": "x", "quantization": "gguf"}, "must be one of int8, int8-weight-only, int4 or null"),
     ({**EAGLE, "model": "x", "min_draft_confidence": 1.5}, "min_draft_confidence must be in [0, 1]"),
 ])
 def test_bad_speculative_configs_are_refused_naming_the_problem(spec, message):

@@ -41,9 +41,23 @@ def trained_folder(tmp_path_factory):
     return folder, head, embed, vocab_ids
 
 
-def _serving(folder, embed) -> EagleDraft:
+def _serving(folder, embed, quantization: str | None = None) -> EagleDraft:
     target = types.SimpleNamespace(model=types.SimpleNamespace(embed=lambda ids: embed[ids]))
-    return EagleDraft(EagleFiles.read(folder), target, torch.float32, 256, "batched")
+    return EagleDraft(EagleFiles.read(folder), target, torch.float32, 256, "batched", quantization)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int8-weight-only"])
+def test_a_quantized_head_guesses_close_to_the_float_one(trained_folder, quantization):
+    """The speculative config's `quantization` rounds the head's own matrices (fc, its layer, its head rows):
+    the guessed features stay close to the float head's (drafts may differ; the target verifies them)."""
+    folder, _, embed, _ = trained_folder
+    plain, rounded = _serving(folder, embed), _serving(folder, embed, quantization)
+    assert rounded.fc.__class__ is not plain.fc.__class__ and rounded.lm.quantized_lm_head is not None
+    tokens, feats = torch.randint(0, VOCAB, (40,)), torch.randn(40, D)
+    spec = kv_cache_spec(EagleFiles.read(folder).layer_config(), torch.float32, BLOCK)
+    outs = [head(tokens, feats, torch.arange(40), _meta(KVCache.allocate(spec, 4), 0, 40)) for head in (plain, rounded)]
+    error = (outs[1] - outs[0]).norm() / outs[0].norm()
+    assert 0 < error < 0.05, error
 
 
 def _meta(cache: KVCache, start: int, count: int) -> AttentionMetadata:

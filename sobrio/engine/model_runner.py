@@ -265,14 +265,8 @@ class ModelRunner:
                 guesses, confidence, feats = self._eagle_pass([reqs[i] for i in active],
                                                               [[drafts[i][-1]] for i in active], feats,
                                                               [n[i] + step - 1 for i in active])
-            keep = []
-            for j, i in enumerate(active):
-                joint[i] *= confidence[j]
-                if joint[i] < min_confidence:
-                    continue
-                drafts[i].append(guesses[j])
-                if num_tokens[i] > step + 1:
-                    keep.append(j)
+            keep = _keep_confident(drafts, joint, active, guesses, confidence, min_confidence,
+                                   [num_tokens[i] > step + 1 for i in active])
             active = [active[j] for j in keep]
             if not active:
                 break
@@ -320,6 +314,20 @@ class ModelRunner:
         self.step_hidden = hidden if self.eagle is not None else None
         self.sampled_hidden = hidden[torch.tensor(step.sample_rows, dtype=torch.long)]  # draft heads read these
         return self.model.compute_logits(self.sampled_hidden)
+
+
+def _keep_confident(drafts: list[list[int]], joint: list[float], active: list[int], guesses: list[int],
+                    confidence: list[float], floor: float, room: list[bool]) -> list[int]:
+    """Append active request i's guess to its drafts while its joint confidence (times this guess's) stays at
+    or above `floor`; the positions in `active` of those that draft again (room for one more)."""
+    keep = []
+    for j, i in enumerate(active):
+        joint[i] *= confidence[j]
+        if joint[i] >= floor:
+            drafts[i].append(guesses[j])
+            if room[j]:
+                keep.append(j)
+    return keep
 
 
 def _score(model, rows: torch.Tensor, targets: torch.Tensor, top_n: int, chunk: int = 256) -> list[tuple]:

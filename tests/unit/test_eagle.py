@@ -46,10 +46,11 @@ def _serving(folder, embed, quantization: str | None = None) -> EagleDraft:
     return EagleDraft(EagleFiles.read(folder), target, torch.float32, 256, "batched", quantization)
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int8-weight-only"])
-def test_a_quantized_head_guesses_close_to_the_float_one(trained_folder, quantization):
+@pytest.mark.parametrize("quantization, tolerance", [("int8", 0.05), ("int8-weight-only", 0.05), ("int4", 0.15)])
+def test_a_quantized_head_guesses_close_to_the_float_one(trained_folder, quantization, tolerance):
     """The speculative config's `quantization` rounds the head's own matrices (fc, its layer, its head rows):
-    the guessed features stay close to the float head's (drafts may differ; the target verifies them)."""
+    the guessed features stay close to the float head's (drafts may differ; the target verifies them). On these
+    random Gaussian weights 4-bit groups of 32 err by about 10% (a step of ~1/3 of a weight's spread)."""
     folder, _, embed, _ = trained_folder
     plain, rounded = _serving(folder, embed), _serving(folder, embed, quantization)
     assert rounded.fc.__class__ is not plain.fc.__class__ and rounded.lm.quantized_lm_head is not None
@@ -57,7 +58,7 @@ def test_a_quantized_head_guesses_close_to_the_float_one(trained_folder, quantiz
     spec = kv_cache_spec(EagleFiles.read(folder).layer_config(), torch.float32, BLOCK)
     outs = [head(tokens, feats, torch.arange(40), _meta(KVCache.allocate(spec, 4), 0, 40)) for head in (plain, rounded)]
     error = (outs[1] - outs[0]).norm() / outs[0].norm()
-    assert 0 < error < 0.05, error
+    assert 0 < error < tolerance, error
 
 
 def _meta(cache: KVCache, start: int, count: int) -> AttentionMetadata:

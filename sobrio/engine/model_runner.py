@@ -245,7 +245,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def draft_eagle(self, reqs: list, num_tokens: list[int], starts: list[int], features: list[torch.Tensor],
-                    min_confidence: float = 0.0) -> list[list[int]]:
+                    min_confidence: float) -> list[list[int]]:
         """Greedy drafts of the EAGLE head, at most num_tokens[i] for request i. The first pass reads, for
         positions starts[i]..n-1 (n: its computed tokens), the target's features there and the tokens after
         them (the newest last), writing the head's KV; each later pass reads the head's own guessed feature

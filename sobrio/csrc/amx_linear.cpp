@@ -93,8 +93,8 @@ void store_block(const float* acc, const c10::BFloat16* bias, c10::BFloat16* y, 
 constexpr int64_t kOutlierChannels = 64;  // one tile of inputs
 
 // Input channels rounded apart from the rest, with a per-token scale of their own (their columns of the same
-// int8 weight packed on their own): the few channels of the tied LM head's and the down_projs' inputs far
-// above the others, which would otherwise set every token's step.
+// int8 weight packed on their own): the few channels of the tied LM head's inputs far above the others, which
+// would otherwise set every token's step. (A down_proj's inputs are rounded per group of 64 instead.)
 struct Outlier {
   const int64_t* index = nullptr;  // [64] the channels
   const int8_t* packed = nullptr;  // w[:, index] packed by amx_pack_weight_int8: [N/16, 1, 16, 16, 4]
@@ -104,34 +104,89 @@ struct Outlier {
 constexpr int64_t kTileK8 = 64;  // int8 inputs per tile row: 16 quads, what TDPBSSD reads
 constexpr int64_t kPrefetchTiles = 6;  // tiles ahead a weight stream is fetched
 
-// y rows [m, m+32) x columns [n, n+32) as int32 sums in `acc` [32][32]: the bf16 block product's loop on
-// int8 tiles of 64 inputs.
-void block_product_s8(const int8_t* xp, const int8_t* w0, const int8_t* w1, int64_t K, int32_t* acc) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+// Tiles 0-3 += the products of x tiles [kt0, kt1) and the two weight streams' (0-1 only for a block of 16
+// rows or fewer, `both` false: its second row tile is padding). A weight stream is K / 64 tiles (9 for
+// K = 576): the last iterations fetch the next block's first tiles (it follows w1), or every block would
+// start on a miss. A prefetch past the weight's end does not fault.
+inline void accumulate_tiles(const int8_t* xp, const int8_t* w0, const int8_t* w1, int64_t K, int64_t kt0,
+                             int64_t kt1, bool both) {
   const int64_t tile_bytes = kTileRows * kTileK8, k_tiles = K / kTileK8;
-  // A block is K / 64 tiles a stream (9 for K = 576): the last iterations fetch the next block's first tiles
-  // (it follows w1), or every block would start on a miss. A prefetch past the weight's end does not fault.
   const int8_t* next = w1 + kTileRows * K;
-  for (int64_t kt = 0; kt < k_tiles; ++kt) {
+  for (int64_t kt = kt0; kt < kt1; ++kt) {
     const int64_t ahead = kt + kPrefetchTiles;
     if (ahead < k_tiles) prefetch_tile(w0 + ahead * tile_bytes), prefetch_tile(w1 + ahead * tile_bytes);
     else prefetch_tile(next + (ahead - k_tiles) * tile_bytes), prefetch_tile(next + ahead * tile_bytes);
     _tile_loadd(4, xp + kt * kTileK8, K);
-    _tile_loadd(5, xp + kTileRows * K + kt * kTileK8, K);
     _tile_loadd(6, w0 + kt * tile_bytes, 64);
     _tile_loadd(7, w1 + kt * tile_bytes, 64);
     _tile_dpbssd(0, 4, 6);
     _tile_dpbssd(1, 4, 7);
-    _tile_dpbssd(2, 5, 6);
-    _tile_dpbssd(3, 5, 7);
+    if (both) {
+      _tile_loadd(5, xp + kTileRows * K + kt * kTileK8, K);
+      _tile_dpbssd(2, 5, 6);
+      _tile_dpbssd(3, 5, 7);
+    }
   }
+}
+
+inline void zero_tiles() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+
+inline void store_tiles(int32_t* acc, bool both) {
   _tile_stored(0, acc, 128);
   _tile_stored(1, acc + 16, 128);
-  _tile_stored(2, acc + 16 * 32, 128);
-  _tile_stored(3, acc + 16 * 32 + 16, 128);
+  if (both) {
+    _tile_stored(2, acc + 16 * 32, 128);
+    _tile_stored(3, acc + 16 * 32 + 16, 128);
+  }
+}
+
+// y rows [m, m + rows) (rows <= 32) x columns [n, n+32) as int32 sums in `acc` [32][32]: the bf16 block
+// product's loop on int8 tiles of 64 inputs; past 16 `rows`, the padding rows are left unwritten.
+void block_product_s8(const int8_t* xp, const int8_t* w0, const int8_t* w1, int64_t K, int64_t rows, int32_t* acc) {
+  const bool both = rows > kTileRows;
+  zero_tiles();
+  accumulate_tiles(xp, w0, w1, K, 0, K / kTileK8, both);
+  store_tiles(acc, both);
+}
+
+// The same block with the activations rounded per group of `group_tiles` x 64 inputs (a scale per token and
+// group, `x_scale` [rows][groups]): each group's int32 sums leave the tiles and are added in float32 times
+// their row's scale, so an outlier channel sets the step of its own 64 inputs only. `acc` is scratch.
+void block_product_s8_grouped(const int8_t* xp, const int8_t* w0, const int8_t* w1, int64_t K, int64_t group_tiles,
+                              const float* x_scale, int64_t rows, int32_t* acc, float* facc) {
+  const int64_t groups = K / kTileK8 / group_tiles;
+  const bool both = rows > kTileRows;
+  std::fill(facc, facc + rows * kBlockN, 0.f);
+  for (int64_t g = 0; g < groups; ++g) {
+    zero_tiles();
+    accumulate_tiles(xp, w0, w1, K, g * group_tiles, (g + 1) * group_tiles, both);
+    store_tiles(acc, both);
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m512 s = _mm512_set1_ps(x_scale[r * groups + g]);
+      for (int h = 0; h < 2; ++h) {
+        float* f = facc + r * kBlockN + 16 * h;
+        _mm512_storeu_ps(f, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(acc + r * kBlockN + 16 * h)), s,
+                                            _mm512_loadu_ps(f)));
+      }
+    }
+  }
+}
+
+// A 32x32 block of float sums (already times the rows' scales) to TOut: times each column's scale, plus the bias.
+template <typename TB, typename TOut>
+void store_block_f32(const float* facc, const float* w_scale, const TB* bias, TOut* y, int64_t rows, int64_t N,
+                     int64_t n) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int h = 0; h < 2; ++h) {
+      const __m512 b = bias ? sobrio_vec::load16(bias + n + 16 * h) : _mm512_setzero_ps();
+      sobrio_vec::store16(y + r * N + n + 16 * h, _mm512_fmadd_ps(_mm512_loadu_ps(facc + r * kBlockN + 16 * h),
+                                                                  _mm512_loadu_ps(w_scale + n + 16 * h), b));
+    }
 }
 
 // One token's row to int8 with its own symmetric scale (max |x| / 127; rounding to nearest even, as
@@ -188,9 +243,51 @@ void quantize_token(const T* x, int64_t K, const Outlier& outlier, int8_t* qp, f
   *scale2 = quantize_row(picked, kOutlierChannels, qo);
 }
 
+// `amx_int8_kernel` with the activations rounded per token and group of `group_k` inputs (a multiple of 64).
+template <typename T, typename TOut>
+void amx_int8_grouped_kernel(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& w_scale,
+                             const c10::optional<torch::Tensor>& bias, int64_t group_k, torch::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), N = y.size(1), groups = K / group_k;
+  const int64_t rows_padded = (M + 2 * kTileRows - 1) / (2 * kTileRows) * (2 * kTileRows);
+  auto xq = torch::empty({rows_padded, K}, x.options().dtype(at::kChar));
+  auto xs = torch::zeros({rows_padded, groups}, x.options().dtype(at::kFloat));  // padding rows: scale 0
+  const T* xp = x.data_ptr<T>();
+  int8_t* qp = xq.data_ptr<int8_t>();
+  float* sp = xs.data_ptr<float>();
+  std::memset(qp + M * K, 0, (rows_padded - M) * K);
+  at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m)
+      for (int64_t g = 0; g < groups; ++g)
+        sp[m * groups + g] = quantize_row(xp + m * x.stride(0) + g * group_k, group_k, qp + m * K + g * group_k);
+  });
+  const auto* wp = packed.data_ptr<int8_t>();
+  const float* wsp = w_scale.data_ptr<float>();
+  torch::Tensor bc = bias.has_value() ? bias->contiguous() : torch::Tensor();
+  const T* b = bias.has_value() ? bc.data_ptr<T>() : nullptr;
+  TOut* yp = y.data_ptr<TOut>();
+  const int64_t blocks = N / kBlockN, grain = std::max<int64_t>(1, (256 << 10) / (kBlockN * K));
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    alignas(64) int32_t acc[2 * kTileRows * kBlockN];
+    alignas(64) float facc[2 * kTileRows * kBlockN];
+    for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass)
+      for (int64_t nb = begin; nb < end; ++nb) {
+        const int8_t* w0 = wp + (2 * nb) * kTileRows * K;
+        for (int64_t m = m0; m < std::min(M, m0 + kRowsPerPass); m += 2 * kTileRows) {
+          const int64_t rows = std::min<int64_t>(2 * kTileRows, M - m);
+          block_product_s8_grouped(qp + m * K, w0, w0 + kTileRows * K, K, group_k / kTileK8, sp + m * groups, rows,
+                                   acc, facc);
+          store_block_f32(facc, wsp, b, yp + m * N, rows, N, nb * kBlockN);
+        }
+      }
+    _tile_release();
+  });
+}
+
 template <typename T, typename TOut>
 void amx_int8_kernel(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& w_scale,
-                     const c10::optional<torch::Tensor>& bias, const Outlier& outlier, torch::Tensor& y) {
+                     const c10::optional<torch::Tensor>& bias, const Outlier& outlier, int64_t group_k, torch::Tensor& y) {
+  if (group_k) return amx_int8_grouped_kernel<T, TOut>(x, packed, w_scale, bias, group_k, y);
   const int64_t M = x.size(0), K = x.size(1), N = y.size(1);
   const int64_t rows_padded = (M + 2 * kTileRows - 1) / (2 * kTileRows) * (2 * kTileRows);
   const bool split = outlier.index != nullptr;
@@ -222,11 +319,12 @@ void amx_int8_kernel(const torch::Tensor& x, const torch::Tensor& packed, const 
         const int8_t* w0 = wp + (2 * nb) * kTileRows * K;
         const int8_t* o0 = split ? outlier.packed + (2 * nb) * kTileRows * kOutlierChannels : nullptr;
         for (int64_t m = m0; m < std::min(M, m0 + kRowsPerPass); m += 2 * kTileRows) {
-          block_product_s8(qp + m * K, w0, w0 + kTileRows * K, K, acc);
+          const int64_t rows = std::min<int64_t>(2 * kTileRows, M - m);
+          block_product_s8(qp + m * K, w0, w0 + kTileRows * K, K, rows, acc);
           if (split)
-            block_product_s8(qo + m * kOutlierChannels, o0, o0 + kTileRows * kOutlierChannels, kOutlierChannels, acc2);
-          store_block_s8(acc, sp + m, split ? acc2 : nullptr, sp2 + m, wsp, b, yp + m * N,
-                         std::min<int64_t>(2 * kTileRows, M - m), N, nb * kBlockN);
+            block_product_s8(qo + m * kOutlierChannels, o0, o0 + kTileRows * kOutlierChannels, kOutlierChannels, rows,
+                             acc2);
+          store_block_s8(acc, sp + m, split ? acc2 : nullptr, sp2 + m, wsp, b, yp + m * N, rows, N, nb * kBlockN);
         }
       }
     _tile_release();
@@ -311,10 +409,11 @@ torch::Tensor amx_pack_weight_int8(torch::Tensor w) {
 // W8A8: x [M, K] (bf16 or float32, rows with unit stride) rounded to int8 per token in the kernel, times the
 // int8 weight packed by amx_pack_weight_int8 with its float32 scale per output channel; y in x's dtype, or
 // float32 with `float_out`. `outlier_index` (64 channels) and `outlier_packed` (the weight's columns there,
-// packed): those channels rounded on a per-token scale of their own.
+// packed): those channels rounded on a per-token scale of their own. `group_k` > 0: x rounded per token and
+// group of that many inputs instead (no outliers then: each group has its own step).
 torch::Tensor amx_int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w_scale, int64_t N,
                               c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> outlier_index,
-                              c10::optional<torch::Tensor> outlier_packed, bool float_out) {
+                              c10::optional<torch::Tensor> outlier_packed, bool float_out, int64_t group_k) {
   TORCH_CHECK(amx_int8_supported(), "amx_int8_linear needs AMX-INT8");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "amx_int8_linear: x [M, K] bf16 or float32, unit stride along K");
@@ -326,6 +425,8 @@ torch::Tensor amx_int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tens
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == x.scalar_type() && bias->numel() == N),
               "amx_int8_linear: a bias of x's dtype, one per output channel");
   TORCH_CHECK(outlier_index.has_value() == outlier_packed.has_value(), "amx_int8_linear: outlier index and weight");
+  TORCH_CHECK(group_k == 0 || (group_k % 64 == 0 && K % group_k == 0 && !outlier_index.has_value()),
+              "amx_int8_linear: group_k 0 (a scale a token) or a multiple of 64 dividing K, without outliers");
   Outlier outlier;
   torch::Tensor index;
   if (outlier_index.has_value()) {
@@ -341,9 +442,9 @@ torch::Tensor amx_int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tens
   auto y = torch::empty({x.size(0), N}, x.options().dtype(float_out ? at::kFloat : x.scalar_type()));
 #if defined(SOBRIO_AMX_INT8)
   if (x.size(0) == 0) return y;
-  if (x.scalar_type() == at::kFloat) amx_int8_kernel<float, float>(x, packed, w_scale, bias, outlier, y);
-  else if (float_out) amx_int8_kernel<c10::BFloat16, float>(x, packed, w_scale, bias, outlier, y);
-  else amx_int8_kernel<c10::BFloat16, c10::BFloat16>(x, packed, w_scale, bias, outlier, y);
+  if (x.scalar_type() == at::kFloat) amx_int8_kernel<float, float>(x, packed, w_scale, bias, outlier, group_k, y);
+  else if (float_out) amx_int8_kernel<c10::BFloat16, float>(x, packed, w_scale, bias, outlier, group_k, y);
+  else amx_int8_kernel<c10::BFloat16, c10::BFloat16>(x, packed, w_scale, bias, outlier, group_k, y);
 #endif
   return y;
 }
@@ -359,5 +460,6 @@ void register_amx_ops(pybind11::module& m) {
   m.def("amx_pack_weight_int8", &amx_pack_weight_int8, "an int8 weight [N, K] in amx_int8_linear's tile layout");
   m.def("amx_int8_linear", &amx_int8_linear, "W8A8 x @ (w * scale).T (+ bias) on AMX-INT8 tiles, x rounded per token",
         py::arg("x"), py::arg("packed"), py::arg("w_scale"), py::arg("n"), py::arg("bias") = py::none(),
-        py::arg("outlier_index") = py::none(), py::arg("outlier_packed") = py::none(), py::arg("float_out") = false);
+        py::arg("outlier_index") = py::none(), py::arg("outlier_packed") = py::none(), py::arg("float_out") = false,
+        py::arg("group_k") = 0);
 }

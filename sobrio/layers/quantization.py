@@ -69,11 +69,23 @@ Gemma 3 270M (the quicker proxy of smoothing.py: windows of 512 not overlapping,
 weight-only +0.6%, W8A8 unsmoothed +4.1%, smoothed +2.3% (alpha 0.65: +1.7%); its down_proj (GELU-tanh's
 outputs) is what is left: weight-only there, +0.9%, at a cost to the batch-32 step (dequant + mm), not taken.
 
-On AMX-INT8 (`amx_int8_mm`) the head's and each down_proj's 64 largest calibrated input channels are rounded
-as a group of their own, in the kernel's pass (`Outliers.of_amx`: one more tile of K). `sobrio bench
-perplexity --quantization none,int8` (2026-12-03): SmolLM2 22.6826 -> 22.8929 (+0.93%; +0.64% with the head's
-group only), Gemma 3 270M 20.6907 -> 20.9551 (+1.28%; +1.94% with one scale a token in down_proj). Tried,
-worse: alpha searched per layer by the W8A8 output error (SmolLM2 +0.96%, Gemma +2.39%), groups of 128.
+On AMX-INT8 (`amx_int8_mm`) the tied head's 64 largest calibrated input channels are rounded as a group of
+their own, in the kernel's pass (`Outliers.of_amx`: one more tile of K), and each down_proj's inputs are
+rounded per token and group of `AMX_ACT_GROUP` = 64 (one tile of K: its int32 sums leave the tiles and are
+added in fp32 times the group's scale, the Zen 4 path's idea). What W8A8 costs where (Gemma 3, every layer
+weight-only but one kind W8A8, against all weight-only): down_proj +0.82% (with its 64 outliers apart),
+o_proj and gate_up_proj +0.18% each, qkv_proj and the head nothing measurable; grouping those too gained
+nothing. `sobrio bench perplexity --quantization none,int8,int8-weight-only` (2026-12-03):
+
+    model          bf16      int8 (down_proj: 64 outliers apart -> groups of 64)   int8-weight-only
+    SmolLM2-135M   22.6826   22.8929 +0.93%  ->  22.7898 +0.47%                   22.7169 +0.15%
+    Gemma 3 270M   20.6907   20.9551 +1.28%  ->  20.8728 +0.88%  (groups of 128: +0.95%)  20.7721 +0.39%
+
+The groups cost a batch-32 down_proj 32 -> 45 us (SmolLM2's, 2 threads, hot cache), about 1% of a step;
+in the same change a block of 16 rows or fewer skips its second row tile (padding), in both kernels.
+`benchmarks/step_overhead.py --quantization int8` before -> after: batch 1 10.7 -> 8.8 ms a step, batch 32
+30.4 -> 30.3 ms. Tried, worse: alpha searched per layer by the W8A8 output error (SmolLM2 +0.96%, Gemma +2.39%), 128 outlier
+channels apart (Gemma +1.42%, simulated), 64 in float (+1.19%).
 
 `_weight_int8pack_mm` in bf16 or fp16 reads past the row when K is not a multiple of 16 (NaN or a crash,
 PyTorch 2.13): such weights take `dequant_mm` (weight-only) or `int8_mm` (W8A8) instead. None of these kernels
@@ -99,7 +111,8 @@ DEQUANT_MIN_ROWS = 24  # int8-weight-only: _weight_int8pack_mm below, dequantize
 INT8_MAX = 127
 INT4_GROUP_SIZE = 32  # divides SmolLM2's 576 and 1536 and Gemma 3's 640, 1024 and 2048 (128 does not divide 576)
 OUTLIER_CHANNELS = 32  # the LM head's input channels kept in float in `int8` (see `Outliers`)
-AMX_OUTLIER_CHANNELS = 64  # on the AMX kernel: rounded as a group of their own (one tile of inputs)
+AMX_OUTLIER_CHANNELS = 64  # the tied head's on the AMX kernel: rounded as a group of their own (one tile of inputs)
+AMX_ACT_GROUP = 64  # a down_proj's inputs on the AMX kernel: rounded per token and group of this many (one tile)
 TINY = torch.finfo(torch.float32).tiny  # the scale of an all-zero row or token: its int8 values stay 0
 ZERO_POINT = torch.zeros((), dtype=torch.long)  # oneDNN's weight zero point: symmetric weights
 ONEDNN_U8_ZERO_POINT = 128  # activations as uint8 where oneDNN takes no s8 ones (`onednn_signed_activations`)
@@ -244,15 +257,15 @@ def amx_int8_fits(weight: torch.Tensor, dtype: torch.dtype) -> bool:
 
 
 def amx_int8_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, outliers: Outliers | None = None,
-                float_out: bool = False) -> torch.Tensor:
-    """W8A8 on the AMX tiles, the activations rounded per token inside the kernel. With `outliers`
-    (`Outliers.of_amx`: the tied LM head's, each down_proj's) their channels are rounded on a per-token scale
-    of their own, in the same pass. `float_out`: the result in float32 (the logits), else in x's dtype.
+                float_out: bool = False, group: int = 0) -> torch.Tensor:
+    """W8A8 on the AMX tiles, the activations rounded per token inside the kernel (`group` > 0: per token and
+    group of that many inputs, a down_proj's). With `outliers` (`Outliers.of_amx`: the tied LM head's) their
+    channels are rounded on a per-token scale of their own, in the same pass. `float_out`: the result in float32 (the logits), else in x's dtype.
     (Zeroing the head's outliers and adding their fp32 product after, as `int8_mm` does, cost 6.5% of the
     engine's time serving 32 streams.)"""
     n = scale.shape[0]
     if outliers is None:
-        return cpu_ops().amx_int8_linear(x, packed, scale, n, None, None, None, float_out)
+        return cpu_ops().amx_int8_linear(x, packed, scale, n, None, None, None, float_out, group)
     if outliers.weight.dtype == torch.int8:
         return cpu_ops().amx_int8_linear(x, packed, scale, n, None, outliers.index, outliers.weight, float_out)
     x_out = x[:, outliers.index].float()  # fewer inputs than two groups of 64: in fp32 beside the kernel
@@ -286,10 +299,12 @@ class QuantizedLinear(torch.nn.Module):
 
     packed: torch.Tensor | None = None
     amx_packed: torch.Tensor | None = None  # `int8` on AMX-INT8: the tile-layout copy (`amx_int8_fits`)
-    outliers: Outliers | None = None  # `int8`: input channels apart (the tied head's; on AMX each down_proj's)
+    outliers: Outliers | None = None  # `int8`: the tied head's input channels apart
+    act_group = 0  # `int8` on AMX: activations rounded per token and group of this many inputs (0: per token)
+    scale_fp32: torch.Tensor
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, method: str,
-                 pack: bool = True, input_max_abs: torch.Tensor | None = None):
+                 pack: bool = True, grouped_inputs: bool = False):
         super().__init__()
         assert weight.dtype == torch.int8 and method in ("int8", "int8-weight-only"), method
         self.method = method
@@ -298,9 +313,7 @@ class QuantizedLinear(torch.nn.Module):
         if method == "int8" and amx_int8_fits(weight, weight_scale.dtype):
             self.amx_packed = cpu_ops().amx_pack_weight_int8(weight)
             self.scale_fp32 = weight_scale.float().contiguous()
-            if input_max_abs is not None and self.in_features >= 2 * AMX_OUTLIER_CHANNELS:
-                self.outliers = Outliers.of_amx(input_max_abs, weight)  # nearly free there: one more tile of K
-                self.register_buffer("outlier_weight", self.outliers.weight)
+            self.act_group = AMX_ACT_GROUP if grouped_inputs else 0
         elif method == "int8" and pack:
             self.packed = onednn_pack(weight)
             self.scale_fp32 = weight_scale.float()
@@ -311,11 +324,11 @@ class QuantizedLinear(torch.nn.Module):
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, method: str,
-                   input_max_abs: torch.Tensor | None = None) -> "QuantizedLinear":
+                   grouped_inputs: bool = False) -> "QuantizedLinear":
         """Quantize a float weight; its scales (and so the activations' kernels) in the weight's dtype.
-        `input_max_abs`: its inputs' calibrated max |x|, whose largest channels `int8` on AMX rounds apart."""
+        `grouped_inputs` (a down_proj's): `int8` on AMX rounds its inputs per group of `AMX_ACT_GROUP`."""
         return cls(*quantize_weight(weight, weight.dtype), None if bias is None else bias.detach(), method,
-                   input_max_abs=input_max_abs)
+                   grouped_inputs=grouped_inputs)
 
     def keep_in_float(self, max_abs_x: torch.Tensor, count: int = OUTLIER_CHANNELS) -> None:
         """`int8` on the plain matrix: the `count` input channels of largest calibrated max |x| computed in
@@ -332,7 +345,7 @@ class QuantizedLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).contiguous()
         if self.amx_packed is not None:
-            out = amx_int8_mm(rows, self.amx_packed, self.scale_fp32, self.outliers, self.float_out)
+            out = amx_int8_mm(rows, self.amx_packed, self.scale_fp32, self.outliers, self.float_out, self.act_group)
         elif self.packed is not None:
             out = onednn_int8_mm(rows, self.packed, self.scale_fp32)
         else:
@@ -376,9 +389,9 @@ def vnni_int8_codes(weight: torch.Tensor) -> vnni.VnniCodes:
 
 
 def quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, method: str,
-                     name: str, input_max_abs: torch.Tensor | None = None) -> torch.nn.Module:
+                     name: str, grouped_inputs: bool = False) -> torch.nn.Module:
     """The quantized form of one Linear for `--quantization method`; `name` goes into a shape error;
-    `input_max_abs` (calibrated, `smoothing.smooth`) picks the channels `int8` on AMX rounds apart."""
+    `grouped_inputs` (a down_proj's: GELU's or SiLU's products) has `int8` on AMX round them per group."""
     if method == "int4":
         return int4_linear_from_float(weight, bias, name)
     if vnni_int8_preferred(weight.shape[1]):
@@ -386,7 +399,7 @@ def quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, method: st
     if method == "int8-weight-only" and grouped_int8_preferred(weight.shape[1]):
         return GroupedLinear(grouped_int8_codes(*quantize_weight(weight, weight.dtype)),
                              None if bias is None else bias.detach())
-    return QuantizedLinear.from_float(weight, bias, method, input_max_abs)
+    return QuantizedLinear.from_float(weight, bias, method, grouped_inputs)
 
 
 def quantized_embedding(weight: torch.Tensor) -> torch.nn.Module:

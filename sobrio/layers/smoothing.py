@@ -184,23 +184,13 @@ def apply_scales(model: torch.nn.Module, scales_of: Callable[[str, Linear], torc
         scale_inputs(linear, s)
 
 
-def smooth(model: torch.nn.Module, ids: list[int],
-           alpha: float = SMOOTH_ALPHA) -> tuple[torch.Tensor, dict[torch.nn.Module, torch.Tensor]]:
+def smooth(model: torch.nn.Module, ids: list[int], alpha: float = SMOOTH_ALPHA) -> torch.Tensor:
     """SmoothQuant on a float model before its W8A8 quantization (its outputs unchanged up to rounding).
-    Returns the LM head's input max |x| (per channel), which smoothing leaves as it was, and each down_proj's
-    input max |x| once smoothed (by the Linear): GELU's and SiLU's products keep a few channels far above
-    the rest, which `int8` on AMX then rounds as a group of their own (layers/quantization.py `Outliers`)."""
+    Returns the LM head's input max |x| (per channel), which smoothing leaves as it was: its largest channels
+    are rounded apart (layers/quantization.py `Outliers`)."""
     max_abs = calibrate(model, ids, keep=False)
-    smoothed: dict[torch.nn.Module, torch.Tensor] = {}
-
-    def scales(name: str, linear: Linear) -> torch.Tensor:
-        s = smooth_scales(max_abs[name], linear.weight, alpha)
-        if name.endswith(".down_proj"):
-            smoothed[linear] = max_abs[name] / s
-        return s
-
-    apply_scales(model, scales)
-    return max_abs[HEAD_INPUT], smoothed
+    apply_scales(model, lambda name, linear: smooth_scales(max_abs[name], linear.weight, alpha))
+    return max_abs[HEAD_INPUT]
 
 
 @contextmanager

@@ -148,12 +148,12 @@ class CausalLM(torch.nn.Module):
         first calibrate on the shipped calibration text (`calibration_ids`: its tokens; by default read
         with the tokenizer in the model's folder): SmoothQuant's or AWQ's scales (layers/smoothing.py).
         Call once the weights are loaded and cast, before `prepack` (which then packs nothing)."""
-        head_input, layer_inputs = self._calibrate(method, calibration_ids)
+        head_input = self._calibrate(method, calibration_ids)
         for parent_name, parent in list(self.named_modules()):
             for name, child in list(parent.named_children()):
                 if isinstance(child, Linear):
                     layer = quantized_linear(child.weight, child.bias, method, f"{parent_name}.{name}",
-                                             layer_inputs.get(child))
+                                             grouped_inputs=name == "down_proj")
                     setattr(parent, name, layer)
         if isinstance(self.model.embed_tokens, torch.nn.Embedding):
             self.model.embed_tokens = quantized_embedding(self.model.embed_tokens.weight)
@@ -161,23 +161,22 @@ class CausalLM(torch.nn.Module):
             self.quantized_lm_head = self._quantized_head(method, head_input)
             self.lm_head = None
 
-    def _calibrate(self, method: str, ids: list[int] | None) -> tuple[torch.Tensor | None, dict]:
+    def _calibrate(self, method: str, ids: list[int] | None) -> torch.Tensor | None:
         """Fold SmoothQuant's (`int8`) or AWQ's (`int4`) scales into the float weights, on the calibration
-        text only (never a user's prompt); `int8`: the LM head's and the down_projs' calibrated input max |x|
-        too (see `smoothing.smooth`). Nothing where a checkpoint held some layer quantized, or no tokenizer
-        is found."""
+        text only (never a user's prompt); `int8`: returns the LM head's calibrated input max |x| (see
+        `smoothing.smooth`). Nothing where a checkpoint held some layer quantized, or no tokenizer is found."""
         if method not in ("int8", "int4") or not smoothing.all_float(self):
-            return None, {}
+            return None
         if ids is None:  # an empty list: no calibration, on purpose (an EAGLE head has no text of its own)
             ids = smoothing.calibration_ids(self.config)
             if not ids:
                 logger.warning("--quantization %s: no tokenizer in %r to read the calibration text: quantizing "
                                "without calibration", method, getattr(self.config, "name_or_path", ""))
         if not ids:
-            return None, {}
+            return None
         if method == "int4":
             smoothing.awq(self, ids, INT4_GROUP_SIZE)
-            return None, {}
+            return None
         return smoothing.smooth(self, ids)
 
     def _quantized_head(self, method: str, head_input: torch.Tensor | None = None) -> torch.nn.Module:

@@ -1,13 +1,14 @@
 """`int8` (W8A8) on Intel AMX-INT8 (csrc/amx_linear.cpp): the kernel equals the int8 reference (activations
 rounded per token, integer products, both scales) and dequantize-then-matmul within tolerance on ragged row
-counts and tails; the tied LM head and the embedding share its one tile copy; a shape that does not fill
-whole tiles keeps oneDNN's kernel. Skipped where the CPU or the build has no AMX-INT8."""
+counts and tails, per token and per group of 64 inputs (a down_proj's); the tied LM head and the embedding
+share its one tile copy; a shape that does not fill whole tiles keeps oneDNN's kernel. Skipped where the CPU or the build has no AMX-INT8."""
 
 import pytest
 import torch
 
 from sobrio.layers.cpu_ops import amx_int8_available, cpu_ops
 from sobrio.layers.quantization import (
+    AMX_ACT_GROUP,
     QuantizedEmbedding,
     QuantizedLinear,
     amx_int8_fits,
@@ -62,6 +63,34 @@ def test_a_strided_row_view_and_zero_rows():
     assert torch.equal(out, torch.zeros(3, 64, dtype=torch.bfloat16))
 
 
+def grouped_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """`int8_reference` with a scale per token and group of `group` inputs."""
+    rows, k = x.shape
+    xq, x_scale = quantize_per_token(x.reshape(rows * k // group, group))
+    groups = k // group
+    products = xq.double().view(rows, groups, 1, group) @ q.double().view(-1, groups, group).permute(1, 2, 0)
+    return (products.float().squeeze(2) * x_scale.view(rows, groups, 1)).sum(1) * scale.float()
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("k, n, group", [(64, 32, 64), (576, 960, 64), (1536, 96, 64), (1536, 96, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_grouped_kernel_equals_its_reference(rows, k, n, group, dtype):
+    torch.manual_seed(rows * 5 + k)
+    w, bias = torch.randn(n, k), torch.randn(n)
+    q, scale = quantize_weight(w, torch.float32)
+    x = (torch.randn(rows, k) * 4).to(dtype)
+    x[:, 7] *= 30  # an outlier channel: it sets its own group's step only
+    got = cpu_ops().amx_int8_linear(x, cpu_ops().amx_pack_weight_int8(q), scale, n, bias.to(dtype), group_k=group)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    expected = grouped_reference(x, q, scale, group) + bias.to(dtype).float()
+    assert relative_error(got, expected) < (1e-6 if dtype == torch.float32 else 4e-3)
+    if k > group:
+        per_token = int8_reference(x, q, scale) + bias.to(dtype).float()
+        dense = x.float() @ dequantize_weight(q, scale, torch.float32).T + bias.to(dtype).float()
+        assert relative_error(got, dense) < relative_error(per_token, dense)
+
+
 def test_bad_operands_are_refused_with_a_clear_error():
     q, scale = quantize_weight(torch.randn(64, 128), torch.float32)
     packed = cpu_ops().amx_pack_weight_int8(q)
@@ -71,6 +100,9 @@ def test_bad_operands_are_refused_with_a_clear_error():
         cpu_ops().amx_int8_linear(torch.randn(2, 128).half(), packed, scale, 64, None)
     with pytest.raises(RuntimeError, match="packed weight shape"):
         cpu_ops().amx_int8_linear(torch.randn(2, 64), packed, scale, 64, None)
+    for group in (32, 96, 256):  # not whole tiles, not dividing K, larger than K
+        with pytest.raises(RuntimeError, match="multiple of 64 dividing K"):
+            cpu_ops().amx_int8_linear(torch.randn(2, 128), packed, scale, 64, None, group_k=group)
 
 
 def test_int8_layers_keep_only_the_tile_copy_where_the_shape_fits():
@@ -124,18 +156,17 @@ def test_a_small_head_keeps_its_outliers_in_float():
     assert relative_error(head(hidden), int8_mm(hidden, plain, scale, head.outliers).float()) < 1e-2
 
 
-def test_a_layer_given_its_calibrated_inputs_rounds_their_largest_channels_apart():
+def test_a_down_proj_rounds_its_inputs_per_group_of_64():
     torch.manual_seed(1)
-    w = torch.randn(64, 256).bfloat16()
-    max_abs = torch.rand(256)
-    max_abs[[3, 200]] = 80.0
-    layer = QuantizedLinear.from_float(w, None, "int8", input_max_abs=max_abs)  # a down_proj after smoothing
+    w = torch.randn(64, 512).bfloat16()
+    layer = QuantizedLinear.from_float(w, None, "int8", grouped_inputs=True)  # a down_proj
     plain = QuantizedLinear.from_float(w, None, "int8")
-    assert layer.outliers is not None and layer.outliers.weight.dtype == torch.int8 and plain.outliers is None
-    assert {3, 200} <= set(layer.outliers.index.tolist()) and layer.weight is None  # the tile copies only
-    x = torch.randn(6, 256).bfloat16()
-    x[:, [3, 200]] *= 80
+    assert layer.act_group == AMX_ACT_GROUP and plain.act_group == 0 and layer.weight is None  # the tile copy only
+    x = torch.randn(6, 512).bfloat16()
+    x[:, [3, 200]] *= 80  # GELU's products: a few channels far above the rest, in 2 of the 8 groups
     out = layer(x)
-    assert out.dtype == torch.bfloat16 and out.shape == (6, 64)  # in the model's dtype, unlike the head's
-    dense = x.float() @ dequantize_weight(*quantize_weight(w, torch.float32), torch.float32).T
-    assert relative_error(out, dense) < 0.75 * relative_error(plain(x), dense)
+    assert out.dtype == torch.bfloat16 and out.shape == (6, 64)
+    q, scale = quantize_weight(w, w.dtype)  # as the layer rounded it: bf16 scales
+    assert relative_error(out, grouped_reference(x, q, scale, AMX_ACT_GROUP)) < 4e-3
+    dense = x.float() @ dequantize_weight(q, scale, torch.float32).T
+    assert relative_error(out, dense) < 0.5 * relative_error(plain(x), dense)

@@ -2,6 +2,7 @@
 preparation, sampling, detokenizing), for pure decode steps at a given batch size.
 
     .venv/bin/python benchmarks/step_overhead.py [--batch 64] [--model smollm2-135m] [--quantization gguf]
+        [--kv-cache-dtype int8]
 """
 
 import argparse
@@ -22,8 +23,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--quantization", default=None, help="as sobrio serve's --quantization (gguf, int4, ...)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="as sobrio serve's --kv-cache-dtype (int8, fp8)")
     args = parser.parse_args()
-    llm = LLM(args.model, quantization=args.quantization)
+    llm = LLM(args.model, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     engine, rng = llm.engine, random.Random(0)
     for i in range(args.batch):
         prompt = [rng.randrange(200, 20000) for _ in range(rng.randint(16, 256))]

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -109,7 +110,7 @@ inline void score_row(const float* qf, const T* key, float key_scale, float* row
   for (int64_t g = 0; g < group; ++g) out[g * n] = key_scale * dot(qf + g * dim, row, dim);
 }
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)  // every CPU with AVX512-BF16 has VNNI
 // Lane i of the result is the sum of v[i]'s 16 lanes: 16 horizontal sums in 45 shuffles and adds, where
 // one `_mm512_reduce_add_ps` each would take about 160. The order of the additions is fixed per lane.
 inline __m512 hsum16(const __m512 (&v)[16]) {
@@ -125,23 +126,45 @@ inline __m512 hsum16(const __m512 (&v)[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
 }
 
+// A 64-dim bf16 query head rounded to int16 on its own symmetric scale (max |q| / 32767), as 32 pairs in
+// each of `out`; returns the scale.
+inline float quantize_query_int16(const c10::BFloat16* q, __m512i (&out)[2]) {
+  __m512 v[4], mx = _mm512_setzero_ps();
+  for (int j = 0; j < 4; ++j) v[j] = sobrio_vec::load16(q + 16 * j), mx = _mm512_max_ps(mx, _mm512_abs_ps(v[j]));
+  const float qs = std::max(_mm512_reduce_max_ps(mx), std::numeric_limits<float>::min()) / 32767.f;
+  const __m512 inv = _mm512_set1_ps(1.f / qs);
+  __m256i h[4];
+  for (int j = 0; j < 4; ++j) h[j] = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v[j], inv)));
+  out[0] = _mm512_inserti64x4(_mm512_castsi256_si512(h[0]), h[1], 1);
+  out[1] = _mm512_inserti64x4(_mm512_castsi256_si512(h[2]), h[3], 1);
+  return qs;
+}
+
 // The common case, bf16 queries with head_dim 64 and at most 8 query heads per kv head: scores by
 // AVX512-BF16 dot products straight from the cache rows, 16 keys at a time summed together (`hsum16`),
 // output accumulated in registers. A key's score is computed the same way wherever it falls in its group of
 // 16 (absent keys are zeros), so a row's result depends on its sequence alone.
 // C = int8_t: a quantized cache, with one bf16 scale per row in `ks` / `vs` (indexed like the rows, by
-// offset / 64). Each group of 16 key rows is converted to bf16 once (exact: int8 values are bf16 values)
-// into an L1 buffer that the same dot products read; a key's scale multiplies its score, a value's its weight.
+// offset / 64). Each query head is rounded once to int16 on a scale of its own (15 bits: finer than its bf16
+// values), and a key row is sign-extended to int16 in registers for VNNI's exact int16 dot products
+// (vpdpwssd; |sum| <= 64 * 32767 * 127 < 2^31): no conversion of the row to floats, half the bytes of a bf16
+// row read. A key's scale times the query head's multiplies its score, a value's scale its weight.
 template <typename C, int G>
 void decode_task_d64(const c10::BFloat16* q, const C* kc, const C* vc, const c10::BFloat16* ks,
                      const c10::BFloat16* vs, const int64_t* table, int64_t block_size, int64_t kv_stride,
                      int64_t start, int64_t ctx, float scale, float* scores, c10::BFloat16* out) {
   constexpr bool kQuantized = std::is_same_v<C, int8_t>;
   const int64_t n = ctx - start;
-  __m512bh qv[G][2];
+  __m512i qv[G][2];  // bf16 pairs, or (quantized cache) int16 pairs
+  float q_scale[G];
   for (int g = 0; g < G; ++g) {
-    qv[g][0] = (__m512bh)_mm512_loadu_si512(q + g * 64);
-    qv[g][1] = (__m512bh)_mm512_loadu_si512(q + g * 64 + 32);
+    if constexpr (kQuantized) {
+      q_scale[g] = quantize_query_int16(q + g * 64, qv[g]);
+    } else {
+      qv[g][0] = _mm512_loadu_si512(q + g * 64);
+      qv[g][1] = _mm512_loadu_si512(q + g * 64 + 32);
+      q_scale[g] = 1.f;
+    }
   }
   // Cache rows in position order from `start`, without a division per row.
   struct Rows {
@@ -168,25 +191,15 @@ void decode_task_d64(const c10::BFloat16* q, const C* kc, const C* vc, const c10
   };
   for (int i = 0; i < 16; ++i) prefetch_next();
   const __m512 vscale = _mm512_set1_ps(scale);
-  alignas(64) c10::BFloat16 converted[kQuantized ? 16 * 64 : 1];
   alignas(64) float key_scales[16];
   for (int64_t t0 = start; t0 < ctx; t0 += 16) {
     const int m = static_cast<int>(std::min<int64_t>(16, ctx - t0));
-    const c10::BFloat16* keys[16];
+    const C* keys[16];
     for (int i = 0; i < m; ++i) {
       const int64_t r = key_rows.next();
       prefetch_next();
-      if constexpr (kQuantized) {
-        key_scales[i] = sobrio_vec::to_float(ks[r / 64]);
-        for (int j = 0; j < 2; ++j) {
-          const __m512bh pair = _mm512_cvtne2ps_pbh(sobrio_vec::load16(kc + r + 32 * j + 16),
-                                                    sobrio_vec::load16(kc + r + 32 * j));
-          _mm512_store_si512(converted + 64 * i + 32 * j, (__m512i)pair);
-        }
-        keys[i] = converted + 64 * i;
-      } else {
-        keys[i] = kc + r;
-      }
+      if constexpr (kQuantized) key_scales[i] = sobrio_vec::to_float(ks[r / 64]);
+      keys[i] = kc + r;
     }
     const __m512 row_scales = kQuantized ? _mm512_mul_ps(_mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << m) - 1),
                                                                                 key_scales), vscale)
@@ -195,11 +208,21 @@ void decode_task_d64(const c10::BFloat16* q, const C* kc, const C* vc, const c10
       __m512 d[16];
       for (int i = 0; i < 16; ++i) {
         if (i >= m) { d[i] = _mm512_setzero_ps(); continue; }
-        const __m512bh k0 = (__m512bh)_mm512_loadu_si512(keys[i]), k1 = (__m512bh)_mm512_loadu_si512(keys[i] + 32);
-        d[i] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], k0), qv[g][1], k1);
+        if constexpr (kQuantized) {
+          const auto* row = reinterpret_cast<const __m256i*>(keys[i]);
+          const __m512i k0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(row));
+          const __m512i k1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(row + 1));
+          d[i] = _mm512_cvtepi32_ps(_mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), qv[g][0], k0),
+                                                        qv[g][1], k1));
+        } else {
+          const __m512bh k0 = (__m512bh)_mm512_loadu_si512(keys[i]), k1 = (__m512bh)_mm512_loadu_si512(keys[i] + 32);
+          d[i] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)qv[g][0], k0), (__m512bh)qv[g][1],
+                                  k1);
+        }
       }
+      const __m512 head_scales = _mm512_mul_ps(row_scales, _mm512_set1_ps(q_scale[g]));
       _mm512_mask_storeu_ps(scores + g * n + (t0 - start), static_cast<__mmask16>((1u << m) - 1),
-                            _mm512_mul_ps(hsum16(d), row_scales));
+                            _mm512_mul_ps(hsum16(d), head_scales));
     }
   }
   float inv[G];

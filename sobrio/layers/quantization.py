@@ -23,8 +23,9 @@ activations rounded per group of 32 inputs, to 8 bits in `int8`, to 16 in `int8-
 copy serves the embedding and the tied LM head (no outlier channels needed: a group's step is its own).
 There, 2 threads (`benchmarks/step_overhead.py --quantization int8`; bf16 13.0 and 47.0 ms): a batch-1
 SmolLM2 step 19.7 -> 8.9 ms, a batch-32 one 50 -> 41 ms; perplexity (`sobrio bench perplexity`, bf16
-22.6763): int8 22.7365 (+0.27%), int8-weight-only 22.6608 (-0.07%). The rest of this docstring is the
-AMX host's story.
+22.6763): int8 22.7365 (+0.27%), int8-weight-only 22.6608 (-0.07%); Gemma 3 270M (this path forced on the
+AMX host, 2026-12-03: bf16 20.6907) int8 20.8841 (+0.93%), int8-weight-only 20.7776 (+0.42%). The rest of
+this docstring is the AMX host's story.
 
 - `int8` with AMX-INT8 (`amx_int8_fits`: N a multiple of 32, K of 64, bf16 or float32 activations): sobrio's
   own kernel (csrc/amx_linear.cpp, `amx_int8_mm`): the activations rounded per token inside it, the int8

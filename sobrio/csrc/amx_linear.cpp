@@ -243,6 +243,27 @@ void quantize_token(const T* x, int64_t K, const Outlier& outlier, int8_t* qp, f
   *scale2 = quantize_row(picked, kOutlierChannels, qo);
 }
 
+// What both int8 kernels read and write besides x: the packed weight, its scales, the bias, y, and how the
+// blocks of 32 output columns split over the threads (only past ~256 KB of weight a thread, as the GEMV).
+template <typename T, typename TOut>
+struct Int8Operands {
+  torch::Tensor bias_c;  // keeps a contiguous copy of the bias alive
+  const int8_t* wp;
+  const float* wsp;
+  const T* b;
+  TOut* yp;
+  int64_t blocks, grain;
+  Int8Operands(const torch::Tensor& packed, const torch::Tensor& w_scale, const c10::optional<torch::Tensor>& bias,
+               torch::Tensor& y, int64_t K)
+      : bias_c(bias.has_value() ? bias->contiguous() : torch::Tensor()),
+        wp(packed.data_ptr<int8_t>()),
+        wsp(w_scale.data_ptr<float>()),
+        b(bias.has_value() ? bias_c.data_ptr<T>() : nullptr),
+        yp(y.data_ptr<TOut>()),
+        blocks(y.size(1) / kBlockN),
+        grain(std::max<int64_t>(1, (256 << 10) / (kBlockN * K))) {}
+};
+
 // `amx_int8_kernel` with the activations rounded per token and group of `group_k` inputs (a multiple of 64).
 template <typename T, typename TOut>
 void amx_int8_grouped_kernel(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& w_scale,
@@ -260,13 +281,9 @@ void amx_int8_grouped_kernel(const torch::Tensor& x, const torch::Tensor& packed
       for (int64_t g = 0; g < groups; ++g)
         sp[m * groups + g] = quantize_row(xp + m * x.stride(0) + g * group_k, group_k, qp + m * K + g * group_k);
   });
-  const auto* wp = packed.data_ptr<int8_t>();
-  const float* wsp = w_scale.data_ptr<float>();
-  torch::Tensor bc = bias.has_value() ? bias->contiguous() : torch::Tensor();
-  const T* b = bias.has_value() ? bc.data_ptr<T>() : nullptr;
-  TOut* yp = y.data_ptr<TOut>();
-  const int64_t blocks = N / kBlockN, grain = std::max<int64_t>(1, (256 << 10) / (kBlockN * K));
-  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+  const Int8Operands<T, TOut> op(packed, w_scale, bias, y, K);
+  const int8_t* wp = op.wp;
+  at::parallel_for(0, op.blocks, op.grain, [&](int64_t begin, int64_t end) {
     configure_tiles();
     alignas(64) int32_t acc[2 * kTileRows * kBlockN];
     alignas(64) float facc[2 * kTileRows * kBlockN];
@@ -277,7 +294,7 @@ void amx_int8_grouped_kernel(const torch::Tensor& x, const torch::Tensor& packed
           const int64_t rows = std::min<int64_t>(2 * kTileRows, M - m);
           block_product_s8_grouped(qp + m * K, w0, w0 + kTileRows * K, K, group_k / kTileK8, sp + m * groups, rows,
                                    acc, facc);
-          store_block_f32(facc, wsp, b, yp + m * N, rows, N, nb * kBlockN);
+          store_block_f32(facc, op.wsp, op.b, op.yp + m * N, rows, N, nb * kBlockN);
         }
       }
     _tile_release();
@@ -305,13 +322,9 @@ void amx_int8_kernel(const torch::Tensor& x, const torch::Tensor& packed, const 
       quantize_token(xp + m * x.stride(0), K, outlier, qp + m * K, sp + m, qo + m * kOutlierChannels, sp2 + m,
                      buffer.data());
   });
-  const auto* wp = packed.data_ptr<int8_t>();
-  const float* wsp = w_scale.data_ptr<float>();
-  torch::Tensor bc = bias.has_value() ? bias->contiguous() : torch::Tensor();
-  const T* b = bias.has_value() ? bc.data_ptr<T>() : nullptr;
-  TOut* yp = y.data_ptr<TOut>();
-  const int64_t blocks = N / kBlockN, grain = std::max<int64_t>(1, (256 << 10) / (kBlockN * K));
-  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+  const Int8Operands<T, TOut> op(packed, w_scale, bias, y, K);
+  const int8_t* wp = op.wp;
+  at::parallel_for(0, op.blocks, op.grain, [&](int64_t begin, int64_t end) {
     configure_tiles();
     alignas(64) int32_t acc[2 * kTileRows * kBlockN], acc2[split ? 2 * kTileRows * kBlockN : 1];
     for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass)
@@ -324,7 +337,8 @@ void amx_int8_kernel(const torch::Tensor& x, const torch::Tensor& packed, const 
           if (split)
             block_product_s8(qo + m * kOutlierChannels, o0, o0 + kTileRows * kOutlierChannels, kOutlierChannels, rows,
                              acc2);
-          store_block_s8(acc, sp + m, split ? acc2 : nullptr, sp2 + m, wsp, b, yp + m * N, rows, N, nb * kBlockN);
+          store_block_s8(acc, sp + m, split ? acc2 : nullptr, sp2 + m, op.wsp, op.b, op.yp + m * N, rows, N,
+                         nb * kBlockN);
         }
       }
     _tile_release();

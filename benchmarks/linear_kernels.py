@@ -2,10 +2,11 @@
 of bf16 weights, read from memory as a step reads them) through each kernel at a given row count:
 aten (F.linear), oneDNN with its packed weight, the C++ AMX kernel, the C++ GEMV and the C++ lane kernel
 (`invariant_linear`: what float32 takes on an AVX2-only CPU), and on AMX-INT8 the W8A8 kernel that
-`--quantization int8` takes there (int8 weights per channel, activations rounded per token in the kernel:
-half the bytes). Prints ms per step's matmuls, the weight bytes per second (each kernel's own bytes), and
-aten's time over the fastest other float kernel's, then the fastest float kernel's over AMX int8's. Run it
-on a quiet machine; `--threads 1` times CPU, so it holds up under load.
+`--quantization int8` takes there (int8 weights per channel, activations rounded per token in the kernel,
+each down_proj's per token and group of 64 inputs, as the engine runs them: half the bytes). Prints ms per
+step's matmuls, the weight bytes per second (each kernel's own bytes), and aten's time over the fastest other
+float kernel's, then the fastest float kernel's over AMX int8's. Run it on a quiet machine; `--threads 1`
+times CPU, so it holds up under load.
 
     .venv/bin/python benchmarks/linear_kernels.py [--rows 1 4 8 32 64 128 512] [--threads 2] [--dtype float32]
 """
@@ -28,11 +29,12 @@ from sobrio.layers.cpu_ops import (  # noqa: E402
     invariant_linear_available,
 )
 from sobrio.layers.linear import amx_pack_weight, pack_weight  # noqa: E402
-from sobrio.layers.quantization import quantize_weight  # noqa: E402
+from sobrio.layers.quantization import AMX_ACT_GROUP, quantize_weight  # noqa: E402
 
 INT8 = "AMX int8"
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): qkv, o, gate_up, down
+DOWN_PROJ = LAYER_SHAPES[3]
 LAYERS, VOCAB, HIDDEN = 30, 49152, 576
 
 
@@ -58,8 +60,9 @@ def kernels(ws: list[torch.Tensor], rows: int) -> dict:
         found["C++ lanes"] = lambda: [cpu_ops().invariant_linear(xs[w.shape[1]], w) for w in ws]
     if amx_int8_available():
         int8 = [(cpu_ops().amx_pack_weight_int8(q), s.float()) for q, s in (quantize_weight(w, w.dtype) for w in ws)]
-        found[INT8] = lambda: [cpu_ops().amx_int8_linear(xs[w.shape[1]], p, s, w.shape[0])
-                               for w, (p, s) in zip(ws, int8)]
+        groups = [AMX_ACT_GROUP if tuple(w.shape) == DOWN_PROJ else 0 for w in ws]
+        found[INT8] = lambda: [cpu_ops().amx_int8_linear(xs[w.shape[1]], p, s, w.shape[0], group_k=g)
+                               for w, (p, s), g in zip(ws, int8, groups)]
     return found
 
 

@@ -220,7 +220,7 @@ void decode_task_d64(const c10::BFloat16* q, const C* kc, const C* vc, const c10
                                   k1);
         }
       }
-      const __m512 head_scales = _mm512_mul_ps(row_scales, _mm512_set1_ps(q_scale[g]));
+      const __m512 head_scales = kQuantized ? _mm512_mul_ps(row_scales, _mm512_set1_ps(q_scale[g])) : row_scales;
       _mm512_mask_storeu_ps(scores + g * n + (t0 - start), static_cast<__mmask16>((1u << m) - 1),
                             _mm512_mul_ps(hsum16(d), head_scales));
     }

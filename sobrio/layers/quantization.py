@@ -73,20 +73,23 @@ outputs) is what is left: weight-only there, +0.9%, at a cost to the batch-32 st
 On AMX-INT8 (`amx_int8_mm`) the tied head's 64 largest calibrated input channels are rounded as a group of
 their own, in the kernel's pass (`Outliers.of_amx`: one more tile of K), and each down_proj's inputs are
 rounded per token and group of `AMX_ACT_GROUP` = 64 (one tile of K: its int32 sums leave the tiles and are
-added in fp32 times the group's scale, the Zen 4 path's idea). What W8A8 costs where (Gemma 3, every layer
-weight-only but one kind W8A8, against all weight-only): down_proj +0.82% (with its 64 outliers apart),
-o_proj and gate_up_proj +0.18% each, qkv_proj and the head nothing measurable; grouping those too gained
-nothing. `sobrio bench perplexity --quantization none,int8,int8-weight-only` (2026-12-03):
+added in fp32 times the group's scale, the Zen 4 path's idea). What W8A8 costs where (Gemma 3, a throwaway
+patch of `quantize`: every layer weight-only but one kind W8A8, against all weight-only): down_proj +0.82%
+(with its 64 outliers apart), o_proj and gate_up_proj +0.18% each, qkv_proj and the head nothing measurable;
+grouping those too gained nothing. `sobrio bench perplexity --quantization none,int8,int8-weight-only`
+(2026-12-03):
 
     model          bf16      int8 (down_proj: 64 outliers apart -> groups of 64)   int8-weight-only
     SmolLM2-135M   22.6826   22.8929 +0.93%  ->  22.7898 +0.47%                   22.7169 +0.15%
     Gemma 3 270M   20.6907   20.9551 +1.28%  ->  20.8728 +0.88%  (groups of 128: +0.95%)  20.7721 +0.39%
 
-The groups cost a batch-32 down_proj 32 -> 45 us (SmolLM2's, 2 threads, hot cache), about 1% of a step;
-in the same change a block of 16 rows or fewer skips its second row tile (padding), in both kernels.
-`benchmarks/step_overhead.py --quantization int8` before -> after: batch 1 10.7 -> 8.8 ms a step, batch 32
-30.4 -> 30.3 ms. Tried, worse: alpha searched per layer by the W8A8 output error (SmolLM2 +0.96%, Gemma +2.39%), 128 outlier
-channels apart (Gemma +1.42%, simulated), 64 in float (+1.19%).
+A block of 16 rows or fewer skips its second row tile (padding), in both int8 kernels. A
+step's matmuls as the engine runs them (`benchmarks/linear_kernels.py --rows 1 32 512`, 2 threads,
+2026-12-03; bf16 AMX kernel -> AMX int8): 1 row 12.3 -> 5.9 ms, 32 rows 12.2 -> 8.9, 512 rows 92.9 -> 82.5;
+the down_proj groups cost about 1% of a batch-32 step (`benchmarks/step_overhead.py --quantization int8`
+before -> after: batch 1 10.7 -> 8.8 ms a step, batch 32 30.4 -> 30.3 ms). Tried, worse: alpha searched per
+layer by the W8A8 output error (SmolLM2 +0.96%, Gemma +2.39%); on down_proj, simulated by rounding its
+inputs in a forward pre-hook: 128 outlier channels apart +1.42%, 64 in float +1.19% (Gemma).
 
 `_weight_int8pack_mm` in bf16 or fp16 reads past the row when K is not a multiple of 16 (NaN or a crash,
 PyTorch 2.13): such weights take `dequant_mm` (weight-only) or `int8_mm` (W8A8) instead. None of these kernels
@@ -261,7 +264,8 @@ def amx_int8_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, outl
                 float_out: bool = False, group: int = 0) -> torch.Tensor:
     """W8A8 on the AMX tiles, the activations rounded per token inside the kernel (`group` > 0: per token and
     group of that many inputs, a down_proj's). With `outliers` (`Outliers.of_amx`: the tied LM head's) their
-    channels are rounded on a per-token scale of their own, in the same pass. `float_out`: the result in float32 (the logits), else in x's dtype.
+    channels are rounded on a per-token scale of their own, in the same pass. `float_out`: the result in
+    float32 (the logits), else in x's dtype.
     (Zeroing the head's outliers and adding their fp32 product after, as `int8_mm` does, cost 6.5% of the
     engine's time serving 32 streams.)"""
     n = scale.shape[0]

@@ -1,7 +1,8 @@
 """`int8` (W8A8) on Intel AMX-INT8 (csrc/amx_linear.cpp): the kernel equals the int8 reference (activations
 rounded per token, integer products, both scales) and dequantize-then-matmul within tolerance on ragged row
 counts and tails, per token and per group of 64 inputs (a down_proj's); the tied LM head and the embedding
-share its one tile copy; a shape that does not fill whole tiles keeps oneDNN's kernel. Skipped where the CPU or the build has no AMX-INT8."""
+share its one tile copy; a shape that does not fill whole tiles keeps oneDNN's kernel. Skipped where the CPU
+or the build has no AMX-INT8."""
 
 import pytest
 import torch

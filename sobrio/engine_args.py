@@ -28,7 +28,8 @@ ENVIRONMENT = """environment variables:
   XDG_CACHE_HOME      the C++ operators' fallback folder when the environment is read-only (default: ~/.cache)
   CXX                 the compiler that builds the C++ operators (default: c++)
   OMP_WAIT_POLICY, GOMP_SPINCOUNT
-                      OpenMP's thread waiting; sobrio sets GOMP_SPINCOUNT=100000 unless either is set
+                      OpenMP's thread waiting; unless either is set, sobrio sets GOMP_SPINCOUNT=100000,
+                      and 1000000 in serve's engine-core process
   OMP_NUM_THREADS     threads per engine (read by torch; default: one per core)"""
 
 

@@ -8,6 +8,7 @@ after inputs that changed something while idle). Messages are pickled: `benchmar
 The core process never sees text: the front tokenizes and detokenizes on the API side.
 """
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import zmq
 
+from sobrio import openmp
 from sobrio.config import SobrioConfig
 from sobrio.engine.core import EngineCoreRequest
 from sobrio.engine.executor import ExecutorDeadError
@@ -87,6 +89,21 @@ def _start_core(config: SobrioConfig):
     core = EngineCore(config, load_model_files(config.model_config, tokenizer=False))
     logger.info("engine core ready in %.1fs", time.monotonic() - start)
     return core
+
+
+@contextlib.contextmanager
+def engine_core_environ():
+    """The environment a spawned engine-core process starts with: OpenMP threads that spin longer before
+    they sleep (`openmp.ENGINE_CORE_SPINCOUNT`), unless the user set the policy. This process's own
+    environment is back as it was afterwards."""
+    if openmp.OMP_WAIT_SET_BY_USER:
+        yield
+        return
+    os.environ["GOMP_SPINCOUNT"] = openmp.ENGINE_CORE_SPINCOUNT
+    try:
+        yield
+    finally:
+        os.environ["GOMP_SPINCOUNT"] = openmp.SPINCOUNT
 
 
 def _parent_lives(parent: int | None) -> bool:
@@ -210,7 +227,8 @@ class CoreProcess:
         process = spawn.Process(target=run_engine_core, name=f"sobrio-core-{self.config.model_config.model}",
                                 daemon=True, args=(self.config, input_addr, output_addr,
                                                    logging.getLogger().getEffectiveLevel()))
-        process.start()
+        with engine_core_environ():
+            process.start()
         return process
 
     def _wait_ready(self, timeout: float) -> CoreInfo:

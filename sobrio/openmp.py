@@ -1,0 +1,22 @@
+"""The OpenMP thread policy, set when `sobrio` is imported, before anything imports torch.
+
+Unbounded busy-waiting (the ACTIVE policy) makes a decoder layer up to 50x slower on a busy 2-core machine; never waiting
+(PASSIVE) pays a thread wake-up at each of the ~300 small parallel regions of a decode step. GNU
+OpenMP's spin count bounds the wait: 100,000 spins (about 3 ms of an idle thread's CPU on an Intel
+Xeon) took the batch-32 step 71 -> 46 ms, batch-1 19.8 -> 15 ms (`benchmarks/step_overhead.py`).
+The engine-core process of `sobrio serve` spins longer (`ENGINE_CORE_SPINCOUNT`, set for it by
+`engine.core_process`). An explicit OMP_WAIT_POLICY or GOMP_SPINCOUNT wins everywhere.
+"""
+
+import os
+
+SPINCOUNT = "100000"
+# The serving engine's own process (about 13 ms of spinning when it goes idle): 32 streams through HTTP
+# 1,070 -> 1,140 tok/s (mean of 4 runs each, Intel Xeon with AMX, 2 cores, the batch-32 workload of
+# `benchmarks/peers/serving_workloads.sh`); offline steps unchanged. Our reading, not measured: a thread that
+# spun out sleeps, and must then be woken on a core the API process or the client, woken by every step's
+# tokens, holds.
+ENGINE_CORE_SPINCOUNT = "1000000"
+OMP_WAIT_SET_BY_USER = "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ
+if not OMP_WAIT_SET_BY_USER:
+    os.environ["GOMP_SPINCOUNT"] = SPINCOUNT

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "vec.h"
@@ -522,6 +523,64 @@ void write_kv_int8(torch::Tensor key, torch::Tensor value, torch::Tensor key_cac
   });
 }
 
+// ---------------------------------------------------------------------------------------------------
+// Greedy tokens: each row's index of its largest value, as torch.max(dim=-1) picks it (the first of equal
+// maxima; a row with a NaN gives its first NaN). One pass per row, each lane keeping its largest value and
+// where it was first seen; rows split over the threads. torch.max on a batch-32 step's [32, 49152] float
+// logits ran in one thread at ~1 ms, 4% of the step.
+inline int64_t argmax_row(const float* x, int64_t n) {
+  int64_t i = 0, best_index = 0;
+  float best = -std::numeric_limits<float>::infinity();
+  bool nan = false;
+#if defined(__AVX512F__)
+  if (n >= 16) {
+    __m512 lane_best = _mm512_loadu_ps(x);
+    __m512i lane_index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __mmask16 unordered = _mm512_cmp_ps_mask(lane_best, lane_best, _CMP_UNORD_Q);
+    __m512i index = lane_index;
+    const __m512i step = _mm512_set1_epi32(16);
+    for (i = 16; i + 16 <= n; i += 16) {
+      const __m512 v = _mm512_loadu_ps(x + i);
+      index = _mm512_add_epi32(index, step);
+      unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      const __mmask16 greater = _mm512_cmp_ps_mask(v, lane_best, _CMP_GT_OQ);
+      lane_best = _mm512_mask_mov_ps(lane_best, greater, v);
+      lane_index = _mm512_mask_mov_epi32(lane_index, greater, index);
+    }
+    alignas(64) float values[16];
+    alignas(64) int32_t indices[16];
+    _mm512_store_ps(values, lane_best);
+    _mm512_store_si512(indices, lane_index);
+    nan = unordered != 0;
+    best = values[0], best_index = indices[0];
+    for (int l = 1; l < 16; ++l)
+      if (values[l] > best || (values[l] == best && indices[l] < best_index)) best = values[l], best_index = indices[l];
+  }
+#endif
+  for (; i < n; ++i) {
+    if (std::isnan(x[i])) nan = true;
+    if (x[i] > best) best = x[i], best_index = i;
+  }
+  if (nan)
+    for (int64_t j = 0; j < n; ++j)
+      if (std::isnan(x[j])) return j;
+  return best_index;
+}
+
+torch::Tensor argmax_rows(torch::Tensor logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1 &&
+                  logits.size(1) > 0 && logits.size(1) < (int64_t{1} << 31),
+              "argmax_rows: float32 logits [B, V], unit stride along V, 0 < V < 2^31");
+  const int64_t rows = logits.size(0), n = logits.size(1), stride = logits.stride(0);
+  auto out = torch::empty({rows}, logits.options().dtype(at::kLong));
+  const float* x = logits.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, (64 << 10) / n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) o[r] = argmax_row(x + r * stride, n);
+  });
+  return out;
+}
+
 }  // namespace
 
 void register_cpu_ops(pybind11::module& m) {
@@ -536,4 +595,5 @@ void register_cpu_ops(pybind11::module& m) {
   m.def("act_and_mul", &act_and_mul, "silu(gate)*up (0) or gelu_tanh(gate)*up (1)");
   m.def("write_kv", &write_kv, "new keys and values into their cache slots");
   m.def("write_kv_int8", &write_kv_int8, "new keys and values quantized into an int8 cache's slots and scales");
+  m.def("argmax_rows", &argmax_rows, "each row's first index of its maximum (a NaN's, if any), as torch.max");
 }

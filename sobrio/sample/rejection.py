@@ -18,7 +18,14 @@ them to a single row.
 import torch
 
 from sobrio.sample.metadata import SamplingMetadata
-from sobrio.sample.sampler import SampledToken, apply_logit_bias, apply_masks, filter_top_k_top_p_min_p, with_logprobs
+from sobrio.sample.sampler import (
+    SampledToken,
+    apply_logit_bias,
+    apply_masks,
+    filter_top_k_top_p_min_p,
+    greedy_tokens,
+    with_logprobs,
+)
 
 
 def target_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -47,7 +54,7 @@ def accept_random(probs: torch.Tensor, drafts: list[int], generator: torch.Gener
 
 
 def accept_greedy(logits: torch.Tensor, drafts: list[int]) -> list[int]:
-    target = logits.max(dim=-1).indices.tolist()  # the sampler's first-maximum rule
+    target = greedy_tokens(logits).tolist()  # the sampler's first-maximum rule
     accepted = 0
     while accepted < len(drafts) and drafts[accepted] == target[accepted]:
         accepted += 1

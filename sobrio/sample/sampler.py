@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from llguidance.torch import apply_token_bitmask_inplace
 
+from sobrio.layers.cpu_ops import cpu_ops
 from sobrio.sample.metadata import SamplingMetadata, TokenBitmask
 
 
@@ -128,6 +129,16 @@ def sample_random(logits: torch.Tensor, meta: SamplingMetadata, rows: list[int])
     return tokens.clamp_(max=logits.shape[-1] - 1)
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax, by torch.max's rule (the first of equal maxima; a row's first NaN, if it has one):
+    the C++ `argmax_rows` over float32 rows, both threads (torch.max took ~1 ms of a batch-32 step in one),
+    else torch.max (itself 2.5x faster than argmax on a [32, 49152] step)."""
+    ops = cpu_ops()
+    if ops is not None and logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1] > 0:
+        return ops.argmax_rows(logits.contiguous())
+    return logits.max(dim=-1).indices
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> list[SampledToken]:
         """logits: [B, V] float32, one row per sampling request (left unchanged: the work is on one copy)."""
@@ -136,12 +147,12 @@ class Sampler:
         raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
         if not meta.rewrites_logits():  # all greedy, nothing to apply: no copy of [32, 49152] a step (1%)
             return [with_logprobs(t, raw_logprobs, i, meta.num_logprobs[i])
-                    for i, t in enumerate(logits.max(dim=-1).indices.tolist())]
+                    for i, t in enumerate(greedy_tokens(logits).tolist())]
         logits = logits.clone()
         apply_logit_bias(logits, meta)
         apply_penalties(logits, meta)
         logits = apply_masks(logits, meta)
-        tokens = logits.max(dim=-1).indices  # argmax's first-maximum rule, 2.5x faster on a [32, 49152] step
+        tokens = greedy_tokens(logits)
         random_rows = [i for i in range(meta.num_rows) if not meta.is_greedy(i)]
         if random_rows and len(random_rows) == meta.num_rows:  # not a step with no rows: 0 == 0
             tokens = sample_random(logits, meta, random_rows)

@@ -6,9 +6,10 @@ import torch
 from sobrio.engine.request import Request
 from sobrio.engine.sampling import build_sampling_metadata
 from sobrio.errors import InvalidRequestError
+from sobrio.layers.cpu_ops import cpu_ops
 from sobrio.sample.params import SamplingParams
 from sobrio.sample.sampler import Sampler as _Sampler
-from sobrio.sample.sampler import filter_top_k_top_p_min_p
+from sobrio.sample.sampler import filter_top_k_top_p_min_p, greedy_tokens
 
 
 class Sampler(_Sampler):
@@ -115,3 +116,30 @@ def test_a_step_with_no_rows_samples_nothing_and_leaves_its_logits_alone():
     with torch.inference_mode():
         logits = torch.randn(0, 100)
     assert Sampler()(logits, []) == []
+
+
+@pytest.mark.skipif(cpu_ops() is None, reason="the C++ operators did not build")
+@pytest.mark.parametrize("width", [1, 7, 16, 17, 49152, 49155])
+def test_the_cpp_greedy_argmax_equals_torch_max(width):
+    gen = torch.Generator().manual_seed(width)
+    logits = torch.randn(40, width, generator=gen)
+    logits[1] = 3.0  # a row of ties: the first
+    logits[2] = float("-inf")
+    logits[3, width // 2] = float("nan")  # a NaN anywhere wins, as in torch.max
+    logits[4, -1] = float("nan")
+    logits[5, -1], logits[5, width // 3] = 1e9, 1e9  # the same largest value twice: the earlier one
+    logits[6, -1] = float("inf")
+    logits[7] = torch.randint(-3, 3, (width,), generator=gen).float()  # many ties across lanes
+    want = logits.max(dim=-1).indices
+    assert torch.equal(cpu_ops().argmax_rows(logits), want)
+    assert torch.equal(greedy_tokens(logits), want)
+    wide = torch.randn(40, width + 5, generator=gen)  # rows with a stride past their width
+    assert torch.equal(cpu_ops().argmax_rows(wide[:, :width]), wide[:, :width].max(dim=-1).indices)
+
+
+def test_the_cpp_greedy_argmax_refuses_what_it_cannot_read():
+    if cpu_ops() is None:
+        pytest.skip("the C++ operators did not build")
+    for bad in (torch.randn(4, 8).bfloat16(), torch.randn(8), torch.randn(4, 8).T, torch.randn(4, 0)):
+        with pytest.raises(RuntimeError, match="argmax_rows"):
+            cpu_ops().argmax_rows(bad)

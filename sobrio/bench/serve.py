@@ -6,7 +6,7 @@ import functools
 import json
 import time
 
-import httpx
+import aiohttp
 
 from sobrio.bench import datasets
 from sobrio.bench.arrivals import arrival_gaps
@@ -80,8 +80,9 @@ async def run_requests(args, samples, count_tokens=None) -> tuple[list[RequestRe
     gaps = arrival_gaps(len(samples), args.request_rate, args.burstiness, args.seed)
     limit = asyncio.Semaphore(args.max_concurrency or len(samples))
     bar = None if args.no_progress else _progress(len(samples))
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+    connector = aiohttp.TCPConnector(limit=0)  # no cap on connections: max_concurrency is the only limit
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=600.0, sock_read=600.0)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, read_bufsize=1 << 20) as client:
         t0 = time.perf_counter()
 
         async def one(sample):

@@ -12,11 +12,11 @@ OMP_WAIT_POLICY or GOMP_SPINCOUNT wins everywhere.
 import os
 
 SPINCOUNT = "100000"
-# The serving engine's own process (about 13 ms of spinning when it goes idle): 32 streams through HTTP
-# 1,070 -> 1,140 tok/s (mean of 4 runs each, Intel Xeon with AMX, 2 cores, the batch-32 workload of
-# `benchmarks/peers/serving_workloads.sh`); offline steps unchanged. Our reading, not measured: a thread that
-# spun out sleeps, and must then be woken on a core the API process or the client, woken by every step's
-# tokens, holds.
+# The serving engine's own process (about 13 ms of spinning when it goes idle), for when other processes
+# share its cores: 32 streams through HTTP with an httpx client on the same 2 cores 1,070 -> 1,140 tok/s (mean
+# of 4 runs each, Intel Xeon with AMX, the batch-32 workload of `benchmarks/peers/serving_workloads.sh`);
+# with the lighter aiohttp client no difference (1,366 vs 1,358), offline steps unchanged. Our reading, not
+# measured: a thread that spun out sleeps, then must be woken on a core another process holds.
 ENGINE_CORE_SPINCOUNT = "1000000"
 OMP_WAIT_SET_BY_USER = "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ
 if not OMP_WAIT_SET_BY_USER:

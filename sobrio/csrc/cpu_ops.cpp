@@ -27,6 +27,11 @@ using sobrio_vec::to_float;
 template <typename T>
 inline float round_to(float x) { return to_float(static_cast<T>(x)); }
 
+// Rows a thread takes at least in the row-wise operators (norm, rotary, activation): a batch-32 decode
+// splits over two threads. The other thread spins between the step's parallel regions, so a split costs
+// ~2 us where a row of the activation is ~0.8 us (batch-32 step, `benchmarks/step_overhead.py`).
+constexpr int64_t kRowGrain = 16;
+
 // ---------------------------------------------------------------------------------------------------
 // y[M, N] = x[M, K] @ w[N, K]^T (+ bias), float32 accumulation, one rounding to the dtype per output.
 // Each output element is one dot product computed in one order whatever M is: two accumulators of 16
@@ -269,7 +274,7 @@ torch::Tensor invariant_linear(torch::Tensor x, torch::Tensor w, c10::optional<t
 // With a residual: residual = x + residual (rounded to the dtype), then the norm of that sum.
 template <typename T>
 void rms_norm_rows(const T* x, T* residual, const T* w, T* out, int64_t rows, int64_t dim, double eps, bool gemma) {
-  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(dim);
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * dim;
@@ -343,7 +348,7 @@ template <typename T, typename C>
 void rope_heads(T* x, int64_t tokens, int64_t heads, int64_t dim, int64_t stride, const int64_t* pos,
                 const C* cos, const C* sin) {
   const int64_t half = dim / 2;
-  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tokens, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const C* c = cos + pos[t] * dim;
       const C* s = sin + pos[t] * dim;
@@ -402,7 +407,7 @@ void rotary_embedding(torch::Tensor positions, torch::Tensor q, torch::Tensor k,
 // as PyTorch rounds act(gate) and then the product.
 template <typename T>
 void act_and_mul_rows(const T* x, T* out, int64_t rows, int64_t inter, int64_t act) {
-  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* g = x + r * 2 * inter;
       const T* u = g + inter;

@@ -1,7 +1,10 @@
 """Decode attention for many sequences: the reference (per-sequence SDPA), the batched PyTorch path and
 the C++ operator, on the same paged cache; prints ms per layer and the speed-up over the reference.
 
-    .venv/bin/python benchmarks/attention_backends.py [--seqs 64] [--dtype bfloat16]
+    .venv/bin/python benchmarks/attention_backends.py [--seqs 64] [--dtype bfloat16] [--skewed]
+
+`--skewed`: the first half of the sequences at --max-ctx, the others at --min-ctx (a split of the tasks by
+count gives one thread all the long ones; the C++ operator splits them by key rows).
 """
 
 import argparse
@@ -22,9 +25,12 @@ from sobrio.layers.attention import (  # noqa: E402
 )
 
 
-def decode_step(seqs: int, min_ctx: int, max_ctx: int, heads: int, kv_heads: int, dim: int, block: int, dtype):
+def decode_step(seqs: int, min_ctx: int, max_ctx: int, heads: int, kv_heads: int, dim: int, block: int, dtype,
+                skewed: bool = False):
     gen = torch.Generator().manual_seed(0)
     ctx = torch.randint(min_ctx, max_ctx, (seqs,), generator=gen).tolist()
+    if skewed:
+        ctx = [max_ctx] * (seqs // 2) + [min_ctx] * (seqs - seqs // 2)
     num_blocks = sum(-(-c // block) for c in ctx) + 1
     order = torch.randperm(num_blocks, generator=gen).tolist()
     tables, slots = [], []
@@ -59,10 +65,11 @@ def main() -> None:
     parser.add_argument("--max-ctx", type=int, default=600)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--skewed", action="store_true", help="half the sequences long, then half short")
     args = parser.parse_args()
     heads, kv_heads, dim, block = 9, 3, 64, 16  # SmolLM2-135M's attention shapes
     cache, meta, q, kv, tokens = decode_step(args.seqs, args.min_ctx, args.max_ctx, heads, kv_heads, dim, block,
-                                             getattr(torch, args.dtype))
+                                             getattr(torch, args.dtype), args.skewed)
     print(f"{args.seqs} decoding sequences, {tokens} context tokens, {args.dtype}, {torch.get_num_threads()} threads")
     backends = [ReferenceAttention, BatchedDecodeAttention] + ([CppPagedAttention] if load() else [])
     base = None

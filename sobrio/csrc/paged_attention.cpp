@@ -257,6 +257,29 @@ void decode_task_d64(const c10::BFloat16* q, const C* kc, const C* vc, const c10
   }
 }
 
+// Where each thread's (sequence, kv head) tasks start, so each gets about as many key rows: the first
+// task of thread t is the first whose rows before it reach t / n of them; one thread below `min_rows`.
+inline std::vector<int64_t> split_by_rows(const int64_t* lens, int64_t batch, int64_t kv_heads, int64_t window,
+                                          int64_t min_rows) {
+  std::vector<int64_t> before(batch + 1, 0);  // key rows of the sequences before b, one kv head
+  for (int64_t b = 0; b < batch; ++b)
+    before[b + 1] = before[b] + (window > 0 ? std::min<int64_t>(lens[b], window) : lens[b]);
+  const int64_t rows = before[batch] * kv_heads, tasks = batch * kv_heads;
+  const int64_t threads = rows < min_rows ? 1 : std::min<int64_t>(at::get_num_threads(), tasks);
+  std::vector<int64_t> split(threads + 1, tasks);
+  split[0] = 0;
+  auto rows_before = [&](int64_t task) {  // task = b * kv_heads + kv head
+    const int64_t b = task / kv_heads;
+    return before[b] * kv_heads + (task % kv_heads) * (before[b + 1] - before[b]);
+  };
+  int64_t task = 0;
+  for (int64_t t = 1; t < threads; ++t) {
+    while (task < tasks && rows_before(task) < rows * t / threads) ++task;
+    split[t] = task;
+  }
+  return split;
+}
+
 template <typename C>
 using FastTask = void (*)(const c10::BFloat16*, const C*, const C*, const c10::BFloat16*, const c10::BFloat16*,
                           const int64_t*, int64_t, int64_t, int64_t, int64_t, float, float*, c10::BFloat16*);
@@ -281,13 +304,12 @@ bool decode_fast(const torch::Tensor& query, const torch::Tensor& key_cache, con
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   const int64_t max_blocks = block_tables.size(1);
   auto* o = out.data_ptr<c10::BFloat16>();
-  // Waking the other thread costs more than ~4k key rows of work (a batch-1 decode): keep those inline.
-  int64_t rows = 0;
-  for (int64_t b = 0; b < batch; ++b) rows += lens[b] * kv_heads;
-  const int64_t grain = std::max<int64_t>(1, batch * kv_heads * 4096 / std::max<int64_t>(rows, 1));
-  at::parallel_for(0, batch * kv_heads, grain, [&](int64_t begin, int64_t end) {
+  // Tasks go to the threads by their key rows, not their count (a batch's contexts differ); waking the
+  // other thread costs more than ~4k key rows of work (a batch-1 decode): those stay inline.
+  const std::vector<int64_t> split = split_by_rows(lens, batch, kv_heads, window, 4096);
+  at::parallel_for(0, static_cast<int64_t>(split.size()) - 1, 1, [&](int64_t first, int64_t last) {
     std::vector<float> scores;
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t task = split[first]; task < split[last]; ++task) {
       const int64_t b = task / kv_heads, kh = task % kv_heads, ctx = lens[b];
       const int64_t start = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
       scores.resize(group * (ctx - start));

@@ -15,7 +15,7 @@ SPINCOUNT = "100000"
 # The serving engine's own process (about 13 ms of spinning when it goes idle), for when other processes
 # share its cores: 32 streams through HTTP with an httpx client on the same 2 cores 1,070 -> 1,140 tok/s (mean
 # of 4 runs each, Intel Xeon with AMX, the batch-32 workload of `benchmarks/peers/serving_workloads.sh`);
-# with the lighter aiohttp client no difference (1,366 vs 1,358), offline steps unchanged. Our reading, not
+# with the lighter aiohttp client 1,169 -> 1,206 (2 runs each), offline steps unchanged. Our reading, not
 # measured: a thread that spun out sleeps, then must be woken on a core another process holds.
 ENGINE_CORE_SPINCOUNT = "1000000"
 OMP_WAIT_SET_BY_USER = "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ

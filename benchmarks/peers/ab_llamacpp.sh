@@ -13,6 +13,8 @@ mkdir -p results
 SERVER=
 trap '[ -n "$SERVER" ] && kill "$SERVER" 2>/dev/null; true' EXIT  # an interrupted run leaves no server behind
 wait_for() { for _ in $(seq 300); do curl -sf "$1" >/dev/null && return 0; sleep 1; done; echo "no answer from $1" >&2; return 1; }
+# A server left on the port would answer for the one started here (and hold its prompts in its prefix cache).
+port_free() { if curl -s -o /dev/null "$1"; then echo "something already answers on $1: stop it first" >&2; exit 1; fi; }
 batch1() {
   .venv/bin/sobrio bench serve --base-url "$1" --model smollm2-135m --tokenizer smollm2-135m --ignore-eos \
     --no-progress --num-prompts 8 --input-len 80 --output-len 128 --max-concurrency 1 --seed "$2" \
@@ -21,12 +23,14 @@ batch1() {
     "results/$3-$2-batch1.json" "$3 seed $2:"
 }
 for SEED in "$@"; do
+  port_free http://127.0.0.1:8000/health
   # shellcheck disable=SC2086
   .venv/bin/sobrio serve "$GGUF" $SOBRIO_ARGS --served-model-name smollm2-135m --port 8000 > "results/sobrio-gguf-$SEED-serve.log" 2>&1 &
   SERVER=$!
   wait_for http://127.0.0.1:8000/health; sleep 5
   batch1 http://127.0.0.1:8000 "$SEED" sobrio-gguf
   kill "$SERVER"; wait "$SERVER" || true; sleep 10
+  port_free http://127.0.0.1:8080/health
   .peers/llamacpp/bin/python benchmarks/peers/llamacpp_server.py --model "$GGUF" --port 8080 --parallel 1 \
     > "results/llamacpp-$SEED-serve.log" 2>&1 &
   SERVER=$!

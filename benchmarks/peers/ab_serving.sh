@@ -6,7 +6,11 @@
 # SOBRIO_ARGS adds flags to sobrio's server (e.g. SOBRIO_ARGS="--quantization int8"; vLLM stays bf16).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+SERVER=
+trap '[ -n "$SERVER" ] && kill "$SERVER" 2>/dev/null; true' EXIT  # an interrupted run leaves no server behind
 wait_for() { for _ in $(seq 300); do curl -sf "$1" >/dev/null && return 0; sleep 1; done; echo "no answer from $1" >&2; return 1; }
+# A server left on the port would answer for the one started here (and hold its prompts in its prefix cache).
+port_free() { if curl -s -o /dev/null "$1"; then echo "something already answers on $1: stop it first" >&2; exit 1; fi; }
 summary() {
   .venv/bin/python - "$1" <<'PY'
 import json, sys
@@ -18,12 +22,14 @@ print(f"{sys.argv[1]}: batch32 {r['batch32']['output_throughput']:.0f} tok/s | b
 PY
 }
 for SEED in "$@"; do
+  port_free http://127.0.0.1:8000/health
   # shellcheck disable=SC2086
   .venv/bin/sobrio serve smollm2-135m --port 8000 ${SOBRIO_ARGS:-} > "results/sobrio-$SEED-serve.log" 2>&1 &
   SERVER=$!
   wait_for http://127.0.0.1:8000/health; sleep 5
   benchmarks/peers/serving_workloads.sh http://127.0.0.1:8000 "sobrio-$SEED" "$SEED" > /dev/null
   kill "$SERVER"; wait "$SERVER" || true; sleep 10
+  port_free http://127.0.0.1:8100/v1/models
   benchmarks/peers/vllm_server.sh smollm2-135m 8100 > "results/vllm-$SEED-serve.log" 2>&1 &
   SERVER=$!
   wait_for http://127.0.0.1:8100/v1/models; sleep 5

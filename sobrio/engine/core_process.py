@@ -99,11 +99,15 @@ def engine_core_environ():
     if openmp.OMP_WAIT_SET_BY_USER:
         yield
         return
+    before = os.environ.get("GOMP_SPINCOUNT")
     os.environ["GOMP_SPINCOUNT"] = openmp.ENGINE_CORE_SPINCOUNT
     try:
         yield
     finally:
-        os.environ["GOMP_SPINCOUNT"] = openmp.SPINCOUNT
+        if before is None:
+            del os.environ["GOMP_SPINCOUNT"]
+        else:
+            os.environ["GOMP_SPINCOUNT"] = before
 
 
 def _parent_lives(parent: int | None) -> bool:

@@ -135,7 +135,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     else torch.max (itself 2.5x faster than argmax on a [32, 49152] step)."""
     ops = cpu_ops()
     if ops is not None and logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1] > 0:
-        return ops.argmax_rows(logits.contiguous())
+        return ops.argmax_rows(logits if logits.stride(1) == 1 else logits.contiguous())  # rows may be strided
     return logits.max(dim=-1).indices
 
 
@@ -152,13 +152,14 @@ class Sampler:
         apply_logit_bias(logits, meta)
         apply_penalties(logits, meta)
         logits = apply_masks(logits, meta)
-        tokens = greedy_tokens(logits)
         random_rows = [i for i in range(meta.num_rows) if not meta.is_greedy(i)]
         if random_rows and len(random_rows) == meta.num_rows:  # not a step with no rows: 0 == 0
-            tokens = sample_random(logits, meta, random_rows)
-        elif random_rows:
-            rows = torch.tensor(random_rows)
-            tokens[rows] = sample_random(logits[rows], meta, random_rows)
+            tokens = sample_random(logits, meta, random_rows)  # no argmax: no row would keep it
+        else:
+            tokens = greedy_tokens(logits)
+            if random_rows:
+                rows = torch.tensor(random_rows)
+                tokens[rows] = sample_random(logits[rows], meta, random_rows)
         token_list = tokens.tolist()
         return [with_logprobs(token_list[i], raw_logprobs, i, meta.num_logprobs[i]) for i in range(meta.num_rows)]
 

@@ -19,6 +19,7 @@
 #include <limits>
 #include <vector>
 
+#include "ops.h"
 #include "vec.h"
 
 namespace {
@@ -588,6 +589,26 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
 }
 
 }  // namespace
+
+namespace sobrio_ops {
+torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps,
+                       bool gemma) {
+  return ::rms_norm(x, residual, weight, eps, gemma);
+}
+void rotary_embedding(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor cos,
+                      torch::Tensor sin) {
+  ::rotary_embedding(positions, q, k, cos, sin);
+}
+torch::Tensor act_and_mul(torch::Tensor x, int64_t act) { return ::act_and_mul(x, act); }
+void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
+              torch::Tensor slot_mapping) {
+  ::write_kv(key, value, key_cache, value_cache, slot_mapping);
+}
+void write_kv_int8(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
+                   torch::Tensor key_scales, torch::Tensor value_scales, torch::Tensor slot_mapping) {
+  ::write_kv_int8(key, value, key_cache, value_cache, key_scales, value_scales, slot_mapping);
+}
+}  // namespace sobrio_ops
 
 void register_cpu_ops(pybind11::module& m) {
   m.def("gemv_supported", &gemv_supported, "whether gemv_bf16 was built (AVX512-BF16)");

@@ -17,6 +17,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "ops.h"
 #include "vec.h"
 
 namespace {
@@ -461,10 +462,21 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
 
 }  // namespace
 
+namespace sobrio_ops {
+torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                                     torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
+                                     double scale, int64_t window, std::optional<torch::Tensor> key_scales,
+                                     std::optional<torch::Tensor> value_scales) {
+  return ::paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, block_size, scale,
+                                  window, key_scales, value_scales);
+}
+}  // namespace sobrio_ops
+
 void register_cpu_ops(pybind11::module& m);  // cpu_ops.cpp
 void register_amx_ops(pybind11::module& m);  // amx_linear.cpp
 void register_grouped_ops(pybind11::module& m);  // grouped_linear.cpp
 void register_vnni_ops(pybind11::module& m);  // vnni_linear.cpp
+void register_fused_decode(pybind11::module& m);  // fused_decode.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)", py::arg("query"),
@@ -475,4 +487,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_amx_ops(m);
   register_grouped_ops(m);
   register_vnni_ops(m);
+  register_fused_decode(m);
 }

@@ -22,6 +22,7 @@
 #include <cstring>
 #include <vector>
 
+#include "ops.h"
 #include "vec.h"
 
 namespace {
@@ -241,6 +242,14 @@ torch::Tensor vnni_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor s
 }
 
 }  // namespace
+
+namespace sobrio_ops {
+torch::Tensor vnni_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor scales,
+                          c10::optional<torch::Tensor> offsets, int64_t N, int64_t bits, int64_t group,
+                          int64_t code_zero, int64_t act_bits, c10::optional<torch::Tensor> bias) {
+  return ::vnni_linear(x, weight, scales, offsets, N, bits, group, code_zero, act_bits, bias);
+}
+}  // namespace sobrio_ops
 
 void register_vnni_ops(pybind11::module& m) {
   m.def("vnni_linear_supported", &vnni_linear_supported, "whether vnni_linear was built (AVX512-VNNI)");

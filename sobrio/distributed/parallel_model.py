@@ -27,7 +27,9 @@ def _all_reduce_output(group: TPGroup):
 
 
 def parallelize(model, shard: RankShard, group: TPGroup, vocab_size: int) -> None:
-    """Hook the collectives into a built rank model (names and weights unchanged)."""
+    """Hook the collectives into a built rank model (names and weights unchanged); the fused decode
+    (models/fused_decode.py) would step past the hooks, so the modules run every step."""
+    model.model.fused_decode = None
     for layer in model.model.layers:
         layer.self_attn.o_proj.register_forward_hook(_all_reduce_output(group))
         layer.mlp.down_proj.register_forward_hook(_all_reduce_output(group))

@@ -95,6 +95,7 @@ class DecoderModel(torch.nn.Module):
         self.layers = torch.nn.ModuleList(layers)
         self.norm = norm
         self.embed_scale: float | None = None
+        self.fused_decode = None  # models/fused_decode.py: pure decode steps in one C++ call, where it covers them
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The input embedding (scaled, for Gemma): also what an EAGLE head reads its tokens through."""
@@ -107,6 +108,8 @@ class DecoderModel(torch.nn.Module):
         """The final norm of the residual stream after all layers, or after the first `num_layers` (an early
         exit: the self-speculative draft)."""
         x = self.embed(input_ids)
+        if num_layers is None and self.fused_decode is not None and self.fused_decode.applies(x, meta):
+            return self.fused_decode(x, positions, meta)
         residual = None
         for layer in self.layers[:num_layers]:
             x, residual = layer(positions, x, residual, meta)

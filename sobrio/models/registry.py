@@ -31,6 +31,7 @@ def build_model(config, max_positions: int, weights, dtype: torch.dtype, attenti
                 batch_invariant: bool = False, quantization: str | None = None,
                 calibration_ids: list[int] | None = None) -> CausalLM:
     from sobrio.layers.attention import BatchInvariantAttention, resolve_backend
+    from sobrio.models import fused_decode
     from sobrio.models.weights import load_weights
 
     if batch_invariant:
@@ -44,6 +45,7 @@ def build_model(config, max_positions: int, weights, dtype: torch.dtype, attenti
     if quantization in QUANTIZATION_METHODS:  # at load; a checkpoint's own method (awq, gptq, gguf) is in place
         model.quantize(quantization, calibration_ids)
     model.prepack()
+    model.model.fused_decode = fused_decode.build(model)
     return model
 
 

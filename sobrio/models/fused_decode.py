@@ -1,0 +1,109 @@
+"""A pure decode step of a Llama-family model on VNNI codes (`--quantization gguf`, `int4`, AWQ/GPTQ
+checkpoints; the int8 modes where the CPU has VNNI but no AMX-INT8) through its layers in one C++ call.
+
+At one sequence a decode step of SmolLM2-135M in GGUF makes about 300 operator calls, each of a few
+microseconds to tens; through the modules, each also costs Python's module call, views and pybind's
+argument conversion: about 2 ms of an 8.6 ms step (Intel Xeon, 2 vCPUs; a throwaway per-call timer).
+`LlamaDecoder` (csrc/fused_decode.cpp) makes the same operator calls in the same order on the same tensors,
+so its hidden states equal the modules' bitwise (tests/unit/test_fused_decode.py); the modules stay the
+reference and the path of every other step: prompt chunks, draft verification, early exits, and models or
+modes it does not cover. `benchmarks/fused_decode.py` times both.
+
+It reads the weights the modules hold when it is built (`build`, after `prepack`): a later change to them
+(`model.to`, a forward hook such as tensor parallelism's collectives) needs `model.model.fused_decode = None`.
+`SOBRIO_DISABLE_FUSED_DECODE=1` turns it off.
+"""
+
+import os
+
+import torch
+
+from sobrio.layers.attention import AttentionMetadata, CppPagedAttention
+from sobrio.layers.cpu_ops import cpu_ops, vnni_linear_available
+from sobrio.layers.norm import RMSNorm
+from sobrio.layers.vnni import VnniLinear
+from sobrio.models.llama import ACTIVATIONS, CausalLM, GatedMLP, LlamaAttention, LlamaDecoderLayer
+
+
+class FusedDecode:
+    """Calls `LlamaDecoder.forward` for the pure decode steps of one model (`applies`)."""
+
+    def __init__(self, decoder, dtype: torch.dtype):
+        self.decoder = decoder
+        self.dtype = dtype
+        self._caches: tuple[object, object] | None = None  # (the KVCache, its C++ view), the last one seen
+
+    def applies(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Whether this step is one it computes: every sequence one new token, a bf16 or int8 cache."""
+        if meta.kv_cache is None or x.dtype != self.dtype:
+            return False
+        decode = meta.decode_seqs()
+        return decode is not None and len(decode[0]) == meta.num_seqs and self._kv_layers(meta.kv_cache) is not None
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        _, _, tables, lens = meta.decode_seqs()
+        return self.decoder.forward(x, positions, self._kv_layers(meta.kv_cache), meta.slot_mapping, tables, lens,
+                                    meta.block_size)
+
+    def _kv_layers(self, kv_cache):
+        """The cache's layers as the C++ decoder reads them (built once per cache), or None for a cache it
+        does not read (fp8: written by PyTorch)."""
+        if self._caches is None or self._caches[0] is not kv_cache:
+            self._caches = (kv_cache, _kv_layers(kv_cache, self.dtype))
+        return self._caches[1]
+
+
+def build(model: CausalLM) -> FusedDecode | None:
+    """The fused decode of a model whose every layer it covers, or None (the modules then run every step)."""
+    ops = cpu_ops()
+    layers = list(model.model.layers)
+    if (os.environ.get("SOBRIO_DISABLE_FUSED_DECODE") == "1" or ops is None or not vnni_linear_available()
+            or not layers or not all(map(_covered, layers)) or type(model.model.norm) is not RMSNorm
+            or any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())):
+        return None
+    attn = layers[0].self_attn
+    norms = [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    one_rotary = all(layer.self_attn.rotary is attn.rotary for layer in layers)
+    if len({n.eps for n in norms} | {model.model.norm.eps}) != 1 or not one_rotary:
+        return None
+    decoder = ops.LlamaDecoder([_layer(ops, layer) for layer in layers], model.model.norm.weight, norms[0].eps,
+                               attn.num_heads, attn.num_kv_heads, attn.head_dim, layers[0].mlp.act_code,
+                               attn.rotary.cos, attn.rotary.sin)
+    return FusedDecode(decoder, model.model.norm.weight.dtype)
+
+
+def _covered(layer: torch.nn.Module) -> bool:
+    """A plain Llama layer (not Gemma's norms or a q/k norm), VNNI codes in all four projections, the C++
+    paged attention."""
+    if type(layer) is not LlamaDecoderLayer or type(layer.self_attn) is not LlamaAttention \
+            or type(layer.mlp) is not GatedMLP or type(layer.self_attn.attn) is not CppPagedAttention:
+        return False
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    return all(type(n) is RMSNorm for n in norms) and all(type(p) is VnniLinear for p in projections) \
+        and layer.mlp.act_code in ACTIVATIONS.values()
+
+
+def _layer(ops, layer: LlamaDecoderLayer):
+    attn = layer.self_attn
+    projections = (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    return ops.DecoderLayer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                            *[_weight(ops, p) for p in projections], attn.attn.scale, attn.attn.sliding_window or 0)
+
+
+def _weight(ops, linear: VnniLinear):
+    w = linear.weight_codes
+    return ops.VnniWeight(w.weight, w.scales, w.offsets, linear.bias, w.out_features, w.bits, w.group_size,
+                          w.code_zero, linear.act_bits)
+
+
+def _kv_layers(kv_cache, dtype: torch.dtype):
+    ops = cpu_ops()
+    layers = []
+    for i in range(len(kv_cache.layers)):
+        keys, values = kv_cache.slots(i)
+        scales = kv_cache.scales(i)
+        if not (keys.dtype == dtype and scales is None or keys.dtype == torch.int8 and scales is not None):
+            return None
+        layers.append(ops.CacheLayer(keys, values, *(scales or (None, None))))
+    return ops.KVLayers(layers)

@@ -1,0 +1,92 @@
+"""The fused decode (models/fused_decode.py): a pure decode step through the C++ `LlamaDecoder` gives the
+hidden states and logits of the same step through the modules, bitwise, on SmolLM2's GGUF computed on its
+own blocks; and it stands aside for every step and model it does not cover."""
+
+import pytest
+import torch
+
+from sobrio import LLM, SamplingParams
+from sobrio.layers.vnni import usable
+from sobrio.loader.resolve import resolve_model
+from sobrio.models import fused_decode
+from tests.conftest import engine_kwargs
+
+pytestmark = pytest.mark.skipif(not usable(32), reason="the fused decode covers VNNI codes only")
+
+PROMPTS = [[300 + i for i in range(n)] for n in (5, 37, 130)]  # ragged contexts, one spanning several blocks
+
+
+class CountingDecoder:
+    """Delegates to the C++ decoder, counting the steps it computed."""
+
+    def __init__(self, decoder):
+        self.decoder, self.calls = decoder, 0
+
+    def forward(self, *args):
+        self.calls += 1
+        return self.decoder.forward(*args)
+
+
+def run_both_ways(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[list, int]:
+    """Generate greedily; every pure decode step is computed by the fused decode, then again by the modules
+    on the same inputs (rewriting the same KV slots with the same values). Returns [(fused hidden, modules'
+    hidden, fused logits, modules' logits)] per such step, and how many steps the fused decode computed."""
+    runner = llm.engine.runner
+    fused = runner.model.model.fused_decode
+    assert fused is not None
+    counting = fused.decoder = CountingDecoder(fused.decoder)
+    run, pairs = runner.run, []
+
+    def run_twice(step, prompt_logprobs=None):
+        logits = run(step, prompt_logprobs)
+        if len(step.input_ids) == len(step.context_lens):  # one new token per sequence
+            hidden = runner.sampled_hidden.clone()
+            runner.model.model.fused_decode = None
+            try:
+                reference = run(step, prompt_logprobs)
+            finally:
+                runner.model.model.fused_decode = fused
+            pairs.append((hidden, runner.sampled_hidden.clone(), logits, reference))
+        return logits
+
+    runner.run = run_twice
+    try:
+        llm.generate([{"prompt_token_ids": p} for p in prompts],
+                     SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    finally:
+        runner.run = run
+        fused.decoder = counting.decoder
+    return pairs, counting.calls
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_fused_decode_equals_the_modules(kv_cache_dtype: str) -> None:
+    path = str(resolve_model("smollm2-135m").path)
+    llm = LLM(path, quantization="gguf", **engine_kwargs(dtype="bfloat16", kv_cache_dtype=kv_cache_dtype))
+    pairs, calls = run_both_ways(llm, PROMPTS, max_tokens=12)
+    assert len(pairs) >= 10 and calls == len(pairs)  # every decode step went through the C++ decoder
+    assert any(h.shape[0] == len(PROMPTS) for h, *_ in pairs)  # batched steps among them
+    for hidden, reference_hidden, logits, reference_logits in pairs:
+        assert torch.equal(hidden, reference_hidden)
+        assert torch.equal(logits, reference_logits)
+
+
+def test_fused_decode_stands_aside_where_it_does_not_cover(smollm2, monkeypatch) -> None:
+    """A float model's projections are not VNNI codes: no fused decode. On a covered model, a step with a
+    prompt takes the modules; a forward hook (which it would step past) or SOBRIO_DISABLE_FUSED_DECODE=1
+    means none is built."""
+    assert smollm2.engine.runner.model.model.fused_decode is None
+    llm = LLM(str(resolve_model("smollm2-135m").path), quantization="gguf", **engine_kwargs())
+    model = llm.engine.runner.model
+    fused = model.model.fused_decode
+    counting = fused.decoder = CountingDecoder(fused.decoder)
+    llm.generate([{"prompt_token_ids": PROMPTS[1]}], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    assert counting.calls == 0  # one step: the prompt
+    llm.generate([{"prompt_token_ids": PROMPTS[1]}], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert counting.calls == 2  # the prompt (cached but its last token), then two decode steps
+    assert fused_decode.build(model) is not None
+    monkeypatch.setenv("SOBRIO_DISABLE_FUSED_DECODE", "1")
+    assert fused_decode.build(model) is None
+    monkeypatch.delenv("SOBRIO_DISABLE_FUSED_DECODE")
+    model.model.layers[3].mlp.down_proj.register_forward_hook(lambda *args: None)
+    assert fused_decode.build(model) is None

@@ -30,8 +30,10 @@ namespace {
 constexpr int64_t kTile = 32;    // output channels a tile
 constexpr int64_t kRowBlock = 4;  // rows of x computed per pass over a tile (the tile stays in L1/L2)
 // Bytes ahead to prefetch: the hardware prefetchers ramp up too slowly on a decode step's small matrices
-// (SmolLM2's 120 layer matmuls from memory: 2.6-2.7 ms with, 3.2-3.8 without, AMD EPYC Zen 4, 2 threads).
-constexpr int64_t kPrefetch = 512;
+// (SmolLM2's 120 layer matmuls from memory: 2.6-2.7 ms with 512 bytes ahead, 3.2-3.8 without, AMD EPYC
+// Zen 4, 2 threads). 2 KB ahead (32 lines; a thread's tiles are one sequential stream): one row 2.56 ->
+// 1.70-1.78 ms, 4096 no better (`benchmarks/vnni_kernels.py --rows 1`, Intel Xeon with AMX, 2 threads).
+constexpr int64_t kPrefetch = 2048;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
 #define SOBRIO_VNNI 1
@@ -99,6 +101,13 @@ inline void group_dot(const uint8_t* w, const int8_t* hi_x, const int8_t* lo_x, 
                       __m512i (&dot)[kM][2], __m512i (&dot_lo)[kM][2]) {
   const int64_t per_chunk = kBits == 4 ? 8 : 4;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
+  // At 4 bits and one or two rows, the high nibbles' products go to chains of their own, summed at the
+  // end: two dependent vpdpbusd a chunk into one accumulator waited on its latency (more rows have chains
+  // enough, and registers for no more).
+  constexpr bool kSplit = kBits == 4 && kM <= 2;
+  __m512i dot_b[kM][2], dot_lo_b[kM][2];
+  if constexpr (kSplit)
+    for (int r = 0; r < kM; ++r) dot_b[r][0] = dot_b[r][1] = dot_lo_b[r][0] = dot_lo_b[r][1] = _mm512_setzero_si512();
   for (int64_t k = 0; k < group; k += per_chunk) {
     for (int h = 0; h < 2; ++h, w += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetch, _MM_HINT_T0);
@@ -107,11 +116,13 @@ inline void group_dot(const uint8_t* w, const int8_t* hi_x, const int8_t* lo_x, 
         const __m512i lo = _mm512_and_si512(raw, low4);
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
         for (int r = 0; r < kM; ++r) {
+          __m512i& high = kSplit ? dot_b[r][h] : dot[r][h];
           dot[r][h] = _mm512_dpbusd_epi32(dot[r][h], lo, broadcast4(hi_x + r * K + k));
-          dot[r][h] = _mm512_dpbusd_epi32(dot[r][h], hi, broadcast4(hi_x + r * K + k + 4));
+          high = _mm512_dpbusd_epi32(high, hi, broadcast4(hi_x + r * K + k + 4));
           if constexpr (kWide) {
+            __m512i& high_lo = kSplit ? dot_lo_b[r][h] : dot_lo[r][h];
             dot_lo[r][h] = _mm512_dpbusd_epi32(dot_lo[r][h], lo, broadcast4(lo_x + r * K + k));
-            dot_lo[r][h] = _mm512_dpbusd_epi32(dot_lo[r][h], hi, broadcast4(lo_x + r * K + k + 4));
+            high_lo = _mm512_dpbusd_epi32(high_lo, hi, broadcast4(lo_x + r * K + k + 4));
           }
         }
       } else {
@@ -122,6 +133,12 @@ inline void group_dot(const uint8_t* w, const int8_t* hi_x, const int8_t* lo_x, 
       }
     }
   }
+  if constexpr (kSplit)
+    for (int r = 0; r < kM; ++r)
+      for (int h = 0; h < 2; ++h) {
+        dot[r][h] = _mm512_add_epi32(dot[r][h], dot_b[r][h]);
+        dot_lo[r][h] = _mm512_add_epi32(dot_lo[r][h], dot_lo_b[r][h]);
+      }
 }
 
 // kM rows of x against one tile of 32 channels: y[r, 0..31] (float32, row stride ldy).

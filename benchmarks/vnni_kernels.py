@@ -4,9 +4,13 @@ and the tied LM head (576->49152) as Q8_0, each matrix distinct so that it comes
 
     .venv/bin/python benchmarks/vnni_kernels.py [--rows 1,4,32]
 
-Kernels: `vnni_linear` with 16-bit activations (what `--quantization gguf` runs) and 8-bit ones (llama.cpp's
-Q8 activations), aten's int4 kernel (`_weight_int4pack_mm_for_cpu`, before), `grouped_linear` for the head
-(before), and bf16 F.linear on dense weights (the unquantized model). Best of 5, ms.
+Kernels: `vnni_linear` with 16-bit activations (what `--quantization gguf` runs below `vnni.DENSE_MIN_ROWS`
+rows) and 8-bit ones (llama.cpp's Q8 activations); "dequant": the codes dequantized to bf16 by
+`vnni_dequantize`, then aten's bf16 matmul (what gguf runs from `DENSE_MIN_ROWS` rows: prompt chunks);
+aten's int4 kernel (`_weight_int4pack_mm_for_cpu`, before), `grouped_linear` for the head (before), and bf16
+F.linear on dense weights (the unquantized model). Best of 5, ms.
+
+    .venv/bin/python benchmarks/vnni_kernels.py --rows 64,128,1000   # where "dequant" overtakes the kernel
 """
 
 import argparse
@@ -21,7 +25,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from sobrio.layers import vnni  # noqa: E402
-from sobrio.layers.cpu_ops import vnni_linear_available  # noqa: E402
+from sobrio.layers.cpu_ops import cpu_ops, vnni_linear_available  # noqa: E402
 from sobrio.layers.grouped import GroupedCodes, grouped_linear  # noqa: E402
 from sobrio.layers.int4 import Int4Codes, int4_packed_mm, pack_int4  # noqa: E402
 
@@ -60,23 +64,36 @@ def main() -> None:
                               torch.rand(HEAD[0], HEAD[1] // 32, generator=gen) * 0.01, None, 32)
     head_vnni, head_bf16 = head_codes.vnni(), torch.randn(*HEAD, generator=gen).bfloat16()
     print(f"{torch.get_num_threads()} threads; ms, best of 5")
-    print("rows | layers: vnni act16 | vnni act8 | int4pack | bf16 || head: vnni act16 | vnni act8 | grouped | bf16")
+    print("rows | layers: vnni act16 | vnni act8 | dequant | int4pack | bf16 || head: vnni act16 | vnni act8 | "
+          "dequant | grouped | bf16")
     for rows in (int(r) for r in args.rows.split(",")):
         timings = step_timings({k: torch.randn(rows, k, generator=gen).bfloat16() for k in (576, 1536)}, layers,
                                head_vnni, head_codes, head_bf16)
-        print(f"{rows:4} | " + " | ".join(f"{t:7.2f}" for t in timings[:4]) + " || "
-              + " | ".join(f"{t:7.2f}" for t in timings[4:]))
+        print(f"{rows:4} | " + " | ".join(f"{t:7.2f}" for t in timings[:5]) + " || "
+              + " | ".join(f"{t:7.2f}" for t in timings[5:]))
+
+
+def kernel(x: torch.Tensor, w: vnni.VnniCodes, act_bits: int) -> torch.Tensor:
+    """The C++ int8-dot-product kernel itself, at any row count (`vnni.vnni_linear` leaves it at many rows)."""
+    return cpu_ops().vnni_linear(x, w.weight, w.scales, w.offsets, w.out_features, w.bits, w.group_size,
+                                 w.code_zero, act_bits, None)
+
+
+def dequant(x: torch.Tensor, w: vnni.VnniCodes) -> torch.Tensor:
+    return F.linear(x, vnni.dense_weight(w, x.dtype))
 
 
 def step_timings(x: dict, layers: dict, head_vnni, head_codes, head_bf16) -> list[float]:
     """ms of the layers' matmuls by each kernel, then of the head by each: x by input width."""
     return [
-        best_ms(lambda: [vnni.vnni_linear(x[w.in_features], w, act_bits=16) for w in layers["vnni"]]),
-        best_ms(lambda: [vnni.vnni_linear(x[w.in_features], w, act_bits=8) for w in layers["vnni"]]),
+        best_ms(lambda: [kernel(x[w.in_features], w, 16) for w in layers["vnni"]]),
+        best_ms(lambda: [kernel(x[w.in_features], w, 8) for w in layers["vnni"]]),
+        best_ms(lambda: [dequant(x[w.in_features], w) for w in layers["vnni"]]),
         best_ms(lambda: [int4_packed_mm(x[w.in_features], w) for w in layers["int4pack"]]),
         best_ms(lambda: [F.linear(x[w.shape[1]], w) for w in layers["bf16"]]),
-        best_ms(lambda: vnni.vnni_linear(x[576], head_vnni, act_bits=16)),
-        best_ms(lambda: vnni.vnni_linear(x[576], head_vnni, act_bits=8)),
+        best_ms(lambda: kernel(x[576], head_vnni, 16)),
+        best_ms(lambda: kernel(x[576], head_vnni, 8)),
+        best_ms(lambda: dequant(x[576], head_vnni)),
         best_ms(lambda: grouped_linear(x[576], head_codes)),
         best_ms(lambda: F.linear(x[576], head_bf16)),
     ]

@@ -258,6 +258,59 @@ torch::Tensor vnni_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor s
   return y;
 }
 
+// The weight these codes stand for, w[n, k] = scale * (code - code_zero) + offset in float32, stored in
+// bf16 or float32 as [N, K]: prompt chunks multiply it as a dense matrix (layers/vnni.py), where
+// the int8 dot products cost ~10x a bf16 AMX matmul at 1,000 rows. Row by row within a tile and group, so
+// each channel's outputs are written in order.
+template <typename T>
+void dequantize_tiles(const uint8_t* w, const uint16_t* scales, const uint16_t* offsets, int64_t N, int64_t K,
+                      int64_t bits, int64_t group, int32_t code_zero, T* out) {
+  const int64_t G = K / group, tiles = (N + kTile - 1) / kTile, per_chunk = bits == 4 ? 8 : 4;
+  const int64_t group_bytes = kTile * group * bits / 8;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t g = 0; g < G; ++g) {
+        const uint8_t* wg = w + (t * G + g) * group_bytes;
+        for (int64_t c = 0; c < kTile && t * kTile + c < N; ++c) {
+          const int64_t at = (t * G + g) * kTile + c;
+          const float s = c10::Half(scales[at], c10::Half::from_bits());
+          const float o = offsets ? static_cast<float>(c10::Half(offsets[at], c10::Half::from_bits())) : 0.f;
+          T* row = out + (t * kTile + c) * K + g * group;
+          const uint8_t* p = wg + (c / 16) * 64 + (c % 16) * 4;  // this channel's 4 bytes in chunk 0
+          for (int64_t ch = 0; ch < group / per_chunk; ++ch, p += 128)
+            for (int j = 0; j < 4; ++j) {
+              const int32_t low = bits == 4 ? (p[j] & 0x0F) : p[j];
+              row[ch * per_chunk + j] = static_cast<T>(s * static_cast<float>(low - code_zero) + o);
+              if (bits == 4) row[ch * per_chunk + j + 4] = static_cast<T>(s * static_cast<float>((p[j] >> 4) - code_zero) + o);
+            }
+        }
+      }
+  });
+}
+
+torch::Tensor vnni_dequantize(torch::Tensor weight, torch::Tensor scales, c10::optional<torch::Tensor> offsets,
+                              int64_t N, int64_t K, int64_t bits, int64_t group, int64_t code_zero, bool bf16) {
+  const at::ScalarType dtype = bf16 ? at::kBFloat16 : at::kFloat;
+  TORCH_CHECK(bits == 4 || bits == 8, "bits: 4 or 8");
+  TORCH_CHECK(group > 0 && group % 16 == 0 && K % group == 0, "group: a multiple of 16 that divides K");
+  const int64_t tiles = (N + kTile - 1) / kTile;
+  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.is_contiguous() && weight.numel() == tiles * kTile * K * bits / 8,
+              "weight: contiguous uint8 codes for N, K = ", N, ", ", K);
+  TORCH_CHECK(scales.is_contiguous() && scales.element_size() == 2 && scales.numel() == tiles * (K / group) * kTile,
+              "scales: contiguous fp16 [tiles, K / group, 32]");
+  TORCH_CHECK(!offsets.has_value() || (offsets->is_contiguous() && offsets->element_size() == 2 &&
+                                       offsets->numel() == scales.numel()), "offsets: as scales");
+  auto out = torch::empty({N, K}, torch::TensorOptions().dtype(dtype));
+  const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr());
+  const auto* op = offsets.has_value() ? reinterpret_cast<const uint16_t*>(offsets->data_ptr()) : nullptr;
+  const int32_t cz = static_cast<int32_t>(code_zero);
+  if (dtype == at::kFloat)
+    dequantize_tiles(weight.data_ptr<uint8_t>(), sp, op, N, K, bits, group, cz, out.data_ptr<float>());
+  else
+    dequantize_tiles(weight.data_ptr<uint8_t>(), sp, op, N, K, bits, group, cz, out.data_ptr<c10::BFloat16>());
+  return out;
+}
+
 }  // namespace
 
 namespace sobrio_ops {
@@ -274,4 +327,7 @@ void register_vnni_ops(pybind11::module& m) {
         "x @ W.T for 4- or 8-bit group-wise W, x rounded to 8 or 16 bits per group, int8 dot products (+ bias)",
         py::arg("x"), py::arg("weight"), py::arg("scales"), py::arg("offsets"), py::arg("n"), py::arg("bits"),
         py::arg("group"), py::arg("code_zero"), py::arg("act_bits"), py::arg("bias") = py::none());
+  m.def("vnni_dequantize", &vnni_dequantize, "the [N, K] float32 (or bf16) weight of vnni_linear's codes",
+        py::arg("weight"), py::arg("scales"), py::arg("offsets"), py::arg("n"), py::arg("k"), py::arg("bits"),
+        py::arg("group"), py::arg("code_zero"), py::arg("bf16"));
 }

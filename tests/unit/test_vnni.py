@@ -72,6 +72,26 @@ def test_kernel_equals_its_reference_and_the_dequantized_product(rows, bits, n, 
 
 
 @needs_kernel
+@pytest.mark.parametrize("bits, n, k, group, code_zero, offsets", [
+    (4, 70, 96, 32, 0, True), (4, 33, 576, 32, 0, False), (8, 37, 64, 16, 128, True), (8, 33, 128, 64, 128, False),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prompt_rows_multiply_the_dequantized_weight(bits, n, k, group, code_zero, offsets, dtype) -> None:
+    """From DENSE_MIN_ROWS rows on: the C++ dequantizer gives `VnniCodes.dequantize`'s values (in bf16 rounded
+    once), and the product is aten's on them."""
+    codes, scales, offset = random_weight(n, k, bits, group, offsets)
+    w = vnni.VnniCodes.pack(codes, scales, offset, bits, group, code_zero)
+    dense = vnni.dense_weight(w, dtype)
+    assert dense.dtype == dtype and torch.equal(dense, w.dequantize().to(dtype))
+    x = torch.randn(vnni.DENSE_MIN_ROWS + 3, k, generator=torch.Generator().manual_seed(1)).to(dtype)
+    bias = torch.randn(n)
+    got = vnni.vnni_linear(x, w, bias)
+    assert torch.equal(got, torch.nn.functional.linear(x, dense, bias.to(dtype)))
+    exact = x.float() @ w.dequantize().T + bias
+    assert (got.float() - exact).abs().max() / exact.abs().max() < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@needs_kernel
 def test_a_zero_row_and_a_leading_batch_shape() -> None:
     w = vnni.VnniCodes.pack(*random_weight(40, 64, 4, 32, True), 4, 32)
     x = torch.randn(2, 3, 64)

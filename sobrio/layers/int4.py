@@ -214,6 +214,13 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> Int4Weight:
     return pack_int4(*_quantize_groups(weight, group_size), group_size)
 
 
+def quantize_int4_codes(weight: torch.Tensor, group_size: int) -> "Int4Codes":
+    """`quantize_int4`'s codes, scales and zeros before packing (the same grid), for `Int4Codes.linear` to
+    pack for this CPU's kernel."""
+    check_int4_shape(*weight.shape, group_size)
+    return Int4Codes(*_quantize_groups(weight, group_size), group_size)
+
+
 def _dequantize_channels(w: Int4Weight, first: int, count: int, dtype: torch.dtype) -> torch.Tensor:
     """W.T [K, count] for output channels first .. first + count (first a multiple of the packed block)."""
     k = w.in_features

@@ -1,6 +1,5 @@
-"""A pure decode step of a Llama-family model on VNNI codes (`--quantization gguf`, AWQ/GPTQ checkpoints;
-the int8 modes where the CPU has VNNI but no AMX-INT8; not `--quantization int4`, on aten's int4 kernel)
-through its layers in one C++ call.
+"""A pure decode step of a Llama-family model on VNNI codes (`--quantization gguf` and `int4`, AWQ/GPTQ
+checkpoints; the int8 modes where the CPU has VNNI but no AMX-INT8) through its layers in one C++ call.
 
 At one sequence a decode step of SmolLM2-135M in GGUF makes about 300 operator calls, each of a few
 microseconds to tens; through the modules, each also costs Python's module call, views and pybind's

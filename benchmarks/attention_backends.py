@@ -76,7 +76,7 @@ def main() -> None:
     for cls in backends:
         ms = time_backend(cls, cache, meta, q, kv, heads, kv_heads, dim, args.repeats)
         base = base or ms
-        print(f"{cls.__name__:24} {ms:8.2f} ms per layer   {base / ms:6.2f}x the reference")
+        print(f"{cls.__name__:24} {ms:8.3f} ms per layer   {base / ms:6.2f}x the reference")
 
 
 if __name__ == "__main__":

@@ -305,9 +305,12 @@ bool decode_fast(const torch::Tensor& query, const torch::Tensor& key_cache, con
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   const int64_t max_blocks = block_tables.size(1);
   auto* o = out.data_ptr<c10::BFloat16>();
-  // Tasks go to the threads by their key rows, not their count (a batch's contexts differ); waking the
-  // other thread costs more than ~4k key rows of work (a batch-1 decode): those stay inline.
-  const std::vector<int64_t> split = split_by_rows(lens, batch, kv_heads, window, 4096);
+  // Tasks go to the threads by their key rows, not their count (a batch's contexts differ). Below 512 key
+  // rows the other thread's start costs more than it takes (a batch-1 decode of under ~170 positions):
+  // those stay inline. SmolLM2 batch 1 (3 kv heads), `benchmarks/attention_backends.py --seqs 1 --min-ctx C
+  // --max-ctx C+1`: 300 positions 0.036 -> 0.027-0.029 ms a layer, 1,000 0.057 -> 0.046-0.056, against
+  // 4,096 rows inline before (the threads then spin in a fused decode step, models/fused_decode.py).
+  const std::vector<int64_t> split = split_by_rows(lens, batch, kv_heads, window, 512);
   at::parallel_for(0, static_cast<int64_t>(split.size()) - 1, 1, [&](int64_t first, int64_t last) {
     std::vector<float> scores;
     for (int64_t task = split[first]; task < split[last]; ++task) {

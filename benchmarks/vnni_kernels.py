@@ -4,10 +4,10 @@ and the tied LM head (576->49152) as Q8_0, each matrix distinct so that it comes
 
     .venv/bin/python benchmarks/vnni_kernels.py [--rows 1,4,32]
 
-Kernels: `vnni_linear` with 16-bit activations (what `--quantization gguf` runs below `vnni.DENSE_MIN_ROWS`
-rows) and 8-bit ones (llama.cpp's Q8 activations); "dequant": the codes dequantized to bf16 by
-`vnni_dequantize`, then aten's bf16 matmul (what gguf runs from `DENSE_MIN_ROWS` rows: prompt chunks);
-aten's int4 kernel (`_weight_int4pack_mm_for_cpu`, before), `grouped_linear` for the head (before), and bf16
+Kernels: `vnni_linear`'s int8 dot products with 16-bit activations (what `--quantization gguf` runs below
+the operator's `vnni_dense_min_rows` rows) and 8-bit ones (llama.cpp's Q8 activations); "dequant": the
+codes dequantized to bf16 by `vnni_dequantize`, then aten's bf16 matmul (what gguf runs from there: prompt
+chunks); aten's int4 kernel (`_weight_int4pack_mm_for_cpu`, before), `grouped_linear` for the head (before), and bf16
 F.linear on dense weights (the unquantized model). Best of 5, ms.
 
     .venv/bin/python benchmarks/vnni_kernels.py --rows 64,128,1000   # where "dequant" overtakes the kernel
@@ -74,9 +74,9 @@ def main() -> None:
 
 
 def kernel(x: torch.Tensor, w: vnni.VnniCodes, act_bits: int) -> torch.Tensor:
-    """The C++ int8-dot-product kernel itself, at any row count (`vnni.vnni_linear` leaves it at many rows)."""
+    """The C++ int8-dot-product kernel itself, at any row count (the operator leaves it at many rows)."""
     return cpu_ops().vnni_linear(x, w.weight, w.scales, w.offsets, w.out_features, w.bits, w.group_size,
-                                 w.code_zero, act_bits, None)
+                                 w.code_zero, act_bits, None, dense_min_rows=x.shape[0] + 1)
 
 
 def dequant(x: torch.Tensor, w: vnni.VnniCodes) -> torch.Tensor:

@@ -34,6 +34,11 @@ constexpr int64_t kRowBlock = 4;  // rows of x computed per pass over a tile (th
 // Zen 4, 2 threads). 2 KB ahead (32 lines; a thread's tiles are one sequential stream): one row 2.56 ->
 // 1.70-1.78 ms, 4096 no better (`benchmarks/vnni_kernels.py --rows 1`, Intel Xeon with AMX, 2 threads).
 constexpr int64_t kPrefetch = 2048;
+// From this many rows (prompt chunks) `vnni_linear` multiplies x by the weight dequantized into x's dtype
+// with aten's dense matmul: the int8 dot products cost ~5x at 1,000 rows. SmolLM2's layers, Intel Xeon
+// with AMX, 2 threads (`benchmarks/vnni_kernels.py --rows 64,128,1000`, "vnni act16" against "dequant"):
+// 64 rows 59 ms against 90, 128 rows 121 against 95, 1,000 rows 1,009 against 187.
+constexpr int64_t kDenseMinRows = 128;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
 #define SOBRIO_VNNI 1
@@ -202,66 +207,9 @@ bool vnni_linear_supported() {
 #endif
 }
 
-// x [M, K] (float32 or bf16); weight uint8 [tiles, G, chunks, 2, 64] as layers/vnni.py packs it; scales and
-// offsets fp16 (stored as int16) [tiles, G, 32]; returns [M, N] in x's dtype, the bias added in float32.
-torch::Tensor vnni_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor scales,
-                          c10::optional<torch::Tensor> offsets, int64_t N, int64_t bits, int64_t group,
-                          int64_t code_zero, int64_t act_bits, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(vnni_linear_supported(), "vnni_linear needs AVX512-VNNI");
-  TORCH_CHECK(bits == 4 || bits == 8, "bits: 4 or 8");
-  TORCH_CHECK(act_bits == 8 || act_bits == 16, "act_bits: 8 or 16");
-  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "x: [M, K] float32 or bf16");
-  const int64_t M = x.size(0), K = x.size(1), tiles = (N + kTile - 1) / kTile;
-  TORCH_CHECK(group > 0 && group % 16 == 0 && K % group == 0, "group: a multiple of 16 that divides K");
-  // a group's int32 sum, hi times 256 plus lo (plus the code_zero term), must not overflow
-  TORCH_CHECK(act_bits == 8 || group * ((1 << bits) - 1) * 128.0 * 257 < 2147483647.0,
-              "act_bits 16: group ", group, " too large for ", bits, "-bit codes");
-  const int64_t G = K / group, tile_bytes = kTile * K * bits / 8;
-  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.is_contiguous() && weight.numel() == tiles * tile_bytes,
-              "weight: contiguous uint8, ", tiles * tile_bytes, " bytes for N, K = ", N, ", ", K);
-  TORCH_CHECK(scales.is_contiguous() && scales.element_size() == 2 && scales.numel() == tiles * G * kTile,
-              "scales: contiguous fp16 [tiles, K / group, 32]");
-  const uint16_t* off = nullptr;
-  if (offsets.has_value()) {
-    TORCH_CHECK(offsets->is_contiguous() && offsets->element_size() == 2 && offsets->numel() == scales.numel(),
-                "offsets: as scales");
-    off = reinterpret_cast<const uint16_t*>(offsets->data_ptr());
-  }
-  auto y = torch::empty({M, N}, x.options());
-  if (M == 0) return y;
-#if defined(SOBRIO_VNNI)
-  auto xc = x.contiguous();
-  const QuantizedRows xq = x.scalar_type() == at::kFloat
-                               ? quantize_rows(xc.data_ptr<float>(), M, K, group, act_bits == 16)
-                               : quantize_rows(xc.data_ptr<c10::BFloat16>(), M, K, group, act_bits == 16);
-  std::vector<float> yf(M * tiles * kTile);
-  const int64_t ldy = tiles * kTile;
-  const uint8_t* wp = weight.data_ptr<uint8_t>();
-  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr());
-  const TileKernel kernel = tile_kernel(bits, act_bits == 16);
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const uint16_t* ot = off ? off + t * G * kTile : nullptr;
-      kernel(wp + t * tile_bytes, sp + t * G * kTile, ot, xq, M, K, group, code_zero, yf.data() + t * kTile, ldy);
-    }
-  });
-  torch::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : torch::Tensor();
-  TORCH_CHECK(!b.defined() || b.numel() == N, "bias: [N]");
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "vnni_linear_y", [&] {
-    scalar_t* yp = y.data_ptr<scalar_t>();
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t n = 0; n < N; ++n) yp[m * N + n] = static_cast<scalar_t>(yf[m * ldy + n] + (bp ? bp[n] : 0.f));
-  });
-#endif
-  return y;
-}
-
 // The weight these codes stand for, w[n, k] = scale * (code - code_zero) + offset in float32, stored in
-// bf16 or float32 as [N, K]: prompt chunks multiply it as a dense matrix (layers/vnni.py), where
-// the int8 dot products cost ~10x a bf16 AMX matmul at 1,000 rows. Row by row within a tile and group, so
-// each channel's outputs are written in order.
+// bf16 or float32 as [N, K]: what `vnni_linear` multiplies prompt chunks by. Row by row within a tile and
+// group, so each channel's outputs are written in order.
 template <typename T>
 void dequantize_tiles(const uint8_t* w, const uint16_t* scales, const uint16_t* offsets, int64_t N, int64_t K,
                       int64_t bits, int64_t group, int32_t code_zero, T* out) {
@@ -311,13 +259,76 @@ torch::Tensor vnni_dequantize(torch::Tensor weight, torch::Tensor scales, c10::o
   return out;
 }
 
+// x [M, K] (float32 or bf16); weight uint8 [tiles, G, chunks, 2, 64] as layers/vnni.py packs it; scales and
+// offsets fp16 (stored as int16) [tiles, G, 32]; returns [M, N] in x's dtype, the bias added in float32 (from
+// `dense_min_rows` rows: x times the dequantized weight by aten, the bias in x's dtype).
+torch::Tensor vnni_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor scales,
+                          c10::optional<torch::Tensor> offsets, int64_t N, int64_t bits, int64_t group,
+                          int64_t code_zero, int64_t act_bits, c10::optional<torch::Tensor> bias,
+                          int64_t dense_min_rows) {
+  TORCH_CHECK(vnni_linear_supported(), "vnni_linear needs AVX512-VNNI");
+  TORCH_CHECK(bits == 4 || bits == 8, "bits: 4 or 8");
+  TORCH_CHECK(act_bits == 8 || act_bits == 16, "act_bits: 8 or 16");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "x: [M, K] float32 or bf16");
+  const int64_t M = x.size(0), K = x.size(1), tiles = (N + kTile - 1) / kTile;
+  TORCH_CHECK(group > 0 && group % 16 == 0 && K % group == 0, "group: a multiple of 16 that divides K");
+  // a group's int32 sum, hi times 256 plus lo (plus the code_zero term), must not overflow
+  TORCH_CHECK(act_bits == 8 || group * ((1 << bits) - 1) * 128.0 * 257 < 2147483647.0,
+              "act_bits 16: group ", group, " too large for ", bits, "-bit codes");
+  const int64_t G = K / group, tile_bytes = kTile * K * bits / 8;
+  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.is_contiguous() && weight.numel() == tiles * tile_bytes,
+              "weight: contiguous uint8, ", tiles * tile_bytes, " bytes for N, K = ", N, ", ", K);
+  TORCH_CHECK(scales.is_contiguous() && scales.element_size() == 2 && scales.numel() == tiles * G * kTile,
+              "scales: contiguous fp16 [tiles, K / group, 32]");
+  const uint16_t* off = nullptr;
+  if (offsets.has_value()) {
+    TORCH_CHECK(offsets->is_contiguous() && offsets->element_size() == 2 && offsets->numel() == scales.numel(),
+                "offsets: as scales");
+    off = reinterpret_cast<const uint16_t*>(offsets->data_ptr());
+  }
+  if (M >= dense_min_rows) {
+    const auto dense = vnni_dequantize(weight, scales, offsets, N, K, bits, group, code_zero,
+                                       x.scalar_type() == at::kBFloat16);
+    return at::linear(x, dense, bias.has_value() ? c10::optional<torch::Tensor>(bias->to(x.scalar_type())) : bias);
+  }
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+#if defined(SOBRIO_VNNI)
+  auto xc = x.contiguous();
+  const QuantizedRows xq = x.scalar_type() == at::kFloat
+                               ? quantize_rows(xc.data_ptr<float>(), M, K, group, act_bits == 16)
+                               : quantize_rows(xc.data_ptr<c10::BFloat16>(), M, K, group, act_bits == 16);
+  std::vector<float> yf(M * tiles * kTile);
+  const int64_t ldy = tiles * kTile;
+  const uint8_t* wp = weight.data_ptr<uint8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr());
+  const TileKernel kernel = tile_kernel(bits, act_bits == 16);
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const uint16_t* ot = off ? off + t * G * kTile : nullptr;
+      kernel(wp + t * tile_bytes, sp + t * G * kTile, ot, xq, M, K, group, code_zero, yf.data() + t * kTile, ldy);
+    }
+  });
+  torch::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : torch::Tensor();
+  TORCH_CHECK(!b.defined() || b.numel() == N, "bias: [N]");
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "vnni_linear_y", [&] {
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) yp[m * N + n] = static_cast<scalar_t>(yf[m * ldy + n] + (bp ? bp[n] : 0.f));
+  });
+#endif
+  return y;
+}
+
 }  // namespace
 
 namespace sobrio_ops {
 torch::Tensor vnni_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor scales,
                           c10::optional<torch::Tensor> offsets, int64_t N, int64_t bits, int64_t group,
                           int64_t code_zero, int64_t act_bits, c10::optional<torch::Tensor> bias) {
-  return ::vnni_linear(x, weight, scales, offsets, N, bits, group, code_zero, act_bits, bias);
+  return ::vnni_linear(x, weight, scales, offsets, N, bits, group, code_zero, act_bits, bias, kDenseMinRows);
 }
 }  // namespace sobrio_ops
 
@@ -326,7 +337,9 @@ void register_vnni_ops(pybind11::module& m) {
   m.def("vnni_linear", &vnni_linear,
         "x @ W.T for 4- or 8-bit group-wise W, x rounded to 8 or 16 bits per group, int8 dot products (+ bias)",
         py::arg("x"), py::arg("weight"), py::arg("scales"), py::arg("offsets"), py::arg("n"), py::arg("bits"),
-        py::arg("group"), py::arg("code_zero"), py::arg("act_bits"), py::arg("bias") = py::none());
+        py::arg("group"), py::arg("code_zero"), py::arg("act_bits"), py::arg("bias") = py::none(),
+        py::arg("dense_min_rows") = kDenseMinRows);
+  m.attr("vnni_dense_min_rows") = kDenseMinRows;
   m.def("vnni_dequantize", &vnni_dequantize, "the [N, K] float32 (or bf16) weight of vnni_linear's codes",
         py::arg("weight"), py::arg("scales"), py::arg("offsets"), py::arg("n"), py::arg("k"), py::arg("bits"),
         py::arg("group"), py::arg("code_zero"), py::arg("bf16"));

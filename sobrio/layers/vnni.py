@@ -121,24 +121,19 @@ def reference(x: torch.Tensor, w: VnniCodes, bias: torch.Tensor | None = None,
 
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-# From this many rows (prompt chunks) x multiplies the weight dequantized into x's dtype (`vnni_dequantize`,
-# C++) by aten's dense matmul instead: the int8 dot products cost ~10x a bf16 AMX matmul at 1,000 rows.
-# SmolLM2's gate_up (3072 x 576, 4 bits), Intel Xeon with AMX, 2 threads: 64 rows 0.85 ms against 1.12
-# (of which 0.94 dequantizing), 128 rows 2.06 against 1.30, 256 rows 3.48 against 1.56.
-DENSE_MIN_ROWS = 128
 
 
 def vnni_linear(x: torch.Tensor, w: VnniCodes, bias: torch.Tensor | None = None,
                 act_bits: int = ACT_BITS) -> torch.Tensor:
-    """x [..., K] @ W.T (+ bias) in x's dtype (fp32 or bf16; others by way of fp32)."""
+    """x [..., K] @ W.T (+ bias) in x's dtype (fp32 or bf16; others by way of fp32). From the operator's
+    `vnni_dense_min_rows` rows (prompt chunks) it multiplies the weight dequantized (`dense_weight`) by aten's
+    matmul instead of the int8 dot products (csrc/vnni_linear.cpp says why), for the modules and the fused
+    decode alike."""
     rows = x if x.dim() == 2 else x.reshape(-1, w.in_features)
     if rows.dtype not in KERNEL_DTYPES:
         rows = rows.float()
-    if rows.shape[0] >= DENSE_MIN_ROWS:
-        out = F.linear(rows, dense_weight(w, rows.dtype), None if bias is None else bias.to(rows.dtype))
-    else:
-        out = cpu_ops().vnni_linear(rows, w.weight, w.scales, w.offsets, w.out_features, w.bits, w.group_size,
-                                    w.code_zero, act_bits, bias)
+    out = cpu_ops().vnni_linear(rows, w.weight, w.scales, w.offsets, w.out_features, w.bits, w.group_size,
+                                w.code_zero, act_bits, bias)
     if out.dtype != x.dtype:
         out = out.to(x.dtype)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], w.out_features)

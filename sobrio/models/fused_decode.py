@@ -5,7 +5,7 @@ At one sequence a decode step of SmolLM2-135M in GGUF makes about 300 operator c
 microseconds to tens; through the modules, each also costs Python's module call, views and pybind's
 argument conversion: about 2 ms of an 8.6 ms step (Intel Xeon, 2 vCPUs; a throwaway per-call timer).
 `LlamaDecoder` (csrc/fused_decode.cpp) makes the same operator calls in the same order on the same tensors,
-so its hidden states equal the modules' bitwise (tests/unit/test_fused_decode.py); the modules stay the
+so its hidden states equal the modules' bitwise (tests/model/test_fused_decode.py); the modules stay the
 reference and the path of every other step: prompt chunks, draft verification, early exits, and models or
 modes it does not cover. `benchmarks/fused_decode.py` times both.
 

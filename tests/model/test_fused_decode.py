@@ -71,6 +71,20 @@ def test_fused_decode_equals_the_modules(kv_cache_dtype: str) -> None:
         assert torch.equal(logits, reference_logits)
 
 
+def test_fused_decode_equals_the_modules_past_the_dense_row_count() -> None:
+    """A decode batch of `vnni_dense_min_rows` sequences or more takes the dense matmul in the fused decode as
+    in the modules (the switch lives in the operator both call)."""
+    from sobrio.layers.cpu_ops import cpu_ops
+
+    batch = cpu_ops().vnni_dense_min_rows + 2
+    llm = LLM(str(resolve_model("smollm2-135m").path), quantization="gguf",
+              **engine_kwargs(dtype="bfloat16", max_num_seqs=batch))
+    pairs, calls = run_both_ways(llm, [[300 + i, 7 + i, 900] for i in range(batch)], max_tokens=3)
+    assert calls == len(pairs) >= 2 and any(h.shape[0] == batch for h, *_ in pairs)
+    for hidden, reference_hidden, logits, reference_logits in pairs:
+        assert torch.equal(hidden, reference_hidden) and torch.equal(logits, reference_logits)
+
+
 def test_fused_decode_stands_aside_where_it_does_not_cover(smollm2, monkeypatch) -> None:
     """A float model's projections are not VNNI codes: no fused decode. On a covered model, a step with a
     prompt takes the modules; a forward hook (which it would step past) or SOBRIO_DISABLE_FUSED_DECODE=1

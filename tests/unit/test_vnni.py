@@ -77,13 +77,13 @@ def test_kernel_equals_its_reference_and_the_dequantized_product(rows, bits, n, 
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prompt_rows_multiply_the_dequantized_weight(bits, n, k, group, code_zero, offsets, dtype) -> None:
-    """From DENSE_MIN_ROWS rows on: the C++ dequantizer gives `VnniCodes.dequantize`'s values (in bf16 rounded
-    once), and the product is aten's on them."""
+    """From the operator's `vnni_dense_min_rows` rows on: the C++ dequantizer gives `VnniCodes.dequantize`'s
+    values (in bf16 rounded once), and the product is aten's on them."""
     codes, scales, offset = random_weight(n, k, bits, group, offsets)
     w = vnni.VnniCodes.pack(codes, scales, offset, bits, group, code_zero)
     dense = vnni.dense_weight(w, dtype)
     assert dense.dtype == dtype and torch.equal(dense, w.dequantize().to(dtype))
-    x = torch.randn(vnni.DENSE_MIN_ROWS + 3, k, generator=torch.Generator().manual_seed(1)).to(dtype)
+    x = torch.randn(cpu_ops().vnni_dense_min_rows + 3, k, generator=torch.Generator().manual_seed(1)).to(dtype)
     bias = torch.randn(n)
     got = vnni.vnni_linear(x, w, bias)
     assert torch.equal(got, torch.nn.functional.linear(x, dense, bias.to(dtype)))

@@ -66,6 +66,10 @@ text, windows of 512 every 256, prompts in chunks of 32):
     int8-weight-only      22.7169   +0.15%
     int4 (group 32)       22.6804   -0.01%   (AWQ: no change, see int4.py)
 
+int4 since 2026-12-04 (least-squares grids, AWQ scoring them, then GPTQ: int4.py, gptq.py; the VNNI kernel,
+`--prompt-chunk 512` for Gemma): SmolLM2 22.6785 -0.02% (the VNNI kernel had +0.14% on min-max grids);
+Gemma 3 270M 22.2801 against 20.6912, +7.68% (+16.76% before).
+
 Gemma 3 270M (the quicker proxy of smoothing.py: windows of 512 not overlapping, BOS first; bf16 23.74):
 weight-only +0.6%, W8A8 unsmoothed +4.1%, smoothed +2.3% (alpha 0.65: +1.7%); its down_proj (GELU-tanh's
 outputs) is what is left: weight-only there, +0.9%, at a cost to the batch-32 step (dequant + mm), not taken.
@@ -107,8 +111,9 @@ from sobrio.csrc import cpu_flags
 from sobrio.errors import ConfigError
 from sobrio.layers import vnni
 from sobrio.layers.cpu_ops import amx_int8_available, avx2_without_avx512, cpu_ops, grouped_linear_available
+from sobrio.layers.gptq import gptq_quantize
 from sobrio.layers.grouped import GroupedCodes, GroupedLinear
-from sobrio.layers.int4 import Int4Linear, check_int4_shape, quantize_int4_codes
+from sobrio.layers.int4 import Int4Codes, check_int4_shape, quantize_int4_codes
 
 INT8PACK_MAX_ROWS = 4  # int8 on a plain int8 weight: _weight_int8pack_mm up to here, torch._int_mm past it
 DEQUANT_MIN_ROWS = 24  # int8-weight-only: _weight_int8pack_mm below, dequantize + matmul from here
@@ -393,12 +398,13 @@ def vnni_int8_codes(weight: torch.Tensor) -> vnni.VnniCodes:
                                None, 8, group, vnni.CODE_ZERO_8BIT)
 
 
-def quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, method: str,
-                     name: str, grouped_inputs: bool = False) -> torch.nn.Module:
+def quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, method: str, name: str,
+                     grouped_inputs: bool = False, hessian: torch.Tensor | None = None) -> torch.nn.Module:
     """The quantized form of one Linear for `--quantization method`; `name` goes into a shape error;
-    `grouped_inputs` (a down_proj's: GELU's or SiLU's products) has `int8` on AMX round them per group."""
+    `grouped_inputs` (a down_proj's: GELU's or SiLU's products) has `int8` on AMX round them per group;
+    `hessian` (int4, from calibration) has GPTQ round the weight."""
     if method == "int4":
-        return int4_linear_from_float(weight, bias, name)
+        return int4_linear_from_float(weight, bias, name, hessian)
     if vnni_int8_preferred(weight.shape[1]):
         return vnni_int8_codes(weight).linear(None if bias is None else bias.detach(), vnni.INT8_ACT_BITS[method])
     if method == "int8-weight-only" and grouped_int8_preferred(weight.shape[1]):
@@ -414,19 +420,21 @@ def quantized_embedding(weight: torch.Tensor) -> torch.nn.Module:
     return QuantizedEmbedding.from_float(weight)
 
 
-def int4_linear_from_float(weight: torch.Tensor, bias: torch.Tensor | None, name: str) -> torch.nn.Module:
-    """`--quantization int4`: groups of `INT4_GROUP_SIZE`; a shape the kernel cannot take is a ConfigError
-    naming the layer, before any weight is packed. Where the CPU has VNNI the codes take layers/vnni.py, as a
-    GGUF's and an AWQ checkpoint's do (and the fused decode), else aten's int4 kernel: SmolLM2 batch-1 decode
-    step 9.7 -> 5.7 ms, batch 32 81.9 -> 65.6 ms (`sobrio bench roofline --quantization int4 --batch 1,32`,
-    Intel Xeon with AMX, one run each)."""
+def int4_linear_from_float(weight: torch.Tensor, bias: torch.Tensor | None, name: str,
+                           hessian: torch.Tensor | None = None) -> torch.nn.Module:
+    """`--quantization int4`: groups of `INT4_GROUP_SIZE`, by GPTQ where calibration gave the layer's input
+    `hessian` (layers/gptq.py), else each weight on its nearest code; a shape the kernel cannot take is a
+    ConfigError naming the layer, before any weight is packed. Where the CPU has VNNI the codes take
+    layers/vnni.py, as a GGUF's and an AWQ checkpoint's do (and the fused decode), else aten's int4 kernel:
+    SmolLM2 batch-1 decode step 9.7 -> 5.7 ms, batch 32 81.9 -> 65.6 ms (`sobrio bench roofline
+    --quantization int4 --batch 1,32`, Intel Xeon with AMX, one run each)."""
     try:
         check_int4_shape(weight.shape[0], weight.shape[1], INT4_GROUP_SIZE, name)
     except ValueError as exc:
         raise ConfigError(f"--quantization int4: {exc}", "--quantization") from None
-    if vnni.usable(INT4_GROUP_SIZE):
+    if hessian is None:
         return quantize_int4_codes(weight.detach(), INT4_GROUP_SIZE).linear(bias)
-    return Int4Linear.from_float(weight, bias, INT4_GROUP_SIZE)
+    return Int4Codes(*gptq_quantize(weight, hessian, INT4_GROUP_SIZE), INT4_GROUP_SIZE).linear(bias)
 
 
 class QuantizedEmbedding(torch.nn.Module):

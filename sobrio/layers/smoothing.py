@@ -21,7 +21,8 @@ calibration text (`sobrio/data`, never the held-out text, never a user's prompt)
 the Linears recording each input's per-channel max |x| (SmoothQuant) or keeping the inputs (AWQ).
 
 SmoothQuant (Xiao et al. 2023): s_j = max|X_j|^alpha / max|W_j|^(1 - alpha), alpha `SMOOTH_ALPHA`.
-AWQ (Lin et al. 2024): `layers.int4.awq_search_scales`, per Linear, on its recorded inputs.
+AWQ (Lin et al. 2024): `layers.int4.awq_search_scales`, per Linear, on its recorded inputs. Then GPTQ
+(layers/gptq.py) rounds each int4 Linear under its inputs' Hessian (`hessians`, the whole text).
 
 What W8A8 loses where, and what smoothing gives back (2026-12-01, SmolLM2-135M bf16, one thread, other
 work running; perplexity of the held-out text in windows of 512 tokens, not overlapping, each one
@@ -47,11 +48,14 @@ from sobrio.kv.cache import KVCache
 from sobrio.layers.attention import AttentionMetadata
 from sobrio.layers.int4 import awq_search_scales
 from sobrio.layers.linear import Linear
+from sobrio.layers.rotary import RotaryEmbedding
 from sobrio.timing import log_step
 
 logger = logging.getLogger(__name__)
 
 CALIBRATION_TOKENS = 512  # a few hundred tokens settle the statistics; one prompt, no sliding window past it
+GPTQ_TOKENS = 4096  # the whole calibration text (~2,000 tokens): GPTQ's Hessians want more rows than K
+GPTQ_MAX_BYTES = 4 << 30  # every Linear's Hessian is held until quantized: SmolLM2 0.4 GB; past this, none
 SMOOTH_ALPHA = 0.5  # SmoothQuant's migration strength: the best of the grid above, on SmolLM2
 MIN_SCALE = 1e-5  # a channel no calibration token used keeps a usable scale
 CALIBRATION_BLOCK = 16
@@ -76,9 +80,13 @@ def calibration_ids(config, num_tokens: int = CALIBRATION_TOKENS) -> list[int] |
 
 
 def run_prompt(model: torch.nn.Module, ids: list[int]) -> None:
-    """The model's forward over `ids` as one prompt, on a KV cache of its own (freed on return)."""
+    """The model's forward over `ids` as one prompt, on a KV cache of its own (freed on return) in the
+    model's float dtype (the final norm's: a quantized embedding's weight is codes). A model built for fewer
+    positions than `ids` runs their first ones only: the rotary tables end there (the C++ rotary does not
+    check, it would read past them)."""
+    ids = ids[:min(m.cos.shape[0] for m in model.modules() if isinstance(m, RotaryEmbedding))]
     attn = model.attention_layers()
-    dtype = model.model.embed_tokens.weight.dtype
+    dtype = model.model.norm.weight.dtype
     blocks = -(-len(ids) // CALIBRATION_BLOCK)
     shape = (2, blocks, CALIBRATION_BLOCK, attn[0].num_kv_heads, attn[0].head_dim)
     cache = KVCache([torch.zeros(shape, dtype=dtype) for _ in attn])
@@ -212,3 +220,31 @@ def awq(model: torch.nn.Module, ids: list[int], group_size: int) -> None:
     inputs.pop(HEAD_INPUT)
     with log_step(logger, "searching AWQ scales for %d layers", len(inputs)), one_thread():
         apply_scales(model, lambda name, linear: awq_search_scales(linear.weight, inputs.pop(name), group_size))
+
+
+def hessians(model: torch.nn.Module, ids: list[int]) -> dict[str, torch.Tensor]:
+    """GPTQ's input Hessian 2 X^T X / T (fp32 [K, K]) of every decoder layer's Linear, by its name in
+    `model.named_modules()`, from one run of the model as it stands (AWQ's scales folded in) over `ids`."""
+    linears = {name: module for name, module in model.named_modules()
+               if isinstance(module, Linear) and ".layers." in f".{name}"}
+    needed = sum(linear.weight.shape[1] ** 2 * 4 for linear in linears.values())
+    if needed > GPTQ_MAX_BYTES:
+        logger.warning("int4: GPTQ's statistics would take %.1f GB (more than %.1f): rounding each weight to "
+                       "its nearest code instead", needed / 2**30, GPTQ_MAX_BYTES / 2**30)
+        return {}
+    found: dict[str, torch.Tensor] = {}
+
+    def hook(name: str):
+        def record(_module, args):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+            found[name] = found.get(name, 0) + 2 * x.T @ x / x.shape[0]
+        return record
+
+    handles = [linear.register_forward_pre_hook(hook(name)) for name, linear in linears.items()]
+    try:
+        with log_step(logger, "collecting GPTQ statistics on %d tokens of %s", len(ids), data.CALIBRATION):
+            run_prompt(model, ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return found

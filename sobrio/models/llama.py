@@ -13,6 +13,7 @@ from sobrio.layers.norm import RMSNorm
 from sobrio.layers.quantization import INT4_GROUP_SIZE, quantized_embedding, quantized_linear
 from sobrio.layers.rotary import RotaryEmbedding
 from sobrio.models.weights import PackedLinear
+from sobrio.timing import log_step
 
 logger = logging.getLogger(__name__)
 
@@ -149,38 +150,43 @@ class CausalLM(torch.nn.Module):
         embedding and the LM head (tied: the embedding's own matrix) by int8 ones, the float weights dropped.
         Modules a checkpoint held quantized are in place already and stay as they are. `int8` and `int4`
         first calibrate on the shipped calibration text (`calibration_ids`: its tokens; by default read
-        with the tokenizer in the model's folder): SmoothQuant's or AWQ's scales (layers/smoothing.py).
-        Call once the weights are loaded and cast, before `prepack` (which then packs nothing)."""
-        head_input = self._calibrate(method, calibration_ids)
-        for parent_name, parent in list(self.named_modules()):
-            for name, child in list(parent.named_children()):
-                if isinstance(child, Linear):
-                    layer = quantized_linear(child.weight, child.bias, method, f"{parent_name}.{name}",
-                                             grouped_inputs=name == "down_proj")
-                    setattr(parent, name, layer)
+        with the tokenizer in the model's folder): SmoothQuant's or AWQ's scales (layers/smoothing.py), and
+        for `int4` GPTQ's input statistics (layers/gptq.py). Call once the weights are loaded and cast,
+        before `prepack` (which then packs nothing)."""
+        head_input, hessians = self._calibrate(method, calibration_ids)
+        linears = [(parent_name, parent, name, child) for parent_name, parent in list(self.named_modules())
+                   for name, child in list(parent.named_children()) if isinstance(child, Linear)]
+        with log_step(logger, "quantizing %d Linears to %s%s", len(linears), method, " by GPTQ" if hessians else ""):
+            for parent_name, parent, name, child in linears:
+                qualified = f"{parent_name}.{name}" if parent_name else name
+                setattr(parent, name, quantized_linear(child.weight, child.bias, method, qualified,
+                                                       grouped_inputs=name == "down_proj",
+                                                       hessian=hessians.pop(qualified, None)))
+        assert not hessians, f"GPTQ statistics for no Linear: {sorted(hessians)[:3]}"
         if isinstance(self.model.embed_tokens, torch.nn.Embedding):
             self.model.embed_tokens = quantized_embedding(self.model.embed_tokens.weight)
         if self.quantized_lm_head is None:
             self.quantized_lm_head = self._quantized_head(method, head_input)
             self.lm_head = None
 
-    def _calibrate(self, method: str, ids: list[int] | None) -> torch.Tensor | None:
+    def _calibrate(self, method: str, ids: list[int] | None) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
         """Fold SmoothQuant's (`int8`) or AWQ's (`int4`) scales into the float weights, on the calibration
-        text only (never a user's prompt); `int8`: returns the LM head's calibrated input max |x| (see
-        `smoothing.smooth`). Nothing where a checkpoint held some layer quantized, or no tokenizer is found."""
+        text only (never a user's prompt). Returns (`int8`: the LM head's calibrated input max |x|, see
+        `smoothing.smooth`; `int4`: each Linear's input Hessian for GPTQ, by name). Nothing where a
+        checkpoint held some layer quantized, or no tokenizer is found."""
         if method not in ("int8", "int4") or not smoothing.all_float(self):
-            return None
+            return None, {}
         if ids is None:  # an empty list: no calibration, on purpose (an EAGLE head has no text of its own)
-            ids = smoothing.calibration_ids(self.config)
+            ids = smoothing.calibration_ids(self.config, smoothing.GPTQ_TOKENS)
             if not ids:
                 logger.warning("--quantization %s: no tokenizer in %r to read the calibration text: quantizing "
                                "without calibration", method, getattr(self.config, "name_or_path", ""))
         if not ids:
-            return None
+            return None, {}
         if method == "int4":
-            smoothing.awq(self, ids, INT4_GROUP_SIZE)
-            return None
-        return smoothing.smooth(self, ids)
+            smoothing.awq(self, ids[:smoothing.CALIBRATION_TOKENS], INT4_GROUP_SIZE)
+            return None, smoothing.hessians(self, ids)
+        return smoothing.smooth(self, ids[:smoothing.CALIBRATION_TOKENS]), {}
 
     def _quantized_head(self, method: str, head_input: torch.Tensor | None = None) -> torch.nn.Module:
         """int8 in both int8 modes and in int4 (which keeps the int8 embedding as head); tied, the embedding's

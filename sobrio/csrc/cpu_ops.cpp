@@ -390,6 +390,12 @@ void rotary_embedding(torch::Tensor positions, torch::Tensor q, torch::Tensor k,
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && cos.scalar_type() == sin.scalar_type());
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == q.size(2));
   auto pos = positions.contiguous();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const int64_t rows = cos.size(0);
+  // A position past the tables would read other memory as cos / sin (a calibration prompt longer than the
+  // model's positions once did, silently): a scan of T integers, nothing next to the rotation.
+  TORCH_CHECK(std::all_of(pp, pp + pos.numel(), [rows](int64_t p) { return p >= 0 && p < rows; }),
+              "rotary_embedding: a position outside 0..", rows - 1, " (the model's rotary table)");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary_embedding", [&] {
     for (auto* t : {&q, &k}) {
       if (cos.scalar_type() == torch::kFloat) {

@@ -90,6 +90,9 @@ def test_rotary_in_place_on_packed_views(dtype: torch.dtype):
     close(rotated_q, expected_q, dtype)
     close(rotated_k, expected_k, dtype)
     assert rotated_q.data_ptr() == qkv.data_ptr()  # rotated where they lie, no copy
+    for outside in (512, -1):  # past the table, or before it: refused, not read from other memory
+        with pytest.raises(RuntimeError, match=r"a position outside 0\.\.511"):
+            rotary(torch.tensor([3, outside]), q[:2], k[:2])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

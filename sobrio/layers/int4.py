@@ -139,7 +139,7 @@ def fit_grids(w: torch.Tensor, candidates: int = GRID_CANDIDATES) -> tuple[torch
     no group comes out worse than on it. Why: a weight that is already 4-bit on a grid whose codes do not
     reach both ends (a Q4_K file's, whose scales are fitted the same way) is found again, where the min-max
     grid moved every weight up to half a step (Gemma 3's Q4_K layers: 4.5% RMS error -> 0.2%); 5- to 8-bit
-    weights lose ~15% less RMS error than on the min-max grid."""
+    weights lose ~13% less RMS error than on the min-max grid (8.1% -> 7.0%)."""
     low, high = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
     step, zero = _min_max_grid(low, high)
     best = _grid_error(w, _nearest_codes(w, step, zero), step, zero)
@@ -361,9 +361,9 @@ def _round_trip(weight: torch.Tensor, group_size: int) -> torch.Tensor:
     """What `fake_quantize_int4` gives, in fp32, without packing and unpacking (the search's cost). The search
     scores the grids the layer gets: with fewer candidates here than there, Gemma 3 int4 22.28 -> 22.56."""
     n, k = weight.shape
-    w = weight.detach().float().reshape(n, k // group_size, group_size)
-    step, zero = fit_grids(w)
-    return ((_nearest_codes(w, step, zero) - 8) * step + zero).view(n, k)
+    codes, scales_and_zeros = _quantize_groups(weight, group_size)
+    scale, zero = scales_and_zeros.float().permute(2, 1, 0)[..., None]  # [N, K / g, 1] each
+    return ((codes.view(n, k // group_size, group_size) - 8) * scale + zero).view(n, k)
 
 
 def quantize_int4_zero_point(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

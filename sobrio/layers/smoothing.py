@@ -82,8 +82,8 @@ def calibration_ids(config, num_tokens: int = CALIBRATION_TOKENS) -> list[int] |
 def run_prompt(model: torch.nn.Module, ids: list[int]) -> None:
     """The model's forward over `ids` as one prompt, on a KV cache of its own (freed on return) in the
     model's float dtype (the final norm's: a quantized embedding's weight is codes). A model built for fewer
-    positions than `ids` runs their first ones only: the rotary tables end there (the C++ rotary does not
-    check, it would read past them)."""
+    positions than `ids` runs their first ones only: the rotary tables end there (past them the C++
+    rotary refuses the position)."""
     ids = ids[:min(m.cos.shape[0] for m in model.modules() if isinstance(m, RotaryEmbedding))]
     attn = model.attention_layers()
     dtype = model.model.norm.weight.dtype
@@ -97,15 +97,15 @@ def run_prompt(model: torch.nn.Module, ids: list[int]) -> None:
 
 
 @contextmanager
-def recorded_inputs(linears: dict[str, Linear], keep: bool) -> Iterator[dict[str, torch.Tensor]]:
-    """While open, each Linear's inputs by name: their per-channel max |x| (fp32 [K]), or with `keep` the
-    inputs themselves (fp32 [T, K], for AWQ's search)."""
+def recorded_inputs(linears: dict[str, Linear],
+                    summary: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
+    """While open, `summary` of each Linear's inputs (fp32 [T, K] in) by name: their per-channel max |x|
+    (SmoothQuant), the inputs themselves (AWQ's search), X^T X (GPTQ)."""
     found: dict[str, torch.Tensor] = {}
 
     def hook(name: str):
         def record(_module, args):
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
-            found[name] = x.clone() if keep else x.abs().amax(0)
+            found[name] = summary(args[0].detach().reshape(-1, args[0].shape[-1]).float())
         return record
 
     handles = [linear.register_forward_pre_hook(hook(name)) for name, linear in linears.items()]
@@ -170,11 +170,11 @@ def all_float(model: torch.nn.Module) -> bool:
 
 
 def calibrate(model: torch.nn.Module, ids: list[int], keep: bool) -> dict[str, torch.Tensor]:
-    """Run the float model over the calibration tokens; the smoothable Linears' inputs by name (see
-    `recorded_inputs`), and the LM head's input max |x| as `HEAD_INPUT`."""
+    """Run the float model over the calibration tokens; the smoothable Linears' inputs by name (with `keep`
+    the inputs [T, K], else their per-channel max |x| [K]), and the LM head's input max |x| as `HEAD_INPUT`."""
     linears = {name: linear for name, linear, _ in smoothable(model)}
     with log_step(logger, "calibrating on %d tokens of %s", len(ids), data.CALIBRATION):
-        with recorded_inputs(linears, keep) as found:
+        with recorded_inputs(linears, (lambda x: x.clone()) if keep else (lambda x: x.abs().amax(0))) as found:
             record = lambda _module, _args, out: found.__setitem__(HEAD_INPUT, out.float().abs().amax(0))
             handle = model.model.register_forward_hook(record)
             try:
@@ -232,19 +232,7 @@ def hessians(model: torch.nn.Module, ids: list[int]) -> dict[str, torch.Tensor]:
         logger.warning("int4: GPTQ's statistics would take %.1f GB (more than %.1f): rounding each weight to "
                        "its nearest code instead", needed / 2**30, GPTQ_MAX_BYTES / 2**30)
         return {}
-    found: dict[str, torch.Tensor] = {}
-
-    def hook(name: str):
-        def record(_module, args):
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
-            found[name] = found.get(name, 0) + 2 * x.T @ x / x.shape[0]
-        return record
-
-    handles = [linear.register_forward_pre_hook(hook(name)) for name, linear in linears.items()]
-    try:
-        with log_step(logger, "collecting GPTQ statistics on %d tokens of %s", len(ids), data.CALIBRATION):
-            run_prompt(model, ids)
-    finally:
-        for handle in handles:
-            handle.remove()
+    with log_step(logger, "collecting GPTQ statistics on %d tokens of %s", len(ids), data.CALIBRATION):
+        with recorded_inputs(linears, lambda x: 2 * x.T @ x / x.shape[0]) as found:
+            run_prompt(model, ids)  # one forward, one prompt: each Linear's hook runs once
     return found

@@ -24,7 +24,10 @@ SHOWN = " (default: %(default)s)"
 ENVIRONMENT = """environment variables:
   SOBRIO_CACHE        where prepared GGUF folders and assembled model files live (default: ~/.cache/sobrio)
   SOBRIO_DISABLE_CPP  set (to anything): use the PyTorch path, not the C++ operators
-  SOBRIO_DISABLE_VNNI 1: 4- and 8-bit GGUF blocks take aten's int4 kernel and grouped_linear, not vnni_linear
+  SOBRIO_DISABLE_VNNI 1: GGUF blocks, --quantization int4 and AWQ/GPTQ codes take aten's int4 kernel and
+                      grouped_linear, not vnni_linear (and so no fused decode)
+  SOBRIO_DISABLE_FUSED_DECODE
+                      1: a decode step runs through the modules, not one C++ call (models/fused_decode.py)
   XDG_CACHE_HOME      the C++ operators' fallback folder when the environment is read-only (default: ~/.cache)
   CXX                 the compiler that builds the C++ operators (default: c++)
   OMP_WAIT_POLICY, GOMP_SPINCOUNT

@@ -116,6 +116,8 @@ class ServerConfig(Checked):
     tool_call_parser: str | None = flag(None, "accepted as hermes, vLLM's name for the <tool_call> format sobrio "
                                               "prompts for, enforces and parses (server/tools.py)",
                                         choices=("hermes",))
+    metrics_require_key: bool = flag(False, "/metrics needs a key as the API does (--api-key, or a tenant's once "
+                                             "tenants exist); off: /metrics is open to scrapers, as vLLM's")
     disable_log_stats: bool = flag(False, "no periodic line per model (every 10 s while busy): throughput, running "
                                           "and waiting requests, KV-cache use, prefix-cache hits")
     default_max_tokens: int = flag(1024, "max_tokens of a request that gives none (chat), capped at what the "

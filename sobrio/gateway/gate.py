@@ -27,8 +27,9 @@ from sobrio.gateway.tenants import Tenant, TenantStore
 from sobrio.server.errors import send_error
 from sobrio.server.protocol import new_id
 
-# Routes any client may call: probes, the version, /metrics, the API's documentation; /dashboard checks the
-# operator's key itself (header or ?key=). Every other route, and any /v1 path, is behind the gate.
+# Routes any client may call: probes, the version, /metrics (unless --metrics-require-key), the API's
+# documentation; /dashboard checks the operator's key itself (header or ?key=). Every other route, and any /v1
+# path, is behind the gate.
 OPEN_ROUTES = frozenset({"/health", "/ping", "/version", "/metrics", "/dashboard", "/docs", "/docs/oauth2-redirect",
                          "/redoc", "/openapi.json"})
 
@@ -128,8 +129,9 @@ class TenantGate:
     """The layer between the limits (body read) and FastAPI. Without a store it is `--api-key`'s check alone."""
 
     def __init__(self, app, api_key: str | None, store: TenantStore | None = None, ledger: Ledger | None = None,
-                 region: str = "WLD"):
+                 region: str = "WLD", metrics_require_key: bool = False):
         self.app = app
+        self.open_routes = OPEN_ROUTES - {"/metrics"} if metrics_require_key else OPEN_ROUTES
         self.region = region  # where the local engines run: their energy's grid carbon intensity
         self.operator = f"Bearer {api_key}".encode() if api_key else None
         self.store = store
@@ -137,7 +139,7 @@ class TenantGate:
         self.limiter = TenantLimiter(ledger)
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["method"] == "OPTIONS" or not _gated(scope):
+        if scope["type"] != "http" or scope["method"] == "OPTIONS" or not self._gated(scope):
             await self.app(scope, receive, send)  # CORS preflights carry no credentials
             return
         authorization = header(scope, b"authorization") or b""
@@ -151,6 +153,13 @@ class TenantGate:
         if tenant is not None:
             state["tenant_salt"] = self.store.cache_salt(tenant)
         await self._metered(scope, receive, send, tenant)
+
+    def _gated(self, scope) -> bool:
+        """Whether a request needs a key (once keys exist): every route but the open ones, any /v1 path."""
+        route = scope.get("state", {}).get("route")
+        if route is None or route == "unknown":
+            return scope["path"].startswith("/v1")
+        return route not in self.open_routes
 
     def _has_tenants(self) -> bool:
         return self.store is not None and self.store.has_tenants()
@@ -207,14 +216,6 @@ class TenantGate:
         entry.duration_s = time.monotonic() - started
         entry.status = entry.status or 499  # no answer began: the client went away first
         self.ledger.record(entry)
-
-
-def _gated(scope) -> bool:
-    """Whether a request needs a key (once keys exist): every route but the open ones, and any /v1 path."""
-    route = scope.get("state", {}).get("route")
-    if route is None or route == "unknown":
-        return scope["path"].startswith("/v1")
-    return route not in OPEN_ROUTES
 
 
 def cache_salt(state, requested: str | None) -> str | None:

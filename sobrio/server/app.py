@@ -568,7 +568,8 @@ def run_server(args) -> int:
     ledger = app.state.server.ledger = Ledger(store.db)
     app.state.server.store, app.state.server.operator_key = store, config.api_key
     logger.info("tenants, keys and usage ledger: %s (%d tenant(s))", store.path, len(store.tenants()))
-    asgi, limits_layer = edge_stack(app, config.api_key, config.limits, config.cors, store, ledger, region)
+    asgi, limits_layer = edge_stack(app, config.api_key, config.limits, config.cors, store, ledger, region,
+                                    config.metrics_require_key)
     if config.root_path:
         asgi = RootPath(asgi, config.root_path)
     url = listening_url(config, sock)

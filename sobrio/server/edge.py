@@ -90,11 +90,11 @@ def _method(scope) -> str:
 
 
 def edge_stack(app: FastAPI, api_key: str | None, limits: LimitsConfig, cors: CorsConfig,
-               store: TenantStore | None = None, ledger: Ledger | None = None,
-               region: str = "WLD") -> tuple[HttpEdge, LimitsMiddleware]:
+               store: TenantStore | None = None, ledger: Ledger | None = None, region: str = "WLD",
+               metrics_require_key: bool = False) -> tuple[HttpEdge, LimitsMiddleware]:
     """The ASGI app to serve, and its limits layer (run_server gives it uvicorn's connection count). Without
     a tenant store the gateway's layer checks `--api-key` alone."""
-    limited = LimitsMiddleware(TenantGate(app, api_key, store, ledger, region), limits)
+    limited = LimitsMiddleware(TenantGate(app, api_key, store, ledger, region, metrics_require_key), limits)
     with_cors = CORSMiddleware(limited, allow_origins=cors.allowed_origins,
                                allow_origin_regex=None if cors.allowed_origins else LOOPBACK_ORIGINS,
                                allow_methods=cors.allowed_methods, allow_headers=cors.allowed_headers,

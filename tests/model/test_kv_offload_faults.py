@@ -66,6 +66,7 @@ def run(llm: LLM) -> tuple[list[int], float]:
     worker.join(BOUND_S)
     if worker.is_alive():  # a daemon: a hung engine cannot keep the test run from ending
         pytest.fail(f"the request did not complete in {BOUND_S:g} s")
+    llm.last_cached_tokens = result[0].num_cached_tokens
     return list(result[0].outputs[0].token_ids), time.monotonic() - start
 
 
@@ -128,17 +129,17 @@ def test_a_ram_tier_smaller_than_the_prompt_still_lets_it_through(tiny, written,
 
 def test_a_slow_disk_is_waited_for_once_up_to_the_deadline(tiny, written, tmp_path, monkeypatch):
     deadline = 0.5
-    monkeypatch.setattr("sobrio.kv.manager.PREFETCH_DEADLINE_S", deadline)
+    monkeypatch.setattr("sobrio.kv.manager.PREFETCH_DEADLINE_S", deadline, raising=False)  # main had none
     monkeypatch.setattr("sobrio.kv.offload.PREFETCH_DEADLINE_S", deadline)
     llm, _ = fresh(tiny, written, tmp_path)
     real_read = DiskTier.read
 
     def slow_read(self, block_hash, tenant):
-        time.sleep(deadline)  # 12 blocks, 4 reader threads: three deadlines' worth in all
+        time.sleep(2 * deadline)  # 12 blocks, 4 reader threads: six deadlines' worth in all
         return real_read(self, block_hash, tenant)
 
     monkeypatch.setattr(DiskTier, "read", slow_read)
     tokens, seconds = run(llm)
-    assert tokens == written[0] and stats(llm)["hits_disk"] < 12
-    assert seconds < 3 * deadline + 10, seconds  # one wait, then the prompt is computed
+    # one wait, then the prompt is computed: it did not wait for the last reads (main waited for all 12)
+    assert tokens == written[0] and llm.last_cached_tokens < 12 * 16 and seconds < BOUND_S
     llm.engine.core.offload.flush()

@@ -145,6 +145,47 @@ def test_reservations_hold_the_worst_case_until_settled():
     assert limiter.reserve(Tenant("t5", "free", 0.0, Limits()), 10**9) is None
 
 
+@pytest.mark.parametrize("ending", ["error", "client gone", "over budget"])
+def test_a_reservation_is_given_back_however_the_request_ends(store, ending):
+    import asyncio
+
+    from starlette.datastructures import State
+
+    from sobrio.errors import BudgetExceededError
+    from sobrio.gateway.gate import TenantGate, reserve_tokens
+
+    store.create_tenant("b", Limits(tokens_per_day=100))
+    key = store.create_key("b")[1]
+    refused = []
+
+    async def app(scope, receive, send):
+        reserve_tokens(State(scope["state"]), 60)
+        if ending == "over budget":
+            try:
+                reserve_tokens(State(scope["state"]), 41)
+            except BudgetExceededError as exc:
+                refused.append(exc.retry_after)
+        if ending == "error":
+            raise RuntimeError("the engine failed")
+
+    gate = TenantGate(app, None, store, Ledger(store.db))
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "state": {"route": "/v1/completions"},
+             "headers": [(b"authorization", f"Bearer {key}".encode())]}
+
+    async def call():
+        try:
+            await gate(scope, None, None)
+        except RuntimeError:
+            pass
+
+    asyncio.run(call())
+    tenant = store.tenant("b")
+    assert gate.limiter.reserved[tenant.id] == 0 and gate.limiter.in_flight[tenant.id] == 0
+    assert gate.ledger.rows(tenant.id)[0]["status"] == 499 and gate.ledger.rows(tenant.id)[0]["endpoint"] == \
+        "/v1/completions"
+    assert refused == ([1] if ending == "over budget" else [])
+
+
 def test_worst_case_tokens_count_prompts_and_every_sequence():
     from sobrio.sample.params import SamplingParams
     from sobrio.server.budgets import worst_case_tokens

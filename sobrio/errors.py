@@ -30,6 +30,14 @@ class EngineOverloadedError(SobrioError):
     """The waiting queue is full (HTTP 429)."""
 
 
+class BudgetExceededError(SobrioError):
+    """The request's worst case does not fit in what its tenant's budget has left (HTTP 429, Retry-After)."""
+
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class ConfigError(SobrioError, ValueError):
     """A configuration value is out of bounds; `option` is how the user named it (`--block-size`).
 

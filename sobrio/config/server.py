@@ -88,8 +88,9 @@ class ServerConfig(Checked):
     ssl_certfile: str | None = flag(None, "TLS certificate file (PEM): serve HTTPS, with --ssl-keyfile")
     ssl_ca_certs: str | None = flag(None, "CA certificates file to check client certificates against")
     ssl_cert_reqs: int = flag(0, "client certificate: 0 not asked, 1 optional, 2 required (Python's ssl.CERT_*)")
-    api_key: str | None = flag(None, "Bearer key every /v1 request must carry (none: no key); with tenants, the "
-                                     "operator's key (no tenant, no limits)")
+    api_key: str | None = flag(None, "Bearer key every request must carry but those to the open routes (/health, "
+                                     "/ping, /version, /metrics, /docs, /dashboard) (none: no key); with "
+                                     "tenants, the operator's key (no tenant, no limits)")
     region: str | None = flag(None, "where this server runs, for the CO2 of its energy: an ISO 3166 alpha-3 code "
                                      "(ITA, FRA, DEU, SWE, ...) or a country's name (default: the world average)")
     router_weights: str | None = flag(None, 'model "auto"\'s difficulty classifier (`sobrio router train --out`); '
@@ -102,7 +103,7 @@ class ServerConfig(Checked):
                                           "POST /v1/agents/runs may use (unset: none)")
     db: str | None = flag(None, "the gateway's SQLite file: tenants, their keys (`sobrio admin`) and the usage ledger "
                                 "(default: $SOBRIO_DB, else gateway.db under ~/.local/share/sobrio); once a tenant "
-                                "exists, every /v1 request needs a tenant's key")
+                                "exists, every request but those to the open routes needs a tenant's key")
     log_level: str = flag("info", "trace adds uvicorn's per-connection lines (never ASGI scopes: they hold query "
                                   "strings)", choices=LOG_LEVELS)
     uvicorn_log_level: str | None = flag(None, "uvicorn's own log level (default: --log-level's)", choices=LOG_LEVELS)
@@ -115,6 +116,8 @@ class ServerConfig(Checked):
     tool_call_parser: str | None = flag(None, "accepted as hermes, vLLM's name for the <tool_call> format sobrio "
                                               "prompts for, enforces and parses (server/tools.py)",
                                         choices=("hermes",))
+    metrics_require_key: bool = flag(False, "/metrics needs a key as the API does (--api-key, or a tenant's once "
+                                             "tenants exist); off: /metrics is open to scrapers, as vLLM's")
     disable_log_stats: bool = flag(False, "no periodic line per model (every 10 s while busy): throughput, running "
                                           "and waiting requests, KV-cache use, prefix-cache hits")
     default_max_tokens: int = flag(1024, "max_tokens of a request that gives none (chat), capped at what the "

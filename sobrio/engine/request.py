@@ -35,6 +35,7 @@ class Request:
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     kv_offload: bool = False  # its blocks may go to the KV offload tiers (kv/offload.py) when evicted
+    kv_load_deadline: float | None = None  # when it stops waiting for KV blocks from the disk tier (kv/manager.py)
     kv_export: bool = False  # a disaggregated prefill: its prompt's blocks are exported when it finishes
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

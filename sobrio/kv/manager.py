@@ -3,7 +3,10 @@
 It knows tokens and blocks, nothing of models: a request is anything with the fields used below.
 """
 
+import time
+
 from sobrio.kv.block_pool import BlockPool
+from sobrio.kv.offload import PREFETCH_DEADLINE_S
 from sobrio.kv.prefix_cache import hash_block
 
 
@@ -31,7 +34,10 @@ class KVCacheManager:
             self.pool.touch(block_id)
         if self.offload is not None and len(hits) < len(hashes):
             hits = hits + self.offload.restore(hashes[len(hits):], req.cache_salt, self._free_block,
-                                               lambda block_id, h: self.pool.register(block_id, h, req.cache_salt))
+                                               lambda block_id, h: self.pool.register(block_id, h, req.cache_salt),
+                                               read_disk=self._may_wait(req))
+            if req.kv_load_deadline is None and self.offload.loading(hashes[len(hits):]):
+                req.kv_load_deadline = time.monotonic() + PREFETCH_DEADLINE_S  # one wait per request
         req.block_table = list(hits)
         req.block_hashes = hashes[:len(hits)]
         req.prompt_block_hashes = hashes
@@ -55,8 +61,14 @@ class KVCacheManager:
         return self.pool.allocate() if self.pool.num_free else None
 
     def loading(self, req) -> bool:
-        """Whether blocks this request would compute are on their way from the disk tier."""
-        return self.offload is not None and self.offload.loading(self.uncomputed_hashes(req))
+        """Whether blocks this request would compute are on their way from the disk tier, and it may still
+        wait for them."""
+        return self.offload is not None and self._may_wait(req) and self.offload.loading(self.uncomputed_hashes(req))
+
+    @staticmethod
+    def _may_wait(req) -> bool:
+        """A request waits for the disk tier until one deadline from its first read, then computes."""
+        return req.kv_load_deadline is None or time.monotonic() < req.kv_load_deadline
 
     def uncomputed_hashes(self, req) -> list[bytes]:
         """Hashes of the full blocks this request still has to compute (empty once its prefill is done)."""

@@ -10,10 +10,15 @@ deadline passes, so a step never waits on the disk.
 
 A disk file is `<name>.kvb`: a header (magic, layout version, model id, tenant digest, block hash) and the
 sealed block. On start the index is rebuilt from the headers; files of another model or layout are
-ignored. Faults (a full disk, a read-only directory, a truncated or tampered file) make misses, never
-errors: each is logged once, without content, and counted (`stats`).
+ignored. Faults (a full disk, a truncated, deleted or tampered file) make misses, never errors: each is
+logged once, without content, and counted (`stats`); a block that could not be read leaves the index, so it
+is recomputed and never asked for again. A read-only or vanished directory turns the disk tier off (one log
+line) until a probe, at most every `DiskTier.probe_interval_s`, can write there again (one more line).
+A request waits for the disk once, up to `PREFETCH_DEADLINE_S` from its first lookup (kv/manager.py), and
+asks for no more blocks than the RAM tier holds: the rest of its prompt is computed.
 """
 
+import errno
 import hashlib
 import logging
 import os
@@ -40,6 +45,8 @@ MAGIC = b"SOBRIOKV"
 HEADER = struct.Struct("<8sI16s16s16s")  # magic, layout version, model id, tenant digest, block hash
 READ_THREADS = 4
 PREFETCH_DEADLINE_S = 2.0  # a request waits at most this long for its blocks from disk, then computes them
+# errors that say the directory itself cannot be used (read-only, not ours, gone): the tier turns off
+DIRECTORY_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR})
 
 
 class BlockCodec:
@@ -87,17 +94,21 @@ class Stats:
 class DiskTier:
     """Sealed blocks as files in one directory, a byte budget, LRU by last use."""
 
+    probe_interval_s = 5.0  # while off: how often to try writing to the directory again
+
     def __init__(self, folder: Path, budget: int, model_id: bytes, keys: TenantKeys, stats: Stats):
         self.folder, self.budget, self.model_id, self.keys, self.stats = folder, budget, model_id, keys, stats
         self.index: OrderedDict[bytes, tuple[Path, int]] = OrderedDict()  # block hash -> (file, bytes)
         self.nbytes = 0
         self.lock = threading.Lock()
         self.warned: set[str] = set()
+        self.off: str | None = None  # why the tier is off (its directory is read-only or gone); None: on
+        self.next_probe = 0.0
         try:
             folder.mkdir(parents=True, exist_ok=True)
             self._rebuild()
         except OSError as exc:
-            self.fault("cannot open the directory", exc)
+            self.turn_off("cannot open the directory", exc)
 
     def _rebuild(self) -> None:
         """The index from the directory's files, oldest use first; other models' and layouts' are ignored."""
@@ -125,11 +136,52 @@ class DiskTier:
             self.warned.add(kind)
             logger.warning("KV disk tier %s: %s; blocks it cannot hold are recomputed", self.folder, kind)
 
+    def turn_off(self, what: str, exc: OSError) -> None:
+        """The directory cannot be used: no reads or writes until `usable` finds it writable again. One log
+        line per outage; a directory that has gone takes its index with it."""
+        self.stats.disk_errors += 1
+        if self.off is None:
+            self.off = f"{what}: {exc.strerror or type(exc).__name__}"
+            self.next_probe = time.monotonic() + self.probe_interval_s
+            logger.warning("KV disk tier %s is off (%s); blocks are recomputed until it is writable again",
+                           self.folder, self.off)
+        if not self.folder.is_dir():
+            self._clear()
+
+    def _clear(self) -> None:
+        with self.lock:
+            self.index.clear()
+            self.nbytes = 0
+
+    def usable(self) -> bool:
+        """Whether the tier is on; while off, a probe (at most every `probe_interval_s`) turns it back on
+        once a file can be written in the directory again, and reads what the directory holds."""
+        if self.off is None:
+            return True
+        now = time.monotonic()
+        if now < self.next_probe:
+            return False
+        self.next_probe = now + self.probe_interval_s
+        probe = self.folder / ".probe"
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"")
+            probe.unlink()
+            self._clear()
+            self._rebuild()
+        except OSError:
+            return False
+        logger.warning("KV disk tier %s is writable again: back on", self.folder)
+        self.off = None
+        return True
+
     def __contains__(self, block_hash: bytes) -> bool:
-        return block_hash in self.index
+        return block_hash in self.index and self.usable()
 
     def write(self, block_hash: bytes, tenant: str, data: bytes) -> bool:
-        """Seal and store one block (False: the disk refused it; logged once, counted)."""
+        """Seal and store one block (False: the disk refused it, or the tier is off; logged once, counted)."""
+        if not self.usable():
+            return False
         digest = tenant_digest(tenant)
         header = HEADER.pack(MAGIC, LAYOUT_VERSION, self.model_id, digest, block_hash)
         blob = header + seal(self.keys.cipher(digest, create=True), data, header)
@@ -140,8 +192,11 @@ class DiskTier:
                 f.write(blob)
             tmp.replace(path)
         except OSError as exc:
-            self.fault("cannot write", exc)
             _unlink(tmp)
+            if exc.errno in DIRECTORY_ERRNOS:
+                self.turn_off("cannot write", exc)
+            else:
+                self.fault("cannot write", exc)  # a full disk: this block is lost, later ones may fit
             return False
         with self.lock:
             if block_hash in self.index:
@@ -162,19 +217,27 @@ class DiskTier:
         return victims
 
     def read(self, block_hash: bytes, tenant: str) -> bytes | None:
-        """The block's plaintext, or None: missing, unreadable, or failing authentication (then removed)."""
+        """The block's plaintext, or None: missing, unreadable, or failing authentication. A block that
+        cannot be read leaves the index (it is recomputed, never asked for again)."""
         with self.lock:
             entry = self.index.get(block_hash)
             if entry is not None:
                 self.index.move_to_end(block_hash)
-        if entry is None:
+        if entry is None or self.off is not None:
             return None
         try:
             blob = entry[0].read_bytes()
+        except OSError as exc:
+            self.drop([block_hash])
+            if self.folder.is_dir():
+                self.fault("cannot read", exc)  # one file deleted or damaged
+            else:
+                self.turn_off("the directory has gone", exc)
+            return None
+        try:
             os.utime(entry[0])  # its last use, for the LRU order after a restart
         except OSError as exc:
-            self.fault("cannot read", exc)
-            return None
+            self.turn_off("cannot update", exc)  # a read-only directory: this read is still good
         cipher = self.keys.cipher(tenant_digest(tenant), create=False)
         header = blob[:HEADER.size]
         plain = None if cipher is None or len(blob) < HEADER.size else unseal(cipher, blob[HEADER.size:], header)
@@ -281,7 +344,8 @@ class KVOffload:
 
     def _writable(self, block_hash: bytes) -> bool:
         """There is a disk tier, and this block is neither on it nor on its way."""
-        return self.disk is not None and block_hash not in self.disk and block_hash not in self.writing
+        return (self.disk is not None and block_hash not in self.disk.index and block_hash not in self.writing
+                and self.disk.usable())
 
     def _queue_write(self, block_hash: bytes, tenant: str, data: np.ndarray) -> None:
         self.writing.add(block_hash)
@@ -334,11 +398,13 @@ class KVOffload:
             if self._writable(block_hash):
                 self._queue_write(block_hash, tenant, data)
 
-    def restore(self, block_hashes: list[bytes], tenant: str | None, allocate, register) -> list[int]:
+    def restore(self, block_hashes: list[bytes], tenant: str | None, allocate, register,
+                read_disk: bool = True) -> list[int]:
         """Pool blocks for the leading `block_hashes` held in RAM (copied in, registered); when the next one
-        is on disk, start reading it and what follows it (see `loading`). While some are still being read,
-        none: the request waits for them all (copying the first ones in at every step starved the reader)."""
-        if self.loading(block_hashes):
+        is on disk and `read_disk` (the request's wait has not passed its deadline), start reading it and
+        what follows it (see `loading`). While some are still being read, none: the request waits for them
+        all (copying the first ones in at every step starved the reader)."""
+        if read_disk and self.loading(block_hashes):
             return []
         blocks = []
         for block_hash in block_hashes:
@@ -350,7 +416,7 @@ class KVOffload:
                 break
             block_id = allocate()
             if block_id is None:
-                break
+                return blocks  # the pool is full: the rest is computed (or found later)
             self.codec.scatter(block_id, entry[1])
             register(block_id, block_hash)
             self.offloadable[block_hash] = entry[0]
@@ -360,15 +426,17 @@ class KVOffload:
         if not rest or rest[0] in self.pending:
             return blocks
         self.stats.misses["ram"] += 1
-        if self.disk is not None and rest[0] in self.disk:
+        if read_disk and self.disk is not None and rest[0] in self.disk:
             self.prefetch(rest, tenant or "")
         elif self.disk is not None:
             self.stats.misses["disk"] += 1  # the blocks from here on are computed
         return blocks
 
     def prefetch(self, block_hashes: list[bytes], tenant: str) -> None:
+        """Read the leading blocks found on disk into RAM, no more than the RAM tier holds (more would push
+        the first ones out before the request could take them)."""
         on_disk = []
-        for block_hash in block_hashes:
+        for block_hash in block_hashes[:self.ram_capacity]:
             if block_hash not in self.disk:
                 break
             on_disk.append(block_hash)

@@ -24,6 +24,7 @@ from sobrio.engine.client import EngineClient
 from sobrio.engine.outputs import RequestOutput
 from sobrio.engine_args import add_config_args, add_engine_args, config_from_args, engine_kwargs
 from sobrio.errors import (
+    BudgetExceededError,
     ConfigError,
     EngineOverloadedError,
     InvalidRequestError,
@@ -43,7 +44,7 @@ from sobrio.gateway.config import GatewayConfig, load_gateway_config
 from sobrio.gateway.dashboard import dashboard_data
 from sobrio.gateway.dashboard import render as render_dashboard
 from sobrio.gateway.energy import region_code
-from sobrio.gateway.gate import bearer, cache_salt, kv_offload_policy
+from sobrio.gateway.gate import bearer, cache_salt, kv_offload_policy, reserve_tokens
 from sobrio.gateway.ledger import Ledger, LedgerEntry
 from sobrio.gateway.proxy import BackendFailed, BackendTimeout, forward, payload_for
 from sobrio.gateway.regions import region_allowed, region_refusal
@@ -52,6 +53,7 @@ from sobrio.gateway.tenants import TenantStore, check_model_allowed
 from sobrio.loader.resolve import ALIASES, DEFAULT_MODELS, check_model_name, is_installed, resolve_model
 from sobrio.sample.params import SamplingParams
 from sobrio.server import responses_api, routes_tokenize, tools
+from sobrio.server.budgets import remote_worst_case, worst_case_tokens
 from sobrio.server.disconnect import unless_disconnected
 from sobrio.server.edge import edge_stack, install_openapi
 from sobrio.server.embeddings import install_embedding_routes, select_engine, start_engines_with_embedders
@@ -113,6 +115,9 @@ def sobrio_error_response(exc: Exception) -> JSONResponse:
         return error_response(504, str(exc), "server_error")
     if isinstance(exc, EngineOverloadedError):
         return error_response(429, str(exc), "rate_limit_error", headers={"Retry-After": "1"})
+    if isinstance(exc, BudgetExceededError):
+        return error_response(429, str(exc), "rate_limit_error", code="rate_limit_exceeded",
+                              headers={"Retry-After": str(max(1, exc.retry_after))})
     if isinstance(exc, EngineStepError):
         return error_response(500, str(exc), "server_error")
     return error_response(503, str(exc), "server_error")
@@ -203,6 +208,7 @@ class OpenAIServer:
         state = request.state
         tenant = self._admit_model(state, model, pool.model)
         state.request_id = new_id("chatcmpl" if endpoint.startswith("chat") else "cmpl")
+        reserve_tokens(state, remote_worst_case(body, self.default_max_tokens))
         hashes, tried, failure = prefix_hashes(affinity_text(body)), [], None
         fields = body.model_dump(mode="json", exclude_unset=True)
         wants_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -263,6 +269,7 @@ class OpenAIServer:
         """Add one engine request per prompt; on any failure abort those already added and re-raise. `state`
         (the request's): its tenant's KV offload policy."""
         offload = kv_offload_policy(state)
+        reserve_tokens(state, worst_case_tokens(prompts, params, engine.max_model_len))
         ids: list[str] = []
         try:
             for i, (prompt_ids, prompt_params) in enumerate(zip(prompts, params, strict=True)):
@@ -304,12 +311,16 @@ def create_app(engines: dict[str, EngineClient], limits: LimitsConfig | None = N
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def models():
+    async def models(request: Request):
+        """The served models; for a tenant limited to some, those it may use."""
         names = [(name, name) for name in server.engines] + list(server.aliases.items())
         data = [{"id": name, "object": "model", "created": now(), "owned_by": "sobrio", "root": main,
                  "max_model_len": server.engines[main].max_model_len} for name, main in names]
         data += [{"id": name, "object": "model", "created": now(), "owned_by": "sobrio", "root": name}
                  for name in server.backends.models if name not in server.engines]
+        allowed = getattr(getattr(request.state, "tenant", None), "limits", None)
+        if allowed is not None and allowed.allowed_models is not None:
+            data = [m for m in data if {m["id"], m["root"]} & set(allowed.allowed_models)]
         return {"object": "list", "data": data}
 
     @app.post("/v1/chat/completions")
@@ -331,8 +342,7 @@ def create_app(engines: dict[str, EngineClient], limits: LimitsConfig | None = N
         messages, template_tools = tools.prompt(messages, body.tools, tool_plan, template)
         ids = await asyncio.to_thread(engine.input_processor.chat_prompt_ids, messages, body.add_generation_prompt,
                                       template_kwargs=body.chat_template_kwargs, tools=template_tools)
-        return await _respond(server, request, body, params, name, engine, [ids], "chat",
-                              tool_calls=tool_plan is not None)
+        return await _respond(server, request, body, params, name, engine, [ids], "chat", tool_plan=tool_plan)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -383,7 +393,7 @@ def create_app(engines: dict[str, EngineClient], limits: LimitsConfig | None = N
 
 async def _respond(server: OpenAIServer, request: Request, body, params: SamplingParams, model_name: str,
                    engine: EngineClient, prompts: list[list[int]], kind: str, echo: list[str] | None = None,
-                   tool_calls: bool = False):
+                   tool_plan: tools.ToolPlan | None = None):
     check_prompt_tokens(server.limits, [len(p) for p in prompts], params.n)
     max_model_len = engine.max_model_len
     defaults = getattr(engine, "default_sampling", None) or {}  # --generation-config
@@ -398,7 +408,8 @@ async def _respond(server: OpenAIServer, request: Request, body, params: Samplin
     stream = engine.stream_outputs(request_ids, params.n, queue)
     choices = ChoiceState(request_ids, params.n, params.logprobs, echo, params.prompt_logprobs,
                           engine.input_processor.decode)
-    choices.tool_calls = tool_calls
+    choices.tool_calls = tool_plan is not None
+    choices.forced_tool_calls = tool_plan is not None and tool_plan.choice != "auto"
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         sse = _sse(stream, choices, base_id, model_name, kind, include_usage, getattr(request.state, "ledger", None))
@@ -557,7 +568,8 @@ def run_server(args) -> int:
     ledger = app.state.server.ledger = Ledger(store.db)
     app.state.server.store, app.state.server.operator_key = store, config.api_key
     logger.info("tenants, keys and usage ledger: %s (%d tenant(s))", store.path, len(store.tenants()))
-    asgi, limits_layer = edge_stack(app, config.api_key, config.limits, config.cors, store, ledger, region)
+    asgi, limits_layer = edge_stack(app, config.api_key, config.limits, config.cors, store, ledger, region,
+                                    config.metrics_require_key)
     if config.root_path:
         asgi = RootPath(asgi, config.root_path)
     url = listening_url(config, sock)

@@ -18,6 +18,7 @@ from pydantic import Field
 
 from sobrio.engine.embedding import EmbeddingClient, EmbeddingEngine, is_embedding_client
 from sobrio.errors import InvalidRequestError, UnknownModelError
+from sobrio.gateway.gate import reserve_tokens
 from sobrio.loader.resolve import is_embedding_model
 from sobrio.server.disconnect import unless_disconnected
 from sobrio.server.limits import check_prompt_tokens
@@ -92,6 +93,7 @@ def install_embedding_routes(app: FastAPI, server) -> None:
         rows = await asyncio.to_thread(engine.tokenize_inputs, inputs, body.truncate_prompt_tokens,
                                        body.add_special_tokens)
         check_prompt_tokens(server.limits, [len(r) for r in rows], 1)
+        reserve_tokens(request.state, sum(len(r) for r in rows))
         vectors = await unless_disconnected(engine.embed(rows, arrival), request)
         if vectors is None:
             return Response(status_code=499)

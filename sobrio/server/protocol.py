@@ -35,9 +35,10 @@ IGNORED_FIELDS = ("store", "metadata", "service_tier", "user", "safety_identifie
 
 
 class StrictModel(BaseModel):
-    """Unknown fields are refused by name; NaN and infinity are refused in every float."""
+    """Unknown fields are refused by name; NaN and infinity are refused in every float; types are strict (a
+    string is never an integer: `"max_tokens": "10"` is a 400; an integer is still a valid float)."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 class StreamOptions(StrictModel):

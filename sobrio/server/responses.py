@@ -40,6 +40,7 @@ class ChoiceState:
         self.prompt_token_ids: dict[str, list[int]] = {}
         self.prompt_logprobs: dict[str, list[dict[int, Logprob] | None]] = {}
         self.tool_calls = False  # chat with tools: the answers are parsed for tool calls (server/tools.py)
+        self.forced_tool_calls = False  # tool_choice "required" or named: the answers are calls only
         self.energy_source: str | None = None
 
     def add(self, output: RequestOutput) -> Choice:
@@ -137,7 +138,7 @@ def chat_chunk(state: ChoiceState, choice: Choice, output: RequestOutput, base_i
                created: int) -> dict:
     finish_reason = choice.finish_reason
     if state.tool_calls:
-        choice.tool_parser = choice.tool_parser or tools.ToolCallParser()
+        choice.tool_parser = choice.tool_parser or tools.ToolCallParser(state.forced_tool_calls)
         delta = tools.stream_delta(choice.tool_parser, output.delta_text, finish_reason is not None)
         finish_reason = tools.finish_reason(finish_reason, choice.tool_parser.all_complete)
     else:
@@ -168,7 +169,7 @@ def final_response(state: ChoiceState, base_id: str, model: str, kind: str) -> d
             logprobs = chat_logprobs(c.logprobs, c.token_ids, top_n) if c.logprobs is not None else None
             message, complete = {"role": "assistant", "content": c.text}, False
             if state.tool_calls:
-                message, complete = tools.message(c.text)
+                message, complete = tools.message(c.text, state.forced_tool_calls)
             choices.append({"index": c.index, "message": message, "logprobs": logprobs,
                             "finish_reason": tools.finish_reason(c.finish_reason, complete),
                             "stop_reason": c.stop_reason})

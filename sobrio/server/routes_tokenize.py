@@ -7,7 +7,7 @@ a worker thread: a long text never blocks the event loop, and no engine lock is 
 import asyncio
 from typing import Annotated, Any
 
-from fastapi import Body, FastAPI
+from fastapi import Body, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import Field, ValidationError, model_validator
 
@@ -80,21 +80,23 @@ def _tokenize(engine: EngineClient, req: TokenizeCompletionRequest | TokenizeCha
 def register(app: FastAPI, server) -> None:
     """Add these routes to the app of `create_app` (`server`: its OpenAIServer)."""
 
+    # Behind the gateway's key check (gateway/gate.py), with the tenant's model restrictions (403).
     @app.post("/tokenize")
-    async def tokenize(body: Annotated[dict[str, Any], Body()]):
+    async def tokenize(body: Annotated[dict[str, Any], Body()], request: Request):
         req = _parse(body)
-        _, engine = server.engine_for(req.model)
+        _, engine = server.engine_for(req.model, state=request.state)
         return await asyncio.to_thread(_tokenize, engine, req)
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest):
-        _, engine = server.engine_for(body.model)
+    async def detokenize(body: DetokenizeRequest, request: Request):
+        _, engine = server.engine_for(body.model, state=request.state)
         return {"prompt": await asyncio.to_thread(engine.input_processor.decode, body.tokens)}
 
     @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str):
+    async def model(model_id: str, request: Request):
         if model_id not in server.engines:  # not engine_for: an empty id must not mean "the first model"
             raise UnknownModelError(f"model {model_id!r} is not served here; served: {', '.join(server.engines)}")
+        server.engine_for(model_id, state=request.state)  # the tenant may not use it: 403
         return model_card(model_id, server.engines[model_id])
 
     @app.api_route("/ping", methods=["GET", "POST"])

@@ -306,7 +306,8 @@ class ToolCallParser:
     either text or calls, so the first characters decide; a call's arguments end at the first `}</tool_call>`
     before which the text is complete JSON (a string argument may itself contain `}</tool_call>`)."""
 
-    def __init__(self):
+    def __init__(self, forced: bool = False):
+        self.forced = forced  # tool_choice "required" or a named function: the answer is calls, never text
         self.buffer = ""
         self.mode = "start"  # "start" (undecided), "text", "head" (before a call's name), "arguments"
         self.calls: list[dict] = []  # OpenAI tool calls, arguments as text so far
@@ -323,6 +324,8 @@ class ToolCallParser:
                     self.mode = "head"
                 elif OPEN.startswith(self.buffer) and not final:
                     return content, deltas
+                elif OPEN.startswith(self.buffer) and self.buffer and self.forced:
+                    self.mode = "head"  # a forced call cut inside its opening tag
                 else:
                     self.mode = "text"
             if self.mode == "text":
@@ -330,8 +333,8 @@ class ToolCallParser:
                 return content, deltas
             progressed = self._head(deltas) if self.mode == "head" else self._arguments(deltas, final)
             if not progressed:
-                if final and self.mode == "head" and not self.calls:
-                    content, self.buffer = content + self.buffer, ""  # cut before a first call's name: text
+                if final and self.mode == "head":
+                    self.buffer = ""  # a call cut before its name: no call, and never its markup as content
                 return content, deltas
 
     def _head(self, deltas: list[dict]) -> bool:
@@ -399,12 +402,13 @@ def _is_json(text: str) -> bool:
     return True
 
 
-def message(text: str) -> tuple[dict, bool]:
-    """A whole answer as an OpenAI assistant message, and whether every call in it is complete."""
-    parser = ToolCallParser()
+def message(text: str, forced: bool = False) -> tuple[dict, bool]:
+    """A whole answer as an OpenAI assistant message, and whether every call in it is complete. A call cut
+    before its name (max_tokens) leaves no call and no content: its finish_reason says "length"."""
+    parser = ToolCallParser(forced)
     content, _ = parser.feed(text, final=True)
     if not parser.calls:
-        return {"role": "assistant", "content": text}, False
+        return {"role": "assistant", "content": content if parser.mode == "text" else None}, False
     return {"role": "assistant", "content": content or None, "tool_calls": parser.calls}, parser.all_complete
 
 
@@ -418,5 +422,6 @@ def stream_delta(parser: ToolCallParser, text: str, finished: bool) -> dict:
 
 
 def finish_reason(reason: str | None, has_complete_calls: bool) -> str | None:
-    """OpenAI's "tool_calls" for an answer that ended (not cut by length) with complete calls."""
-    return "tool_calls" if reason == "stop" and has_complete_calls else reason
+    """OpenAI's "tool_calls" for an answer that ended with its calls all complete, also when max_tokens ran
+    out right after the last one: a complete call is never reported as cut ("length")."""
+    return "tool_calls" if reason in ("stop", "length") and has_complete_calls else reason

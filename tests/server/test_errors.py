@@ -26,6 +26,9 @@ def _assert_error(resp: httpx.Response, status: int, param: str | None = None) -
 
 @pytest.mark.parametrize("body,param", [
     ({"model": SMOL, "prompt": "hi", "max_tokens": "abc"}, "max_tokens"),
+    ({"model": SMOL, "prompt": "hi", "max_tokens": "10"}, "max_tokens"),  # strict: a string is no integer
+    ({"model": SMOL, "prompt": "hi", "n": "2"}, "n"),
+    ({"model": SMOL, "prompt": "hi", "stream": "false"}, "stream"),
     ({"model": SMOL, "prompt": "hi", "max_tokens": -1}, "max_tokens"),
     ({"model": SMOL, "prompt": "hi", "top_p": 2}, "top_p"),
     ({"model": SMOL, "prompt": "hi", "temperature": -1}, "temperature"),

@@ -9,6 +9,7 @@ import struct
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from html.parser import HTMLParser
 from pathlib import Path
@@ -24,6 +25,7 @@ from sobrio.kv.sealing import MASTER_KEY_ENV, tenant_digest
 from tests.server.conftest import SMALL, serving, wait_until
 
 CANARY = "zq7canaryxv"
+BUDGET = 160  # tokens per day of the tenant "budget": eight parallel requests of ~45 tokens each would pass it
 OPERATOR = "operator-key-for-tests"  # in prompts, and forced as completions (a regex), on every path
 PROJECT = Path(__file__).resolve().parents[2]
 
@@ -46,10 +48,11 @@ class Gateway:
 
 
 TENANTS = {"acme": Limits(), "globex": Limits(), "minute": Limits(requests_per_minute=3),
-           "single": Limits(max_concurrent=1), "frugal": Limits(tokens_per_day=30),
+           "single": Limits(max_concurrent=1), "frugal": Limits(tokens_per_day=60),
            "restricted": Limits(allowed_models=("another-model",)), "in-eu": Limits(allowed_regions=("EU",)),
            "us-only": Limits(allowed_regions=("USA",)), "routed": Limits(default_model="auto"),
-           "kv-opted": Limits(kv_offload=True), "kv-gone": Limits(kv_offload=True)}
+           "kv-opted": Limits(kv_offload=True), "kv-gone": Limits(kv_offload=True),
+           "budget": Limits(tokens_per_day=BUDGET)}
 KV_TIERS = ("--kv-offload-ram", str(32 << 20), "--kv-offload-disk", str(64 << 20))
 
 
@@ -145,11 +148,11 @@ def test_requests_per_minute_and_tokens_per_day_give_429_with_retry_after(gatewa
     assert 1 <= int(exc.value.response.headers["retry-after"]) <= 60
     assert "3 requests per minute" in exc.value.body["message"]
     frugal = gateway.client("frugal")
-    chat(frugal, "Count to ten.", max_tokens=24)  # over 30 tokens with the chat template
+    chat(frugal, "Count to ten.", max_tokens=24)  # its worst case, 58 tokens with the chat template, fits
     with pytest.raises(openai.RateLimitError) as exc:
-        chat(frugal, "hi", max_tokens=1)
+        chat(frugal, "hi", max_tokens=1)  # ~30 more do not
     assert 1 <= int(exc.value.response.headers["retry-after"]) <= 86400  # until midnight UTC
-    assert "30 tokens for today" in exc.value.body["message"]
+    assert "its 60 tokens for today" in exc.value.body["message"]
 
 
 def test_concurrent_requests_limit_and_its_reset(gateway):
@@ -207,6 +210,40 @@ def _every_path_with_the_canary(gateway) -> None:
     with pytest.raises(openai.RateLimitError):
         for _ in range(4):
             chat(minute, f"{CANARY}", max_tokens=1)
+    _canaries_in_urls_headers_and_every_string_field(gateway)
+
+
+def _canaries_in_urls_headers_and_every_string_field(gateway) -> None:
+    """The canary in paths (known and unknown routes), query strings, headers (User-Agent, X-Request-Id, a
+    custom one), every string field of a body, and the errors these make (404, 400, 401, 403)."""
+    base, key = gateway.srv.base_url, gateway.keys["acme"]
+    headers = {"Authorization": f"Bearer {key}", "User-Agent": CANARY, "X-Request-Id": CANARY, "X-Note": CANARY}
+    for method, path in (("POST", f"/v1/my%20{CANARY}%20password"), ("POST", f"/v1/chat/{CANARY}"),
+                         ("GET", f"/v1/models/{CANARY}"), ("POST", f"/{CANARY}"), ("GET", f"/v1/{CANARY}/x")):
+        answer = httpx.request(method, base + path, headers=headers, json={})
+        assert answer.status_code in (404, 405), (path, answer.status_code)
+    assert httpx.post(f"{base}/v1/chat/{CANARY}", headers={"X-Note": CANARY}).status_code == 401
+    fields = {"user": CANARY, "metadata": {CANARY: CANARY}, "stop": [CANARY], "cache_salt": CANARY,
+              "prompt_cache_key": CANARY, "safety_identifier": CANARY, "seed": 7,
+              "messages": [{"role": "system", "content": CANARY}, {"role": "user", "content": CANARY,
+                                                                     "name": CANARY}],
+              "tools": [{"type": "function", "function": {"name": CANARY, "description": CANARY,
+                                                          "parameters": {"type": "object", "properties": {
+                                                              CANARY: {"type": "string", "enum": [CANARY]}}}}}],
+              "tool_choice": "required", "response_format": {"type": "text"}, "model": "smollm2-135m",
+              "max_tokens": 24, "temperature": 0}
+    answer = httpx.post(f"{base}/v1/chat/completions?{CANARY}={CANARY}", headers=headers, json=fields, timeout=120)
+    assert answer.status_code == 200 and answer.headers["x-request-id"] == CANARY, answer.text  # echoed only
+    for bad in ({"model": CANARY}, {"max_tokens": CANARY}, {CANARY: 1}, {"tool_choice": {
+            "type": "function", "function": {"name": f"{CANARY}2"}}}, {"seed": CANARY}):
+        answer = httpx.post(f"{base}/v1/chat/completions", headers=headers, json={**fields, **bad}, timeout=60)
+        assert answer.status_code in (400, 404), (bad, answer.text)
+    assert httpx.post(f"{base}/v1/completions", headers=headers,
+                      content=f'{{"prompt": "{CANARY}", '.encode()).status_code == 400  # not JSON
+    assert httpx.get(f"{base}/v1/usage?since={CANARY}", headers=headers).status_code == 400
+    assert httpx.post(f"{base}/tokenize", headers=headers, json={"prompt": CANARY}).status_code == 200
+    restricted = {**headers, "Authorization": f"Bearer {gateway.keys['restricted']}"}
+    assert httpx.post(f"{base}/detokenize", headers=restricted, json={"tokens": [1]}).status_code in (200, 403)
 
 
 def _files_written_since(start: float) -> list[Path]:
@@ -242,6 +279,55 @@ def test_zero_data_retention_canary_is_nowhere(gateway):
         assert page.status_code == 200 and CANARY not in page.text
     assert CANARY not in str(gateway.usage("acme")) and CANARY not in str(gateway.usage("minute"))
     assert "DEBUG" in gateway.srv.log_text()  # the log was at debug level
+
+
+def test_the_ledger_and_access_log_name_route_templates_never_a_path_sent(gateway):
+    base, headers = gateway.srv.base_url, {"Authorization": f"Bearer {gateway.keys['globex']}"}
+    assert httpx.post(f"{base}/v1/hunter2-is-my-password", headers=headers, json={}).status_code == 404
+    assert httpx.get(f"{base}/v1/models/hunter2", headers=headers).status_code == 404
+    endpoints = {row["endpoint"] for row in gateway.usage("globex")["data"]}
+    assert "unknown" in endpoints and not any("hunter2" in e for e in endpoints)
+    assert wait_until(lambda: "GET /v1/models/{model_id:path} 404" in gateway.srv.log_text(), 5)
+    assert "hunter2" not in gateway.srv.log_text()
+
+
+def test_tokenize_detokenize_and_model_cards_are_behind_the_gate(gateway):
+    base = gateway.srv.base_url
+    for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1, 2]})):
+        assert httpx.post(base + path, json=body).status_code == 401
+        answer = httpx.post(base + path, json=body, headers={"Authorization": f"Bearer {gateway.keys['restricted']}"})
+        assert answer.status_code == 403 and answer.json()["error"]["code"] == "model_not_allowed"
+        assert httpx.post(base + path, json=body, headers={"Authorization": f"Bearer {gateway.keys['acme']}"}
+                          ).status_code == 200
+    restricted = gateway.client("restricted")
+    with pytest.raises(openai.PermissionDeniedError):
+        restricted.models.retrieve("smollm2-135m")
+    assert [m.id for m in restricted.models.list()] == []
+    assert gateway.client("acme").models.retrieve("smollm2-135m").id == "smollm2-135m"
+    for open_route in ("/health", "/version", "/metrics", "/ping"):
+        assert httpx.get(base + open_route).status_code == 200, open_route
+
+
+def test_eight_parallel_requests_stay_within_the_daily_token_budget(gateway):
+    """Each request holds its worst case (prompt + max_tokens) from admission until it ends: eight sent at
+    once never use more than the budget together; those that do not fit get 429 with an OpenAI body."""
+    client = gateway.client("budget")
+
+    def one(i: int):
+        try:
+            return chat(client, f"Say {i}.", max_tokens=16)
+        except openai.RateLimitError as exc:
+            assert exc.body["type"] == "rate_limit_error" and "max_tokens" in exc.body["message"]
+            assert 1 <= int(exc.response.headers["retry-after"])
+            return None
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(one, range(8)))
+    served = [a for a in answers if a is not None]
+    assert served and len(served) < 8
+    assert sum(a.usage.total_tokens for a in served) <= BUDGET
+    assert gateway.usage("budget")["totals"]["prompt_tokens"] + \
+        gateway.usage("budget")["totals"]["completion_tokens"] <= BUDGET
 
 
 def test_the_ledger_holds_only_the_allow_listed_columns_and_a_row_per_path(gateway):

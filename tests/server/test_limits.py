@@ -247,3 +247,21 @@ def test_unexpected_exception_is_an_openai_500_logged_by_type_only(caplog):
     logged = "\n".join(r.getMessage() for r in caplog.records)
     assert "_Boom at server/test_limits.py:" in logged  # the type and where, for whoever fixes it
     assert CANARY not in logged and not any(r.exc_info for r in caplog.records)
+
+
+@pytest.mark.parametrize("require", [False, True])
+def test_metrics_are_open_unless_they_require_a_key(require):
+    from sobrio.config import CorsConfig, LimitsConfig
+    from sobrio.server.app import create_app
+    from sobrio.server.edge import edge_stack
+
+    asgi, _ = edge_stack(create_app({SMOL: _FakeEngine()}), KEY, LimitsConfig(), CorsConfig(),
+                         metrics_require_key=require)
+
+    async def refused(headers: dict) -> list[bool]:
+        """Whether the gate refused /metrics and /health (past it, the fake engine has no metrics to give)."""
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=asgi), base_url="http://t") as client:
+            return [(await client.get(path, headers=headers)).status_code == 401 for path in ("/metrics", "/health")]
+
+    assert asyncio.run(refused({})) == [require, False]
+    assert asyncio.run(refused(AUTH)) == [False, False]

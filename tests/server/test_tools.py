@@ -62,6 +62,19 @@ def test_required_round_trip(client):
     assert isinstance(final.choices[0].message.content, str)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_call_cut_by_max_tokens_is_length_without_markup(client, stream):
+    answer = client.chat.completions.create(model=SMOL, messages=QUESTION, tools=TOOLS, tool_choice="required",
+                                            max_tokens=4, temperature=0, stream=stream)
+    if stream:
+        chunks = [c.choices[0] for c in answer if c.choices]
+        content = "".join(c.delta.content or "" for c in chunks)
+        finish = chunks[-1].finish_reason
+    else:
+        content, finish = answer.choices[0].message.content or "", answer.choices[0].finish_reason
+    assert finish == "length" and "<tool" not in content and "name" not in content
+
+
 def test_named_function_streamed_round_trip(client):
     """A named function through the client's stream helper (a pydantic tool: strict, parsed arguments): OpenAI's
     deltas (id, type and name first, then argument fragments), reassembled; then the result, streamed back."""
@@ -249,6 +262,24 @@ def test_streamed_deltas_reassemble_to_the_whole_parse(text):
         assert parser.all_complete == complete
     if "Pa}</tool_call>ris" in text:
         assert json.loads(whole["tool_calls"][0]["function"]["arguments"]) == {"tz": "Pa}</tool_call>ris"}
+
+
+@pytest.mark.parametrize("text,forced", [
+    ('<tool_call>{"name": "get_ti', False), ('<tool_call>{"name": "get_ti', True), ("<tool_c", True), ("<", True)])
+def test_a_call_cut_before_its_name_leaves_no_markup_as_content(text, forced):
+    """max_tokens ran out inside a call's head: no call, no content (the finish_reason says "length")."""
+    whole, complete = tools.message(text, forced)
+    assert whole["content"] is None and "tool_calls" not in whole and not complete
+    parser = tools.ToolCallParser(forced)
+    content = "".join(tools.stream_delta(parser, ch, i == len(text) - 1)["content"] or ""
+                      for i, ch in enumerate(text))
+    assert content == "" and tools.finish_reason("length", parser.all_complete) == "length"
+
+
+def test_a_complete_call_is_never_reported_as_cut():
+    whole, complete = tools.message(_call("get_time", '{"tz":"Paris"}'), forced=True)
+    assert complete and tools.finish_reason("length", complete) == "tool_calls"
+    assert tools.message("<tool", forced=False)[0]["content"] == "<tool"  # "auto": a text answer may say it
 
 
 HISTORY = [*QUESTION,

@@ -5,6 +5,7 @@ import errno
 import logging
 import math
 import os
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -136,9 +137,44 @@ def test_a_full_or_read_only_disk_is_a_miss_logged_once_without_content(tmp_path
     monkeypatch.setattr("builtins.open", failing_open)
     with caplog.at_level(logging.WARNING, logger="sobrio.kv.offload"):
         assert not disk.write(b"a" * 16, "A", block(1)) and not disk.write(b"b" * 16, "A", block(2))
-    assert disk.stats.disk_errors == 2 and disk.read(b"a" * 16, "A") is None
+    # a full disk loses each block it refuses; a read-only one turns the tier off after the first refusal
+    assert disk.stats.disk_errors == (2 if code == errno.ENOSPC else 1) and disk.read(b"a" * 16, "A") is None
+    assert (disk.off is None) == (code == errno.ENOSPC)
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and os.strerror(code) in warnings[0]
+
+
+def test_an_unreadable_block_leaves_the_index_and_a_vanished_directory_turns_the_tier_off_until_back(
+        tmp_path, caplog):
+    disk = tier(tmp_path / "kv")
+    disk.probe_interval_s = 3600.0
+    hashes = [bytes([i]) * 16 for i in range(3)]
+    for i, h in enumerate(hashes):
+        assert disk.write(h, "A", block(i))
+    disk.index[hashes[0]][0].unlink()  # one file deleted behind its back: a miss, asked for once
+    assert disk.read(hashes[0], "A") is None and hashes[0] not in disk and disk.off is None
+    shutil.rmtree(tmp_path / "kv")  # the whole directory (the key ring is in memory already)
+    with caplog.at_level(logging.WARNING, logger="sobrio.kv.offload"):
+        assert disk.read(hashes[1], "A") is None
+        assert disk.off is not None and not disk.index and disk.nbytes == 0
+        assert not disk.write(hashes[1], "A", block(1))  # off: not even tried, not logged again
+        assert len([r for r in caplog.records if "is off" in r.getMessage()]) == 1
+        disk.next_probe = 0.0  # the next probe is due: the directory can be made and written again
+        assert disk.write(hashes[1], "A", block(1)) and disk.off is None
+    assert disk.read(hashes[1], "A") == block(1)
+    assert any("back on" in r.getMessage() for r in caplog.records)
+
+
+def test_a_read_only_directory_keeps_a_good_read_and_turns_the_tier_off(tmp_path, monkeypatch):
+    disk = tier(tmp_path)
+    assert disk.write(b"a" * 16, "A", block(1))
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr("sobrio.kv.offload.os.utime", read_only)
+    assert disk.read(b"a" * 16, "A") == block(1)
+    assert disk.off is not None and b"a" * 16 not in disk and disk.read(b"a" * 16, "A") is None
 
 
 def test_a_directory_that_cannot_be_made_leaves_an_empty_tier(tmp_path):

@@ -126,6 +126,76 @@ def test_limiter_window_concurrency_and_daily_tokens_reset():
     assert refusal is not None and 0 < refusal.retry_after <= 86400
 
 
+def test_reservations_hold_the_worst_case_until_settled():
+    """In-flight reservations count beside the ledger; one that does not fit is refused (Retry-After 1 s
+    while others hold the rest, until midnight when it could never fit today); release gives it back."""
+    ledger = Ledger(sqlite3.connect(":memory:"))
+    limiter = TenantLimiter(ledger)
+    tenant = Tenant("t4", "budget", 0.0, Limits(tokens_per_day=100))
+    assert limiter.reserve(tenant, 60) is None
+    refusal = limiter.reserve(tenant, 50)
+    assert refusal is not None and refusal.retry_after == 1 and "40 of its 100 tokens" in refusal.message
+    assert limiter.reserve(tenant, 40) is None and limiter.admit(tenant) is not None  # all 100 are held
+    ledger.record(LedgerEntry("a", "t4", time.time(), "/v1/completions", prompt_tokens=10, completion_tokens=5))
+    limiter.in_flight[tenant.id] += 1  # as admit() had counted it
+    limiter.release(tenant, 60)  # it used 15 of its 60
+    assert limiter.reserved[tenant.id] == 40 and limiter.reserve(tenant, 45) is None
+    assert limiter.reserve(tenant, 1).retry_after == 1
+    assert limiter.reserve(tenant, 200).retry_after > 1  # more than the whole budget: not today
+    assert limiter.reserve(Tenant("t5", "free", 0.0, Limits()), 10**9) is None
+
+
+@pytest.mark.parametrize("ending", ["error", "client gone", "over budget"])
+def test_a_reservation_is_given_back_however_the_request_ends(store, ending):
+    import asyncio
+
+    from starlette.datastructures import State
+
+    from sobrio.errors import BudgetExceededError
+    from sobrio.gateway.gate import TenantGate, reserve_tokens
+
+    store.create_tenant("b", Limits(tokens_per_day=100))
+    key = store.create_key("b")[1]
+    refused = []
+
+    async def app(scope, receive, send):
+        reserve_tokens(State(scope["state"]), 60)
+        if ending == "over budget":
+            try:
+                reserve_tokens(State(scope["state"]), 41)
+            except BudgetExceededError as exc:
+                refused.append(exc.retry_after)
+        if ending == "error":
+            raise RuntimeError("the engine failed")
+
+    gate = TenantGate(app, None, store, Ledger(store.db))
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "state": {"route": "/v1/completions"},
+             "headers": [(b"authorization", f"Bearer {key}".encode())]}
+
+    async def call():
+        try:
+            await gate(scope, None, None)
+        except RuntimeError:
+            pass
+
+    asyncio.run(call())
+    tenant = store.tenant("b")
+    assert gate.limiter.reserved[tenant.id] == 0 and gate.limiter.in_flight[tenant.id] == 0
+    assert gate.ledger.rows(tenant.id)[0]["status"] == 499 and gate.ledger.rows(tenant.id)[0]["endpoint"] == \
+        "/v1/completions"
+    assert refused == ([1] if ending == "over budget" else [])
+
+
+def test_worst_case_tokens_count_prompts_and_every_sequence():
+    from sobrio.sample.params import SamplingParams
+    from sobrio.server.budgets import worst_case_tokens
+
+    two = SamplingParams(n=2, max_tokens=10)
+    assert worst_case_tokens([[1] * 5, [2] * 7], [two, two], 100) == 5 + 20 + 7 + 20
+    assert worst_case_tokens([[1] * 5], [SamplingParams(max_tokens=None)], 100) == 100  # unset: the context
+    assert worst_case_tokens([[1] * 95], [SamplingParams(max_tokens=50)], 100) == 100  # capped at the context
+
+
 def test_default_model_and_a_database_from_before_it(tmp_path):
     old = sqlite3.connect(tmp_path / "old.db")
     old.executescript("""CREATE TABLE tenants (id TEXT PRIMARY KEY, name TEXT UNIQUE NOT NULL, created_at REAL

@@ -3,6 +3,8 @@ transformers' (float32) over prompts several times the sliding window, with pref
 prefill on; sharded safetensors; an unsupported config field refused at load by name."""
 
 
+import json
+
 import pytest
 
 from sobrio import LLM, SamplingParams
@@ -58,3 +60,50 @@ def test_longrope_long_factors_past_the_original_context(tmp_path):
     out = llm.generate({"prompt_token_ids": long}, GREEDY, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == hf_greedy(folder, long, MAX_TOKENS)
 
+
+def test_sliding_window_decode_holds_window_sized_kv(tmp_path):
+    """Long Mistral decodes free the blocks behind the window as they go: the blocks in use stay bounded by
+    the window, not the context, so two 240-token sequences run in a pool of 24 blocks (30 without freeing)
+    without preemption, reusing each other's freed blocks, and still equal transformers (prefix caching on)."""
+    folder = write_checkpoint(tmp_path, *FAMILIES["mistral-window"])
+    block_bytes = 2 * 16 * 2 * 16 * 4 * 2  # (k, v) x block x kv heads x head dim x float32 x layers
+    llm = LLM(str(folder), **engine_kwargs(block_size=16, kv_cache_memory=24 * block_bytes, max_model_len=384,
+                                           enable_prefix_caching=True))
+    scheduler = llm.engine.scheduler
+    pool, schedule, held = scheduler.pool, scheduler.schedule, []
+    assert pool.num_blocks == 24
+
+    def counting_schedule():
+        out = schedule()
+        held.append(pool.num_blocks - pool.num_free)
+        return out
+
+    scheduler.schedule = counting_schedule
+    prompts = [prompt(40, seed=4), prompt(40, seed=5)]
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    bound = 2 * (-(-WINDOW // 16) + 1)  # per sequence: the window's blocks, a partial one at each end
+    assert len(held) > 150 and max(held[5:]) <= bound, f"blocks in use grew with the context: {max(held)}"
+    assert scheduler.num_preemptions == 0
+    for p, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(folder, p, 200, ignore_eos=True)
+    assert pool.num_free == pool.num_blocks  # nothing leaked, nothing released twice
+
+
+@pytest.mark.parametrize("model_type, edits, field", [
+    ("llama", {"rope_parameters": {"rope_type": "proportional", "rope_theta": 10000.0, "factor": 2.0}},
+     "rope_scaling.rope_type"),
+    ("llama", {"mlp_bias": True}, "mlp_bias"),
+    ("qwen3", {"attn_logit_softcapping": 30.0}, "attn_logit_softcapping"),
+    ("gemma2", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ("mistral", {"hidden_act": "relu"}, "hidden_act"),
+    ("llama", {"architectures": ["LlamaForSequenceClassification"]}, "architectures"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_unsupported_config_field_is_refused_by_name(model_type, edits, field, tmp_path):
+    """A checkpoint whose config asks for something sobrio does not compute never loads (it would answer
+    wrong): the error names the field."""
+    folder = write_checkpoint(tmp_path, model_type, {})
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **edits}))
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        LLM(str(folder), **engine_kwargs(max_model_len=256))

@@ -16,43 +16,50 @@ from sobrio.models.weights import Prequantized, PrequantizedWeight
 
 @dataclass(frozen=True)
 class Family:
-    """One supported family: what docs/models.md's table lists (a test reads one against the other)."""
+    """One supported family: what docs/models.md's table lists (tests/unit/test_models_doc.py reads one
+    against the other)."""
 
     name: str
     model_types: tuple[str, ...]  # config.json's model_type
     architectures: tuple[str, ...]  # config.json's architectures
     cls: type[CausalLM]
-    gguf: tuple[str, ...]  # llama.cpp's general.architecture names sobrio reads
-    sliding_window: str  # how the family windows its layers (docs)
+    gguf: tuple[str, ...]  # llama.cpp's general.architecture names whose GGUF files sobrio reads
+    sliding_window: str  # which layers it windows (docs)
+    tensor_parallel: bool = True  # q/k/v and gate/up stored apart, as the rank sharding cuts them
 
 
 FAMILIES = (
-    Family("Llama (Llama 2/3/3.x, SmolLM2)", ("llama",), ("LlamaForCausalLM",), LlamaForCausalLM, ("llama",),
+    Family("Llama (Llama 2, 3, 3.x; SmolLM2)", ("llama",), ("LlamaForCausalLM",), LlamaForCausalLM, ("llama",),
            "no"),
     Family("Mistral", ("mistral",), ("MistralForCausalLM",), LlamaForCausalLM, ("llama",),
            "every layer (`sliding_window`)"),
-    Family("Qwen2 / Qwen2.5", ("qwen2",), ("Qwen2ForCausalLM",), LlamaForCausalLM, ("qwen2",),
-           "layers from `max_window_layers` when `use_sliding_window`"),
-    Family("Qwen3", ("qwen3",), ("Qwen3ForCausalLM",), LlamaForCausalLM, ("qwen3",), "`layer_types`"),
-    Family("Phi-3 / Phi-3.5 / Phi-4-mini", ("phi3",), ("Phi3ForCausalLM",), LlamaForCausalLM, ("phi3",),
-           "every layer (`sliding_window`)"),
-    Family("Gemma 2", ("gemma2",), ("Gemma2ForCausalLM",), GemmaForCausalLM, ("gemma2",),
-           "alternate layers (`layer_types`)"),
+    Family("Qwen2, Qwen2.5", ("qwen2",), ("Qwen2ForCausalLM",), LlamaForCausalLM, ("qwen2",),
+           "layers from `max_window_layers` on, with `use_sliding_window`"),
+    Family("Qwen3", ("qwen3",), ("Qwen3ForCausalLM",), LlamaForCausalLM, ("qwen3",),
+           "`layer_types` (`use_sliding_window`)"),
+    Family("Phi-3, Phi-3.5, Phi-4-mini", ("phi3",), ("Phi3ForCausalLM",), LlamaForCausalLM, (),
+           "every layer (`sliding_window`)", tensor_parallel=False),
+    Family("Gemma 2", ("gemma2",), ("Gemma2ForCausalLM",), GemmaForCausalLM, (), "alternate layers (`layer_types`)"),
     Family("Gemma 3 (text)", ("gemma3_text",), ("Gemma3ForCausalLM",), GemmaForCausalLM, ("gemma3",),
            "5 of 6 layers (`layer_types`)"),
-    Family("GLM-4", ("glm4",), ("Glm4ForCausalLM",), Glm4ForCausalLM, ("glm4",), "no"),
+    Family("GLM-4", ("glm4",), ("Glm4ForCausalLM",), Glm4ForCausalLM, (), "no", tensor_parallel=False),
 )
 _BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 LAYER_TYPES = ("sliding_attention", "full_attention")
 SOFTCAP_FAMILIES = ("gemma2", "gemma3_text")
 
 
-def model_class(config) -> type[CausalLM]:
+def family_of(config) -> Family:
     family = _BY_MODEL_TYPE.get(config.model_type)
     if family is None:
         raise InvalidRequestError(
             f"unsupported architecture {config.model_type!r}; supported: {', '.join(_BY_MODEL_TYPE)}"
         )
+    return family
+
+
+def model_class(config) -> type[CausalLM]:
+    family = family_of(config)
     unknown = [a for a in getattr(config, "architectures", None) or () if a not in family.architectures]
     if unknown:
         raise InvalidRequestError(f"unsupported architecture {unknown[0]!r} (config field architectures); "

@@ -107,3 +107,20 @@ def test_unsupported_config_field_is_refused_by_name(model_type, edits, field, t
     (folder / "config.json").write_text(json.dumps({**config, **edits}))
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         LLM(str(folder), **engine_kwargs(max_model_len=256))
+
+
+def test_sharded_safetensors_with_tied_head(tmp_path):
+    """A checkpoint in several safetensors shards (with their index json) and a head tied to the embedding."""
+    folder = write_checkpoint(tmp_path, "qwen3", {"tie_word_embeddings": True}, max_shard_size="40KB")
+    assert len(list(folder.glob("*.safetensors"))) > 2 and (folder / "model.safetensors.index.json").is_file()
+    llm = LLM(str(folder), **engine_kwargs(max_model_len=256))
+    long = prompt(50)
+    out = llm.generate({"prompt_token_ids": long}, GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(folder, long, MAX_TOKENS)
+
+
+def test_tensor_parallelism_refuses_fused_checkpoints(tmp_path):
+    """Phi-3 stores q/k/v and gate/up fused, which the rank sharding does not cut: refused, not mis-split."""
+    folder = write_checkpoint(tmp_path, "phi3", {})
+    with pytest.raises(ValueError, match="tensor parallelism does not split Phi-3"):
+        LLM(str(folder), **engine_kwargs(max_model_len=256, tensor_parallel_size=2))

@@ -18,6 +18,7 @@ from tests.model.tiny_checkpoints import (
     prompt,
     write_checkpoint,
 )
+from tests.model.tiny_gguf import write_gguf
 
 MAX_TOKENS = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
@@ -124,3 +125,35 @@ def test_tensor_parallelism_refuses_fused_checkpoints(tmp_path):
     folder = write_checkpoint(tmp_path, "phi3", {})
     with pytest.raises(ValueError, match="tensor parallelism does not split Phi-3"):
         LLM(str(folder), **engine_kwargs(max_model_len=256, tensor_parallel_size=2))
+
+
+GGUF_FAMILIES = {  # llama.cpp's files carry no Qwen2 window nor Gemma 2's query_pre_attn_scalar (the head size)
+    "qwen2-bias": ("qwen2", {}),
+    "qwen3-qk-norm": FAMILIES["qwen3-qk-norm"],
+    "gemma2-softcap": ("gemma2", {**FAMILIES["gemma2-softcap"][1], "query_pre_attn_scalar": 16}),
+    "phi3-longrope-partial": FAMILIES["phi3-longrope-partial"],
+}
+
+
+@pytest.mark.parametrize("name", GGUF_FAMILIES)
+def test_gguf_of_the_same_weights_answers_alike(name, tmp_path, monkeypatch):
+    """The checkpoint's weights written as a GGUF (llama.cpp's names and metadata, the `gguf` package): loaded
+    through sobrio's GGUF path, greedy output equals transformers on the safetensors folder."""
+    monkeypatch.setenv("SOBRIO_CACHE", str(tmp_path / "cache"))
+    folder = write_checkpoint(tmp_path / "hf", *GGUF_FAMILIES[name])
+    path = write_gguf(folder, tmp_path / f"{name}.gguf")
+    llm = LLM(str(path), **engine_kwargs(max_model_len=256, max_num_batched_tokens=32))
+    long = prompt(5 * WINDOW - 3)
+    out = llm.generate({"prompt_token_ids": long}, GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(folder, long, MAX_TOKENS)
+
+
+def test_gguf_of_an_unread_architecture_is_refused_by_name(tmp_path):
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(tmp_path / "m.gguf"), "glm4")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="GGUF architecture 'glm4'"):
+        LLM(str(tmp_path / "m.gguf"), **engine_kwargs())

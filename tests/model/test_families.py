@@ -157,3 +157,17 @@ def test_gguf_of_an_unread_architecture_is_refused_by_name(tmp_path):
     writer.close()
     with pytest.raises(ValueError, match="GGUF architecture 'glm4'"):
         LLM(str(tmp_path / "m.gguf"), **engine_kwargs())
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("backend", ["batched", "reference"])
+@pytest.mark.parametrize("name", ["mistral-window", "gemma2-softcap", "qwen2-window-bias"])
+def test_every_attention_backend_honours_the_window(name, backend, tmp_path):
+    """The PyTorch backends (the default run takes the C++ one): windows and softcaps in prompt chunks,
+    prefix hits and batched decode."""
+    folder = write_checkpoint(tmp_path, *FAMILIES[name])
+    llm = LLM(str(folder), **engine_kwargs(max_num_batched_tokens=32, max_model_len=256, attention_backend=backend))
+    prompts = _prompts()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    for p, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(folder, p, MAX_TOKENS), f"{name}, {backend}: {len(p)} tokens"

@@ -26,6 +26,7 @@ class Family:
     gguf: tuple[str, ...]  # llama.cpp's general.architecture names whose GGUF files sobrio reads
     sliding_window: str  # which layers it windows (docs)
     tensor_parallel: bool = True  # q/k/v and gate/up stored apart, as the rank sharding cuts them
+    experts: bool = False  # a mixture-of-experts family (its `cls` sets an `mlp_factory` of experts)
 
 
 FAMILIES = (
@@ -65,7 +66,7 @@ def model_class(config) -> type[CausalLM]:
     if unknown:
         raise InvalidRequestError(f"unsupported architecture {unknown[0]!r} (config field architectures); "
                                   f"supported for {config.model_type}: {', '.join(family.architectures)}")
-    check_config(config)
+    check_config(config, family)
     return family.cls
 
 
@@ -76,7 +77,7 @@ def kv_window(config) -> int | None:
     return None if not windows or None in windows else max(windows)
 
 
-def check_config(config) -> None:
+def check_config(config, family: Family) -> None:
     """Refuse, naming the field, a config value that transformers computes and sobrio does not: such a
     checkpoint would load and answer wrong."""
     check_rope(config)
@@ -86,7 +87,8 @@ def check_config(config) -> None:
         "layer_types": any(t not in LAYER_TYPES for t in getattr(config, "layer_types", None) or ()),
         "attn_logit_softcapping": config.model_type not in SOFTCAP_FAMILIES
         and bool(getattr(config, "attn_logit_softcapping", None)),
-        "num_experts": bool(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)),
+        "num_experts": not family.experts
+        and bool(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)),
     }
     act_field = "hidden_activation" if getattr(config, "hidden_activation", None) else "hidden_act"
     refusals[act_field] = getattr(config, act_field, "silu") not in ACTIVATIONS

@@ -109,6 +109,9 @@ def load_gateway_config(path: str | None) -> GatewayConfig:
     data = read_toml(path)
     models = _table(data, "models", path)
     router = _table(data, "router", path)
+    share = router.get("strong_share")
+    if share is not None and not (isinstance(share, (int, float)) and 0 <= share <= 1):
+        raise ConfigError(f"--config {path}: router: strong_share must be in [0, 1], not {share!r}", option="--config")
     return GatewayConfig(models={name: _model(name, spec, path) for name, spec in models.items()},
                          router=_build(RouterSpec, router, path, "router"),
                          tenant_defaults=_limits(_table(data, "tenant_defaults", path), path))

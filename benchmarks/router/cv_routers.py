@@ -2,7 +2,8 @@
 of whole subjects (GSM8K one more subject), out-of-fold scores, RouteLLM's metrics on the MMLU rows and on
 GSM8K. Needs the shared labels (../shared/data/router/train.jsonl beside the clone).
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/router/cv_routers.py [--data FILE]
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/router/cv_routers.py [--data FILE] \
+        [--sentence-embeddings /tmp/minilm.npy]
 """
 
 import argparse
@@ -36,6 +37,20 @@ def word_embedding_means(prompts: list[str]) -> np.ndarray:
     return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-6)
 
 
+def sentence_embeddings(prompts: list[str], cache: Path) -> np.ndarray:
+    """all-MiniLM-L6-v2's sentence embeddings (sentence-transformers, the reference), cached in a .npy file."""
+    if cache.is_file():
+        return np.load(cache)
+    from sentence_transformers import SentenceTransformer
+
+    from sobrio.loader.resolve import resolve_model
+
+    model = SentenceTransformer(str(resolve_model("all-minilm-l6-v2").path), device="cpu")
+    x = model.encode(prompts, batch_size=64, normalize_embeddings=True, convert_to_numpy=True).astype(np.float32)
+    np.save(cache, x)
+    return x
+
+
 def logistic(x: np.ndarray, y: np.ndarray, l2: float) -> np.ndarray:
     """Logistic regression on soft targets (L-BFGS, L2); the weights, bias last."""
     import torch
@@ -62,6 +77,9 @@ def rank(x: np.ndarray) -> np.ndarray:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default=str(DEFAULT))
+    parser.add_argument("--sentence-embeddings", default=None, help="a .npy cache of the full MiniLM sentence "
+                        "embeddings of the data's prompts, written if missing (35 minutes on 2 busy cores): "
+                        "adds the routers on them")
     args = parser.parse_args()
     data = read_labelled(args.data)
     form = PromptFeatures().features(data.prompts)
@@ -105,6 +123,13 @@ def main() -> None:
         "within-subject ridge, 15 form features": form_within,
         "rank(length) + rank(within-subject form)": rank(length) + rank(form_within),
     }
+    if args.sentence_embeddings:
+        sentences = np.c_[sentence_embeddings(data.prompts, Path(args.sentence_embeddings)),
+                          form[:, [LENGTH_COLUMN, 3, 4]]]
+        table["LR, full MiniLM sentence embedding + length/MC/digits"] = sentence_lr = lr(sentences, soft, 1e-2)
+        table["rank(length) + rank(that)"] = rank(length) + rank(sentence_lr)
+        table["within-subject ridge, full MiniLM sentence embedding"] = sentence_within = within(sentences, 1.0)
+        table["rank(length) + rank(that) "] = rank(length) + rank(sentence_within)
     print(f"{'router':62s}{'MMLU APGR':>10s}{'CPT50':>8s}{'CPT80':>8s}{'PGR@30':>8s}{'GSM8K APGR':>11s}")
     for name, scores in table.items():
         a, g = metrics(scores[mmlu], s[mmlu], w[mmlu]), metrics(scores[~mmlu], s[~mmlu], w[~mmlu])

@@ -9,7 +9,7 @@ import html
 import time
 
 from sobrio.gateway.ledger import Ledger
-from sobrio.gateway.router_savings import RouterInfo, TenantRouting, per_tenant
+from sobrio.gateway.router_savings import RouterInfo, TenantRouting, per_tenant, query
 from sobrio.gateway.tenants import TenantStore
 
 _TOTALS = ("COUNT(*), COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(completion_tokens), 0), "
@@ -17,21 +17,16 @@ _TOTALS = ("COUNT(*), COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(completion_t
 _COLUMNS = ("requests", "prompt tokens", "completion tokens", "cached tokens", "energy (J)", "CO2 (g)")
 
 
-def _query(ledger: Ledger, sql: str, args: tuple = ()) -> list[tuple]:
-    with ledger.lock:
-        return ledger.db.execute(sql, args).fetchall()
-
-
 def dashboard_data(ledger: Ledger, store: TenantStore | None, router: RouterInfo | None) -> dict:
     names = {t.id: t.name for t in store.tenants()} if store is not None else {}
     tenants = [(_name(names, tid), *rest)
-               for tid, *rest in _query(ledger, f"SELECT tenant_id, {_TOTALS} FROM usage GROUP BY tenant_id")]
-    models = _query(ledger, f"SELECT COALESCE(served_model, '(none)'), {_TOTALS} FROM usage GROUP BY served_model")
+               for tid, *rest in query(ledger, f"SELECT tenant_id, {_TOTALS} FROM usage GROUP BY tenant_id")]
+    models = query(ledger, f"SELECT COALESCE(served_model, '(none)'), {_TOTALS} FROM usage GROUP BY served_model")
     since = time.time() - 86400
-    hourly = _query(ledger, "SELECT CAST(created_at / 3600 AS INTEGER), COALESCE(served_model, '(none)'), "
+    hourly = query(ledger, "SELECT CAST(created_at / 3600 AS INTEGER), COALESCE(served_model, '(none)'), "
                             "SUM(prompt_tokens + completion_tokens) FROM usage WHERE created_at >= ? "
                             "GROUP BY 1, 2 ORDER BY 1", (since,))
-    routed = dict(_query(ledger, "SELECT served_model, COUNT(*) FROM usage WHERE requested_model = 'auto' "
+    routed = dict(query(ledger, "SELECT served_model, COUNT(*) FROM usage WHERE requested_model = 'auto' "
                                  "GROUP BY served_model"))
     routing = per_tenant(ledger, router) if router is not None else []
     saved = [t.saved_j for t in routing if t.saved_j is not None]
@@ -118,8 +113,10 @@ def _routing(router: RouterInfo | None, rows: list[tuple[str, TenantRouting]]) -
     if router is None:
         return '<p id="router-off">model "auto" is off: the router\'s two models are not both served</p>'
     quality = router.quality
-    note = (f"cross-validated on {quality.get('prompts')} labelled prompts: APGR {quality['apgr']:.3f}, "
-            f"CPT(50%) {100 * quality['cpt50']:.1f}%" if "apgr" in quality else "no evaluation stored")
+    parts = [(name, q) for name, q in quality.items() if isinstance(q, dict)] + [("all", quality)]
+    note = (f"cross-validated by subject on {quality.get('prompts')} labelled prompts: " + "; ".join(
+        f"{name} APGR {q['apgr']:.3f}, CPT(50%) {100 * q['cpt50']:.1f}%" for name, q in parts)
+        if "apgr" in quality else "no evaluation stored")
     head = "".join(f"<th>{html.escape(c)}</th>" for c in _ROUTING)
     body = "".join(
         "<tr>" + "".join(f"<td>{v}</td>" for v in (

@@ -37,7 +37,7 @@ def form(text: str, tokens: list[str], ids: list[int]) -> list[float]:
     words = _WORD.findall(text)
     return [float(np.log1p(len(text))), float(np.log1p(len(stem))),
             float(np.log1p(np.mean([len(o) for o in options]))) if options else 0.0, float(len(options) >= 4),
-            sum(c.isdigit() for c in text) / n, sum(t.startswith("##") for t in tokens) / max(1, len(tokens)),
+            sum(map(str.isdigit, text)) / n, sum(t.startswith("##") for t in tokens) / max(1, len(tokens)),
             float(np.mean(np.log1p(ids))) if ids else 0.0,
             sum(w[0].isupper() for w in words) / max(1, len(words)), float(bool(_NEGATION.search(text))),
             float("Statement 1" in text), len(_SYMBOL.findall(text)) / n, float(bool(_YEAR.search(text))),

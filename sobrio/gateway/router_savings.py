@@ -47,21 +47,22 @@ class TenantRouting:
         return self.to_large / max(1, self.to_small + self.to_large)
 
 
-def _query(ledger: Ledger, sql: str, args: tuple = ()) -> list[tuple]:
+def query(ledger: Ledger, sql: str, args: tuple = ()) -> list[tuple]:
+    """One read of the ledger's database, under its lock (the dashboard's queries too)."""
     with ledger.lock:
         return ledger.db.execute(sql, args).fetchall()
 
 
 def joules_per_token(ledger: Ledger) -> dict[str, float]:
     """Each served model's measured (or estimated) joules per prompt+completion token, over all its requests."""
-    return dict(_query(ledger, "SELECT served_model, SUM(energy_j) / SUM(prompt_tokens + completion_tokens) "
+    return dict(query(ledger, "SELECT served_model, SUM(energy_j) / SUM(prompt_tokens + completion_tokens) "
                                "FROM usage WHERE energy_j IS NOT NULL AND prompt_tokens + completion_tokens > 0 "
                                "GROUP BY served_model"))
 
 
 def per_tenant(ledger: Ledger, info: RouterInfo) -> list[TenantRouting]:
     """One summary per tenant that sent model "auto" requests served by one of the router's two models."""
-    rows = _query(ledger, "SELECT tenant_id, served_model, COUNT(*), COALESCE(SUM(prompt_tokens + "
+    rows = query(ledger, "SELECT tenant_id, served_model, COUNT(*), COALESCE(SUM(prompt_tokens + "
                           "completion_tokens), 0), COALESCE(SUM(energy_j), 0) FROM usage WHERE requested_model = "
                           "'auto' AND served_model IN (?, ?) GROUP BY tenant_id, served_model",
                   (info.small, info.large))

@@ -178,3 +178,27 @@ def test_form_features_of_a_multiple_choice_question():
     assert row["log mean option chars"] == pytest.approx(np.log1p(np.mean([4, 5, 8, 5])))
     assert (row["multiple choice"], row["NOT/EXCEPT/LEAST"], row["has a year"], row["digit share"]) == (1, 1, 0, 0)
     assert 0 < row["continuation-piece share"] < 0.5
+
+
+def test_the_served_threshold_from_the_flags_or_the_router_table():
+    from types import SimpleNamespace
+
+    from sobrio.gateway.config import GatewayConfig, RouterSpec
+    from sobrio.server.app import _start_router
+
+    weights = router.RouterWeights.load()
+    served = SimpleNamespace(model_names=lambda: ["weak-m", "strong-m"])
+    table = GatewayConfig(router=RouterSpec(small="weak-m", large="strong-m", strong_share=0.2))
+
+    def started(threshold=None, share=None, gateway=table):
+        flags = SimpleNamespace(router_weights=None, router_threshold=threshold, router_strong_share=share)
+        return _start_router(flags, gateway, served)
+
+    assert started(threshold=0.9).threshold == 0.9
+    assert started(share=0.3).threshold == weights.threshold_for_share(0.3)
+    chosen = started()
+    assert chosen.threshold == weights.threshold_for_share(0.2) and chosen.weights.large == "strong-m"
+    assert started(gateway=GatewayConfig(router=RouterSpec(small="weak-m", large="strong-m"))).threshold == \
+        weights.threshold
+    assert started(gateway=GatewayConfig()) is None  # the weights' own two models are not served
+    assert weights.threshold == pytest.approx(weights.threshold_for_share(0.5))  # the shipped default: half

@@ -45,3 +45,17 @@ def test_a_question_without_a_prompt_is_refused(tmp_path, answer):
     data.write_text(json.dumps({"id": "x", "answer": answer}) + "\n")
     assert main(["router", "label", "--strong", "a", "--weak", "b", "--data", str(data),
                  "--out", str(tmp_path / "o.jsonl")]) == 2
+
+
+def test_a_model_with_a_remote_backend_is_asked_there(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from sobrio.gateway.router_label import Endpoint, endpoint
+
+    config = tmp_path / "gateway.toml"
+    config.write_text('[[models.big.remote]]\nurl = "http://10.0.0.7:8000/v1"\nmodel = "big-there"\n'
+                      'api_key_env = "BIG_KEY"\n')
+    monkeypatch.setenv("BIG_KEY", "k-1")
+    args = SimpleNamespace(config=str(config), url="http://127.0.0.1:9/v1", api_key_env=None)
+    assert endpoint("big", args) == Endpoint("http://10.0.0.7:8000/v1", "big-there", "k-1")
+    assert endpoint("small", args) == Endpoint("http://127.0.0.1:9/v1", "small", None)

@@ -8,7 +8,7 @@ import numpy as np
 from sobrio.gateway.router_data import LabelledSet
 from sobrio.gateway.router_metrics import bootstrap, curve, random_estimates
 
-_HEAD = f"{'router':14s}{'APGR':>22s}{'CPT(50%)':>24s}{'CPT(80%)':>24s}{'PGR@30%':>22s}"
+_HEAD = f"{'':14s}{'APGR':>22s}{'CPT(50%)':>24s}{'CPT(80%)':>24s}{'PGR@30%':>22s}"
 
 
 def baselines(data: LabelledSet) -> dict[str, np.ndarray]:

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from sobrio.gateway.router import read_set  # noqa: E402
+from sobrio.gateway.router_data import read_set  # noqa: E402
 from sobrio.gateway.tenants import TenantStore  # noqa: E402
 from tests.server.conftest import serving  # noqa: E402
 

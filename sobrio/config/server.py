@@ -99,6 +99,10 @@ class ServerConfig(Checked):
     router_threshold: float | None = flag(None, 'score from which model "auto" goes to the large model, in [0, 1]: '
                                                 "lower, more quality and more large calls (`sobrio router eval`); "
                                                 "default: the weights' own")
+    router_strong_share: float | None = flag(None, 'model "auto"\'s threshold as the share of prompts sent to the '
+                                                   "strong (large) model, in [0, 1]: the threshold that sent that "
+                                                   "share of the router's training prompts there (RouteLLM's "
+                                                   "calibration); default: --router-threshold, else the weights' own")
     agent_skills: str | None = flag(None, "the skills source (a folder, or REPO@COMMIT:PATH) that teams sent to "
                                           "POST /v1/agents/runs may use (unset: none)")
     db: str | None = flag(None, "the gateway's SQLite file: tenants, their keys (`sobrio admin`) and the usage ledger "
@@ -155,4 +159,6 @@ class ServerConfig(Checked):
         self._at_least(0, "default_max_tokens", "engine_restarts")
         self._require("shutdown_timeout", self.shutdown_timeout > 0, "> 0 seconds")
         self._require("router_threshold", self.router_threshold is None or 0 <= self.router_threshold <= 1,
+                      "in [0, 1]")
+        self._require("router_strong_share", self.router_strong_share is None or 0 <= self.router_strong_share <= 1,
                       "in [0, 1]")

@@ -18,7 +18,9 @@ One TOML file describes what `sobrio serve` offers: its top-level keys are the s
     [router]                         # model "auto": which two models, its weights and threshold
     small = "smollm2-135m"
     large = "gemma3-270m"
-    threshold = 0.5
+    threshold = 0.5                  # or: strong_share = 0.3 (the share of the training prompts sent to large)
+    small_usd_per_mtok = 0.6         # prices per million tokens (optional): the dashboard's cost saved
+    large_usd_per_mtok = 10.0
 
     [tenant_defaults]                # limits of every tenant that sets none of its own
     allowed_regions = ["EU"]
@@ -83,7 +85,10 @@ class RouterSpec:
     small: str | None = None
     large: str | None = None
     threshold: float | None = None
+    strong_share: float | None = None
     weights: str | None = None
+    small_usd_per_mtok: float | None = None  # prices per million tokens: the dashboard's cost saved
+    large_usd_per_mtok: float | None = None
 
 
 @dataclass(frozen=True)
@@ -104,6 +109,9 @@ def load_gateway_config(path: str | None) -> GatewayConfig:
     data = read_toml(path)
     models = _table(data, "models", path)
     router = _table(data, "router", path)
+    share = router.get("strong_share")
+    if share is not None and not (isinstance(share, (int, float)) and 0 <= share <= 1):
+        raise ConfigError(f"--config {path}: router: strong_share must be in [0, 1], not {share!r}", option="--config")
     return GatewayConfig(models={name: _model(name, spec, path) for name, spec in models.items()},
                          router=_build(RouterSpec, router, path, "router"),
                          tenant_defaults=_limits(_table(data, "tenant_defaults", path), path))

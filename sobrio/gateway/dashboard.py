@@ -1,13 +1,15 @@
 """`/dashboard`: one HTML page of what the ledger knows, for the operator (the server's `--api-key`, as a
 Bearer header or `?key=`). Per tenant and per model: requests, tokens, cached tokens, energy and CO2; tokens
-per hour over the last day; the router's split and the energy it saved against sending everything to the
-large model. Charts are SVG drawn here: no script, no build step, nothing fetched. Like the ledger, it holds
-no prompt or completion text."""
+per hour over the last day; the router's split, and per tenant the share each model served, the energy and
+cost saved against sending everything to the large model and the quality the router's evaluation expects.
+Charts are SVG drawn here: no script, no build step, nothing fetched. Like the ledger, it holds no prompt or
+completion text."""
 
 import html
 import time
 
 from sobrio.gateway.ledger import Ledger
+from sobrio.gateway.router_savings import RouterInfo, TenantRouting, per_tenant, query
 from sobrio.gateway.tenants import TenantStore
 
 _TOTALS = ("COUNT(*), COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(completion_tokens), 0), "
@@ -15,41 +17,26 @@ _TOTALS = ("COUNT(*), COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(completion_t
 _COLUMNS = ("requests", "prompt tokens", "completion tokens", "cached tokens", "energy (J)", "CO2 (g)")
 
 
-def _query(ledger: Ledger, sql: str, args: tuple = ()) -> list[tuple]:
-    with ledger.lock:
-        return ledger.db.execute(sql, args).fetchall()
-
-
-def dashboard_data(ledger: Ledger, store: TenantStore | None, router_models: tuple[str, str] | None) -> dict:
+def dashboard_data(ledger: Ledger, store: TenantStore | None, router: RouterInfo | None) -> dict:
     names = {t.id: t.name for t in store.tenants()} if store is not None else {}
-    tenants = [(names.get(tid, "(no tenant)" if tid is None else tid), *rest)
-               for tid, *rest in _query(ledger, f"SELECT tenant_id, {_TOTALS} FROM usage GROUP BY tenant_id")]
-    models = _query(ledger, f"SELECT COALESCE(served_model, '(none)'), {_TOTALS} FROM usage GROUP BY served_model")
+    tenants = [(_name(names, tid), *rest)
+               for tid, *rest in query(ledger, f"SELECT tenant_id, {_TOTALS} FROM usage GROUP BY tenant_id")]
+    models = query(ledger, f"SELECT COALESCE(served_model, '(none)'), {_TOTALS} FROM usage GROUP BY served_model")
     since = time.time() - 86400
-    hourly = _query(ledger, "SELECT CAST(created_at / 3600 AS INTEGER), COALESCE(served_model, '(none)'), "
+    hourly = query(ledger, "SELECT CAST(created_at / 3600 AS INTEGER), COALESCE(served_model, '(none)'), "
                             "SUM(prompt_tokens + completion_tokens) FROM usage WHERE created_at >= ? "
                             "GROUP BY 1, 2 ORDER BY 1", (since,))
-    routed = dict(_query(ledger, "SELECT served_model, COUNT(*) FROM usage WHERE requested_model = 'auto' "
+    routed = dict(query(ledger, "SELECT served_model, COUNT(*) FROM usage WHERE requested_model = 'auto' "
                                  "GROUP BY served_model"))
+    routing = per_tenant(ledger, router) if router is not None else []
+    saved = [t.saved_j for t in routing if t.saved_j is not None]
     return {"tenants": tenants, "models": models, "hourly": hourly, "routed": routed,
-            "saved_j": _router_savings(ledger, router_models)}
+            "saved_j": sum(saved) if saved else None, "router": router,
+            "routing": [(_name(names, t.tenant_id), t) for t in routing]}
 
 
-def _router_savings(ledger: Ledger, router_models: tuple[str, str] | None) -> float | None:
-    """Joules the routed requests served by the small model would have cost on the large one (each model's
-    measured joules per token), less what they cost."""
-    if router_models is None:
-        return None
-    per_token = dict(_query(ledger, "SELECT served_model, SUM(energy_j) / SUM(prompt_tokens + completion_tokens) "
-                                    "FROM usage WHERE energy_j IS NOT NULL AND prompt_tokens + completion_tokens > 0 "
-                                    "GROUP BY served_model"))
-    small, large = router_models
-    if small not in per_token or large not in per_token:
-        return None
-    tokens, joules = _query(ledger, "SELECT COALESCE(SUM(prompt_tokens + completion_tokens), 0), "
-                                    "COALESCE(SUM(energy_j), 0) FROM usage WHERE requested_model = 'auto' "
-                                    "AND served_model = ?", (small,))[0]
-    return tokens * per_token[large] - joules
+def _name(names: dict, tenant_id: str | None) -> str:
+    return names.get(tenant_id, "(no tenant)" if tenant_id is None else tenant_id)
 
 
 def render(data: dict) -> str:
@@ -71,6 +58,7 @@ td,th{{border:1px solid #ccc;padding:4px 10px;text-align:right}}th:first-child,t
 <h2>Router (model "auto")</h2>
 <p id="router-split">{html.escape(split)}</p>
 <p id="router-savings">Energy saved against always-large: {saved}</p>
+{_routing(data["router"], data["routing"])}
 </body></html>"""
 
 
@@ -114,3 +102,32 @@ def _hourly(rows: list[tuple]) -> str:
     legend = " ".join(f'<span style="color:{colors[j % len(colors)]}">&#9632; {html.escape(m)}</span>'
                       for j, m in enumerate(models))
     return f'<svg id="hourly-chart" width="490" height="160" role="img">{"".join(columns)}</svg><p>{legend}</p>'
+
+
+_ROUTING = ("tenant", "routed", "to small", "to large", "energy saved (J)", "cost saved (USD)",
+            "expected gap recovered")
+
+
+def _routing(router: RouterInfo | None, rows: list[tuple[str, TenantRouting]]) -> str:
+    """Per tenant: model "auto"'s split, what it saved against always-large, the quality it expects."""
+    if router is None:
+        return '<p id="router-off">model "auto" is off: the router\'s two models are not both served</p>'
+    quality = router.quality
+    parts = [(name, q) for name, q in quality.items() if isinstance(q, dict)] + [("all", quality)]
+    note = (f"cross-validated by subject on {quality.get('prompts')} labelled prompts: " + "; ".join(
+        f"{name} APGR {q['apgr']:.3f}, CPT(50%) {100 * q['cpt50']:.1f}%" for name, q in parts)
+        if "apgr" in quality else "no evaluation stored")
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in _ROUTING)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{v}</td>" for v in (
+            html.escape(name), t.to_small + t.to_large, f"{t.to_small} ({1 - t.large_share:.0%})",
+            f"{t.to_large} ({t.large_share:.0%})", _maybe(t.saved_j, "{:.1f}"), _maybe(t.saved_usd, "{:.4f}"),
+            _maybe(t.expected_pgr, "{:.0%}"))) + "</tr>" for name, t in rows)
+    return (f"<h3>Per tenant: {html.escape(router.small)} (small) and {html.escape(router.large)} (large)</h3>"
+            f'<table id="router-tenants"><tr>{head}</tr>{body}</table>'
+            f'<p id="router-quality">Router quality ({html.escape(note)}); expected gap recovered: the share of the '
+            "quality difference between the two models kept at that tenant's share of large calls.</p>")
+
+
+def _maybe(value: float | None, form: str) -> str:
+    return "n/a" if value is None else form.format(value)

@@ -36,6 +36,7 @@ class LedgerEntry:
     energy_j: float | None = None
     co2_g: float | None = None
     energy_source: str | None = None
+    router_score: float | None = None  # model "auto": the router's score for this request (served_model: its pick)
 
 
 COLUMNS = tuple(f.name for f in fields(LedgerEntry))
@@ -59,6 +60,10 @@ class Ledger:
         self.lock = threading.Lock()
         with self.lock:
             self.db.executescript(SCHEMA)
+            have = {row[1] for row in self.db.execute("PRAGMA table_info(usage)")}
+            for f in fields(LedgerEntry):  # a database written by an older sobrio: its new columns, empty
+                if f.name not in have:
+                    self.db.execute(f"ALTER TABLE usage ADD COLUMN {f.name} {_sql_type(f.type)}")
 
     def record(self, entry: LedgerEntry) -> None:
         row = asdict(entry)

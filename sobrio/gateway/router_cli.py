@@ -1,108 +1,117 @@
-"""`sobrio router train` and `sobrio router eval`: fit the difficulty classifier on the shipped labelled
-set's train split, and show on its held-out split what each threshold buys (gateway/router.py)."""
+"""`sobrio router train | score | eval | label`: fit the router on your own labels, score prompts with it,
+measure it as RouteLLM does (with the random, prompt-length and oracle baselines beside it), and make the
+labels by running your two models on a question set (gateway/router*.py, docs/router.md)."""
 
 import argparse
-import time
+import json
 from pathlib import Path
 
-THRESHOLDS = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
+DEFAULT_SHARE = 0.5
+RESAMPLES = 1000
 
 
 def add_router_parser(sub) -> None:
-    parser = sub.add_parser("router", help="train and evaluate model=\"auto\"'s difficulty classifier")
+    parser = sub.add_parser("router", help="train, score, evaluate and label for model=\"auto\"'s router")
     actions = parser.add_subparsers(dest="action", required=True)
-    train = actions.add_parser("train", help="fit it on sobrio/data/router_set.jsonl's train split")
+    train = actions.add_parser("train", help="fit the router on a labelled JSONL file (id, prompt, "
+                                             "strong_correct/weak_correct or strong_score/weak_score)")
+    train.add_argument("--data", required=True, help="the labelled file")
     train.add_argument("--out", default=None, help="weights file (default: the one sobrio ships, overwritten)")
-    train.add_argument("--threshold", type=float, default=0.5, help="the served default (default: 0.5)")
-    evaluate = actions.add_parser("eval", help="quality and share of large calls per threshold, APGR, on the "
-                                               "held-out split")
+    train.add_argument("--strong", default="gemma3-270m", help="the strong model's served name, written into "
+                       "the weights; [router] large in the gateway config overrides it (default: gemma3-270m)")
+    train.add_argument("--weak", default="smollm2-135m", help="the weak model's served name ([router] small "
+                       "overrides it; default: smollm2-135m)")
+    train.add_argument("--strong-share", type=float, default=DEFAULT_SHARE, help="the default threshold sends "
+                       "this share of the training prompts to the strong model (default: 0.5)")
+    train.add_argument("--folds", type=int, default=5, help="subject-grouped cross-validation folds whose "
+                       "metrics are stored with the weights (the dashboard's quality estimate); 0: none "
+                       "(default: 5)")
+    score = actions.add_parser("score", help="write one {\"id\", \"score\"} line per prompt (higher: needs "
+                                             "the strong model more)")
+    score.add_argument("--data", required=True, help="JSONL with id and prompt per line")
+    score.add_argument("--out", required=True, help="the scores file to write")
+    score.add_argument("--weights", default=None, help="weights file (default: the one sobrio ships)")
+    evaluate = actions.add_parser("eval", help="APGR, CPT(50%%), CPT(80%%), PGR at 30%% strong calls with "
+                                               "bootstrap 95%% CIs, beside random, prompt length and oracle")
+    evaluate.add_argument("--data", required=True, help="the labelled file")
+    evaluate.add_argument("--scores", default=None, help="a `sobrio router score` file (default: score the "
+                          "data with --weights)")
     evaluate.add_argument("--weights", default=None, help="weights file (default: the one sobrio ships)")
-    evaluate.add_argument("--plot", default=None, help="also draw the curve into this PNG")
+    evaluate.add_argument("--resamples", type=int, default=RESAMPLES, help="bootstrap resamples (default: 1000)")
+    evaluate.add_argument("--plot", default=None, help="also draw the curves into this PNG")
+    from sobrio.gateway.router_label import add_label_parser
+
+    add_label_parser(actions)
     parser.set_defaults(func=cmd_router)
 
 
 def cmd_router(args: argparse.Namespace) -> int:
-    return _train(args) if args.action == "train" else _evaluate(args)
+    from sobrio.gateway.router_data import RouterDataError
 
+    commands = {"train": _train, "score": _score, "eval": _evaluate}
+    try:
+        if args.action == "label":
+            from sobrio.gateway.router_label import cmd_label
 
-def _router():
-    """gateway/router.py, imported when a command runs (numpy, torch), not when the CLI is built."""
-    from sobrio.gateway import router
-
-    return router
+            return cmd_label(args)
+        return commands[args.action](args)
+    except (RouterDataError, ValueError) as exc:
+        print(f"sobrio router {args.action}: {exc}")
+        return 2
 
 
 def _train(args: argparse.Namespace) -> int:
-    router = _router()
-    rows = router.read_set("train")
-    embedder = router.open_embedder()
-    try:
-        x = router.embed_all(embedder, [r["prompt"] for r in rows])
-    finally:
-        embedder.shutdown()
-    y = router.labels(rows)
-    w, b = router.train(x, y)
-    small, large = rows[0]["small"], rows[0]["large"]
+    from sobrio.gateway import router
+    from sobrio.gateway.router_cv import cross_validate
+    from sobrio.gateway.router_data import read_labelled
+    from sobrio.gateway.router_features import PromptFeatures
+
+    data = read_labelled(args.data)
+    features = PromptFeatures().features(data.prompts)
+    weights = router.train(features, data.strong, data.weak, data.subjects, args.weak, args.strong,
+                           args.strong_share)
+    if args.folds:
+        weights.quality = cross_validate(data, features, args.folds)
+        print(f"subject-grouped {args.folds}-fold cross-validation: " + ", ".join(
+            f"{k} {v:.3f}" for k, v in weights.quality.items() if isinstance(v, float)))
     out = Path(args.out) if args.out else Path(router.__file__).parent.parent / "data" / router.DEFAULT_WEIGHTS
-    router.RouterWeights(small, large, args.threshold, b, [round(float(v), 6) for v in w]).save(out)
-    print(f"trained on {len(rows)} prompts ({int(y.sum())} worth the large model); weights in {out}")
+    weights.save(out)
+    print(f"trained on {len(data)} prompts; threshold {weights.threshold:.4f} sends {args.strong_share:.0%} of "
+          f"them to the strong model; weights in {out}")
+    return 0
+
+
+def _scores_of(prompts: list[str], weights_path: str | None):
+    from sobrio.gateway.router import RouterWeights
+    from sobrio.gateway.router_features import PromptFeatures
+
+    return RouterWeights.load(weights_path).scores(PromptFeatures().features(prompts))
+
+
+def _score(args: argparse.Namespace) -> int:
+    from sobrio.gateway.router_data import read_labelled
+
+    data = read_labelled(args.data, need_labels=False)
+    scores = _scores_of(data.prompts, args.weights)
+    with open(args.out, "w", encoding="utf-8") as f:
+        for i, s in zip(data.ids, scores):
+            f.write(json.dumps({"id": i, "score": round(float(s), 7)}) + "\n")
+    print(f"scored {len(data)} prompts into {args.out}")
     return 0
 
 
 def _evaluate(args: argparse.Namespace) -> int:
     import numpy as np
 
-    router = _router()
-    weights = router.RouterWeights.load(args.weights)
-    rows = router.read_set("heldout")
-    embedder = router.open_embedder()
-    try:
-        x = router.embed_all(embedder, [r["prompt"] for r in rows])
-        times = _decision_times(embedder, [r["prompt"] for r in rows[:200]])
-    finally:
-        embedder.shutdown()
-    scores = weights.scores(x)
-    q_small = np.mean([r["small_correct"] for r in rows])
-    q_large = np.mean([r["large_correct"] for r in rows])
-    print(f"held-out split: {len(rows)} prompts; small = {weights.small}, large = {weights.large}")
-    print(f"always small: quality {q_small:.1%}   always large: quality {q_large:.1%}")
-    print("threshold  to large  quality  gap recovered")
-    points = router.curve(rows, scores, THRESHOLDS)
-    for p in points:
-        pgr = (p.quality - q_small) / (q_large - q_small) if q_large > q_small else float("nan")
-        print(f"{p.threshold:9.2f}  {p.share_large:8.1%}  {p.quality:7.1%}  {pgr:13.1%}")
-    print(f"APGR (area under gap recovered vs share to large): {router.apgr(rows, scores):.3f} (random: 0.5)")
-    print(f"decision time per prompt, one at a time: p50 {np.percentile(times, 50) * 1e3:.1f} ms, "
-          f"p99 {np.percentile(times, 99) * 1e3:.1f} ms")
+    from sobrio.gateway.router_data import read_labelled, read_scores
+    from sobrio.gateway.router_report import plot_curves, print_block
+
+    data = read_labelled(args.data)
+    scores = (read_scores(args.scores, data.ids) if args.scores else _scores_of(data.prompts, args.weights))
+    sources = sorted(set(data.sources))
+    parts = [(s, np.array([x == s for x in data.sources])) for s in sources] if len(sources) > 1 else []
+    for name, keep in [*parts, ("all", np.ones(len(data), dtype=bool))]:
+        print_block(name, data.subset(keep), scores[keep], args.resamples)
     if args.plot:
-        _plot(rows, scores, q_small, q_large, Path(args.plot))
+        plot_curves(data, scores, Path(args.plot))
     return 0
-
-
-def _decision_times(embedder, texts: list[str]) -> list[float]:
-    """Seconds to embed and score one prompt, as a served request pays them."""
-    router, times = _router(), []
-    for text in texts:
-        start = time.perf_counter()
-        router.embed_all(embedder, [text])
-        times.append(time.perf_counter() - start)
-    return times
-
-
-def _plot(rows: list[dict], scores, q_small: float, q_large: float, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    router = _router()
-    points = router.curve(rows, scores, [float("inf"), *sorted(set(scores.tolist()), reverse=True)])
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([p.share_large for p in points], [p.quality for p in points], label="router")
-    ax.plot([0, 1], [q_small, q_large], "--", label="random split")
-    ax.set_xlabel("share of calls to the large model")
-    ax.set_ylabel("quality (held-out, share correct)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    print(f"curve drawn in {path}")

@@ -48,7 +48,8 @@ from sobrio.gateway.gate import bearer, cache_salt, kv_offload_policy, reserve_t
 from sobrio.gateway.ledger import Ledger, LedgerEntry
 from sobrio.gateway.proxy import BackendFailed, BackendTimeout, forward, payload_for
 from sobrio.gateway.regions import region_allowed, region_refusal
-from sobrio.gateway.router import Router, RouterWeights, open_embedder
+from sobrio.gateway.router import Router, RouterWeights
+from sobrio.gateway.router_savings import RouterInfo
 from sobrio.gateway.tenants import TenantStore, check_model_allowed
 from sobrio.loader.resolve import ALIASES, DEFAULT_MODELS, check_model_name, is_installed, resolve_model
 from sobrio.sample.params import SamplingParams
@@ -137,6 +138,7 @@ class OpenAIServer:
         self.log_requests = True  # --disable-log-requests: False
         self.ledger: Ledger | None = None  # run_server's: the gateway's usage ledger
         self.router: Router | None = None  # run_server's, when both of its models are served: model "auto"
+        self.router_info: RouterInfo | None = None  # its models, evaluation and prices, for the dashboard
         self.store: TenantStore | None = None  # run_server's: tenants (the dashboard names them)
         self.operator_key: str | None = None  # --api-key: opens /dashboard
         self.self_url: str | None = None  # run_server's loopback URL: sub-agents of /v1/agents/runs call it
@@ -241,11 +243,12 @@ class OpenAIServer:
         if self.router is None:
             raise InvalidRequestError('model "auto" needs the router, which needs both of its models served: '
                                       "sobrio serve smollm2-135m --model gemma3-270m", param="model")
-        chosen, score = await self.router.choose(text)
+        chosen, score = self.router.choose(text)
         state.response_headers = [(b"x-sobrio-routed-to", chosen.encode()),
                                   (b"x-sobrio-router-score", f"{score:.3f}".encode())]
         if getattr(state, "ledger", None) is not None:
             state.ledger.requested_model = "auto"
+            state.ledger.router_score = score
         return chosen
 
     def check_fanout(self, engine: EngineClient, num_prompts: int, n: int) -> None:
@@ -382,8 +385,7 @@ def create_app(engines: dict[str, EngineClient], limits: LimitsConfig | None = N
         given = key or bearer(request.headers.get("authorization", "").encode("latin-1"))
         if not hmac.compare_digest(given.encode(), server.operator_key.encode()):
             return error_response(401, "invalid or missing API key", "invalid_request_error", code="invalid_api_key")
-        models = (server.router.weights.small, server.router.weights.large) if server.router else None
-        return HTMLResponse(render_dashboard(dashboard_data(server.ledger, server.store, models)))
+        return HTMLResponse(render_dashboard(dashboard_data(server.ledger, server.store, server.router_info)))
 
     routes_tokenize.register(app, server)  # /tokenize, /detokenize, /v1/models/{id}, /ping
     agent_routes.register(app, server)  # /v1/agents/runs
@@ -561,7 +563,10 @@ def run_server(args) -> int:
     app.state.server.aliases = {alias: group[0] for group in names for alias in group[1:]}
     app.state.server.log_requests = not config.disable_log_requests
     app.state.server.add_backends(gateway)
-    app.state.server.router = _start_router(config, gateway, app.state.server)
+    app.state.server.router = router = _start_router(config, gateway, app.state.server)
+    if router is not None:
+        app.state.server.router_info = RouterInfo(router.weights.small, router.weights.large, router.weights.quality,
+                                                  gateway.router.small_usd_per_mtok, gateway.router.large_usd_per_mtok)
     stats = None if config.disable_log_stats else StatsLogger(engines)
     store = TenantStore(config.db)
     store.defaults = gateway.tenant_defaults
@@ -600,9 +605,6 @@ def run_server(args) -> int:
             stats.stop()
         for engine in engines.values():
             engine.shutdown()
-        router = app.state.server.router
-        if router is not None and router.embedder not in engines.values():
-            router.embedder.shutdown()
         store.close()
 
     server = _uvicorn_server(config, asgi, list(engines.values()))
@@ -614,18 +616,23 @@ def run_server(args) -> int:
 
 def _start_router(config: ServerConfig, gateway: GatewayConfig, server: OpenAIServer) -> Router | None:
     """Model "auto", when the served models (local or remote) include both of the router's: the weights'
-    own two, or the configuration's [router] small and large. Its sentence embedder loads here, or is a
-    served one."""
+    own two, or the configuration's [router] small and large. Its threshold: --router-threshold, else
+    --router-strong-share, else [router] threshold or strong_share, else the weights' own."""
     spec = gateway.router
     weights = RouterWeights.load(config.router_weights or spec.weights)
     weights = dataclasses.replace(weights, small=spec.small or weights.small, large=spec.large or weights.large)
     if not {weights.small, weights.large} <= set(server.model_names()):
         logger.info('model "auto" is off: the router needs %s and %s served', weights.small, weights.large)
         return None
-    with log_step(logger, 'starting the router for model "auto" (%s)', weights.embedder):
-        embedder = server.engines.get(weights.embedder) or open_embedder()
-    threshold = config.router_threshold if config.router_threshold is not None else spec.threshold
-    return Router(weights, embedder, threshold)
+    threshold = next((t for t in (config.router_threshold, _share_threshold(weights, config.router_strong_share),
+                                  spec.threshold, _share_threshold(weights, spec.strong_share)) if t is not None),
+                     None)
+    with log_step(logger, 'starting the router for model "auto" (%s and %s)', weights.small, weights.large):
+        return Router(weights, threshold=threshold)
+
+
+def _share_threshold(weights: RouterWeights, share: float | None) -> float | None:
+    return None if share is None else weights.threshold_for_share(share)
 
 
 def _uvicorn_server(config: ServerConfig, asgi, engines: list[EngineClient]):

@@ -337,7 +337,7 @@ def test_the_ledger_holds_only_the_allow_listed_columns_and_a_row_per_path(gatew
     assert columns == COLUMNS == (
         "request_id", "tenant_id", "created_at", "endpoint", "requested_model", "served_model", "backend",
         "prompt_tokens", "completion_tokens", "cached_tokens", "ttft_s", "duration_s", "status", "energy_j",
-        "co2_g", "energy_source")
+        "co2_g", "energy_source", "router_score")
     assert {200, 400, 403, 429} <= statuses
 
 

@@ -62,6 +62,7 @@ def test_the_example_file_in_docs_parses():
     example = Path(__file__).resolve().parents[2] / "docs" / "gateway.example.toml"
     config = load_gateway_config(str(example))
     assert config.local_models == ["smollm2-135m"] and len(config.models["gemma3-270m"].remotes) == 2
+    assert (config.router.strong_share, config.router.large_usd_per_mtok) == (0.3, 0.3)
 
 
 @pytest.mark.parametrize("text, message", [
@@ -71,6 +72,7 @@ def test_the_example_file_in_docs_parses():
     ("[[models.m.remote]]\nurl = 'http://x/v1'\nkind = 'tgi'\n", "kind must be one of"),
     ("[[models.m.remote]]\nurl = 'http://x/v1'\nregion = 'Atlantis'\n", "unknown region"),
     ("[tenant_defaults]\nrequests_per_minute = 0\n", "positive integer"),
+    ("[router]\nstrong_share = 1.5\n", "strong_share must be in [0, 1]"),
     ("[models\n", "not valid TOML"),
 ])
 def test_a_bad_file_is_a_config_error_that_names_the_problem(tmp_path, text, message):

@@ -8,6 +8,7 @@ from sobrio.config.model import QUANTIZATION_METHODS
 from sobrio.errors import InvalidRequestError
 from sobrio.models.gemma3 import Gemma3ForCausalLM
 from sobrio.models.llama import CausalLM, LlamaForCausalLM
+from sobrio.models.moe import MoeForCausalLM
 from sobrio.models.weights import Prequantized, PrequantizedWeight
 
 _BY_MODEL_TYPE = {
@@ -15,6 +16,9 @@ _BY_MODEL_TYPE = {
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,
+    "mixtral": MoeForCausalLM,
+    "qwen2_moe": MoeForCausalLM,
+    "qwen3_moe": MoeForCausalLM,
 }
 
 

@@ -1,0 +1,118 @@
+"""Mixture-of-experts feed-forward: a router picks `top_k` of `num_experts` gated FFNs per token, and the
+layer's output is their outputs weighted by the router's probabilities.
+
+Routing is the checkpoint's own rule (`route`): softmax over the router's logits in float32, the top k,
+then renormalised to sum to 1 where the model says so (Mixtral always; Qwen2/Qwen3-MoE `norm_topk_prob`).
+
+The experts' weights are stacked per layer (`FusedExperts`: gate/up [E, 2I, H], down [E, H, I]). A step's
+(token, expert) pairs are sorted by expert id, so each active expert's tokens are one contiguous run of
+rows and it computes them in one matmul pair; the Python loop runs over the experts, never the tokens.
+Each token's k outputs are then summed in ascending expert id, as transformers adds them.
+
+Quantized (`--quantization int8/int4`, `FusedExperts.quantize`), each expert's two matrices become the
+same modules a dense Linear becomes (`layers.quantization.quantized_linear`), so the experts run the
+dense kernels (VNNI, int8pack, int4pack), one call per active expert; the float stacks are dropped.
+"""
+
+import torch
+
+from sobrio.layers.activation import act_and_mul, activation_code
+from sobrio.layers.linear import invariant_linear, linear
+
+
+def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, expert ids [T, k] int64) of each token's k experts, in ascending expert id:
+    softmax in float32, top k, and with `normalize` the k weights divided by their sum."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, experts = probs.topk(top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    experts, order = experts.sort(dim=-1)
+    return weights.gather(-1, order), experts
+
+
+class FusedExperts(torch.nn.Module):
+    """`num_experts` gated FFNs (act(x Wg) * x Wu) Wd, their weights stacked: `gate_up_proj` [E, 2I, H]
+    (gate rows first, as `PackedLinear`'s shards: `shard_offsets`), `down_proj` [E, H, I]."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str):
+        super().__init__()
+        self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
+        self.gate_up_proj = torch.nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = torch.nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.shard_offsets = [(0, intermediate), (intermediate, intermediate)]
+        self.act_code = activation_code(act)
+        self.batch_invariant = False
+        self.quantized_gate_up: torch.nn.ModuleList | None = None  # per expert, set by `quantize`
+        self.quantized_down: torch.nn.ModuleList | None = None
+
+    def prepack(self, batch_invariant: bool = False) -> None:
+        """Choose the float matmul: the batch-invariant kernel, or `layers.linear.linear` (the C++ GEMV for a
+        few rows, aten's matmul past them). No packed copies: they would double the experts' memory, and at
+        decode most experts see one to four rows, where the GEMV reads the plain weight."""
+        self.batch_invariant = batch_invariant
+
+    def quantize(self, method: str, name: str) -> None:
+        """Each expert's matrices in the quantized form of a dense Linear (`quantized_linear`), the float
+        stacks dropped."""
+        from sobrio.layers.quantization import quantized_linear
+
+        self.quantized_gate_up = torch.nn.ModuleList(
+            quantized_linear(w, None, method, f"{name}.{e}.gate_up_proj") for e, w in enumerate(self.gate_up_proj))
+        self.quantized_down = torch.nn.ModuleList(
+            quantized_linear(w, None, method, f"{name}.{e}.down_proj", grouped_inputs=True)
+            for e, w in enumerate(self.down_proj))
+        self.gate_up_proj = self.down_proj = None
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert `e`'s FFN on its rows x [n, H]."""
+        if self.quantized_gate_up is not None:
+            return self.quantized_down[e](act_and_mul(self.quantized_gate_up[e](x), self.act_code))
+        matmul = invariant_linear if self.batch_invariant else linear
+        return matmul(act_and_mul(matmul(x, self.gate_up_proj[e]), self.act_code), self.down_proj[e])
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """x [T, H]; weights, experts [T, k] (`route`'s) -> sum over k of weight * expert(x), in x's dtype."""
+        tokens, k = experts.shape
+        flat = experts.reshape(-1)
+        order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        rows = x.index_select(0, order // k)
+        out = torch.empty_like(rows)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                out[start:start + n] = self.expert(e, rows[start:start + n])
+                start += n
+        slots = torch.empty_like(out).index_copy_(0, order, out).view(tokens, k, -1)
+        return _weighted_sum(slots, weights.to(x.dtype))
+
+
+def _weighted_sum(slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum_j weights[:, j] * slots[:, j], added in slot order (ascending expert id) as transformers does."""
+    total = slots[:, 0] * weights[:, :1]
+    for j in range(1, slots.shape[1]):
+        total += slots[:, j] * weights[:, j:j + 1]
+    return total
+
+
+class SparseMoE(torch.nn.Module):
+    """A router (`gate`, kept in float: a quantized router would move tokens to other experts), the routed
+    experts, and optionally Qwen2-MoE's shared expert, an always-on FFN scaled by sigmoid(shared_expert_gate)."""
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, normalize: bool, act: str,
+                 shared_expert: torch.nn.Module | None = None):
+        super().__init__()
+        self.top_k, self.normalize = top_k, normalize
+        self.gate = torch.nn.Linear(hidden, num_experts, bias=False)
+        self.experts = FusedExperts(num_experts, hidden, intermediate, act)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = None if shared_expert is None else torch.nn.Linear(hidden, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        weights, experts = route(self.gate(rows), self.top_k, self.normalize)
+        out = self.experts(rows, weights, experts)
+        if self.shared_expert is not None:
+            out += torch.sigmoid(self.shared_expert_gate(rows)) * self.shared_expert(rows)
+        return out.view(x.shape)

@@ -1,0 +1,102 @@
+"""Mixture-of-experts models (Mixtral, Qwen3-MoE, Qwen2-MoE with its shared expert) against transformers on
+tiny random-weight checkpoints it writes: routing and the expert FFNs alone, then greedy output token for
+token with chunked prefill and prefix caching on, whatever the batching."""
+
+import random
+
+import pytest
+import torch
+
+from sobrio import LLM, SamplingParams
+from sobrio.distributed.sharding import plan_shards
+from sobrio.errors import ConfigError
+from sobrio.layers.moe import FusedExperts, route
+from tests.conftest import engine_kwargs
+from tests.model.tiny_moe import CONFIGS, hf_greedy, write_checkpoint
+
+MAX_TOKENS = 20
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("moe")
+    return {model_type: str(write_checkpoint(model_type, root / model_type)) for model_type in CONFIGS}
+
+
+def prompts() -> list[list[int]]:
+    """Byte prompts of 1 to 150 tokens after BOS; the last two share a 96-token prefix (six 16-token blocks)."""
+    rng = random.Random(42)
+    shared = [rng.randrange(256) for _ in range(96)]
+    lengths = (0, 4, 23, 70, 150)
+    own = [[256] + [rng.randrange(256) for _ in range(n)] for n in lengths]
+    return own + [[256] + shared + [rng.randrange(256) for _ in range(n)] for n in (3, 17)]
+
+
+@pytest.mark.parametrize("model_type", list(CONFIGS))
+def test_greedy_matches_transformers(checkpoints, model_type):
+    """All prompts batched in chunks of 32 tokens, then again (prefix-cache hits): each continuation equals
+    transformers' on that prompt alone."""
+    folder = checkpoints[model_type]
+    llm = LLM(folder, **engine_kwargs(max_num_batched_tokens=32, block_size=16))
+    batch = prompts()
+    expected = [hf_greedy(folder, p, MAX_TOKENS) for p in batch]
+    for again in (False, True):
+        outputs = llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY, use_tqdm=False)
+        for prompt, output, want in zip(batch, outputs, expected):
+            assert output.outputs[0].token_ids == want, f"{model_type}: a prompt of {len(prompt)} tokens diverged"
+        cached = [o.num_cached_tokens for o in outputs]
+        assert cached[-1] >= 96 and (not again or cached == [(len(p) - 1) // 16 * 16 for p in batch])
+    pool = llm.engine.scheduler.pool
+    assert pool.num_free == pool.num_blocks  # nothing held
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_routing_and_experts_equal_transformers_modules(checkpoints, model_type):
+    """layers/moe.py's router and grouped experts against transformers' own modules on the same weights:
+    the top-k rule (Mixtral renormalises always, Qwen3-MoE per `norm_topk_prob`) and the weighted sum."""
+    from tests.model.tiny_moe import hf_model
+
+    block = hf_model(checkpoints[model_type]).model.layers[0].mlp
+    x = torch.randn(37, block.gate.weight.shape[1])
+    for normalize in (True, False):
+        if model_type == "mixtral" and not normalize:
+            continue
+        if model_type == "qwen3_moe":
+            block.gate.norm_topk_prob = normalize
+        _, hf_weights, hf_experts = block.gate(x)
+        weights, experts = route(x @ block.gate.weight.T, block.gate.top_k, normalize)
+        order = hf_experts.argsort(dim=-1)
+        assert torch.equal(experts, hf_experts.gather(-1, order))
+        torch.testing.assert_close(weights, hf_weights.float().gather(-1, order), rtol=0, atol=1e-6)
+    e, two_i, h = block.experts.gate_up_proj.shape
+    ours = FusedExperts(e, h, two_i // 2, "silu")
+    ours.gate_up_proj.data.copy_(block.experts.gate_up_proj.data)
+    ours.down_proj.data.copy_(block.experts.down_proj.data)
+    with torch.inference_mode():
+        torch.testing.assert_close(ours(x, weights, experts), block.experts(x, experts, weights),
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_tensor_parallelism_refuses_experts(checkpoints):
+    from transformers import AutoConfig
+
+    with pytest.raises(ConfigError, match="mixture-of-experts"):
+        plan_shards(AutoConfig.from_pretrained(checkpoints["qwen3_moe"]), 2)
+
+
+def test_dense_layers_and_refused_fields(tmp_path):
+    """Qwen3-MoE's `mlp_only_layers` / `decoder_sparse_step` make dense layers (built as such, output equal
+    to transformers); an activation without a kernel is refused by name at load."""
+    folder = str(write_checkpoint("qwen3_moe", tmp_path / "sparse", num_hidden_layers=4, decoder_sparse_step=2,
+                                  mlp_only_layers=[3]))
+    llm = LLM(folder, **engine_kwargs(max_num_batched_tokens=32))
+    layers = llm.engine.runner.model.model.layers
+    assert [type(layer.mlp).__name__ for layer in layers] == ["GatedMLP", "SparseMoE", "GatedMLP", "GatedMLP"]
+    prompt = prompts()[3]
+    out = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert out == hf_greedy(folder, prompt, MAX_TOKENS)
+    del llm
+    bad = str(write_checkpoint("mixtral", tmp_path / "relu", hidden_act="relu"))
+    with pytest.raises(ConfigError, match="hidden_act 'relu'"):
+        LLM(bad, **engine_kwargs())

@@ -100,3 +100,38 @@ def test_dense_layers_and_refused_fields(tmp_path):
     bad = str(write_checkpoint("mixtral", tmp_path / "relu", hidden_act="relu"))
     with pytest.raises(ConfigError, match="hidden_act 'relu'"):
         LLM(bad, **engine_kwargs())
+
+
+def text_logprobs(llm: LLM, text: str) -> tuple[list[dict[int, float]], list[int]]:
+    """At each position of `text` (one prompt): the five most likely next tokens' log-probabilities and the
+    token that came."""
+    out = llm.generate(text, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5), use_tqdm=False)[0]
+    return [{t: lp.logprob for t, lp in e.items()} for e in out.prompt_logprobs[1:]], out.prompt_token_ids[1:]
+
+
+@pytest.mark.parametrize("method, max_ratio, min_agree", [
+    ("int8", 0.01, 0.9),
+    pytest.param("int4", 0.05, 0.8, marks=pytest.mark.exhaustive),
+])
+def test_quantized_experts_stay_close_to_float(checkpoints, method, max_ratio, min_agree):
+    """`--quantization int8` puts each expert on the dense Linears' kernel (the same module class as o_proj's)
+    and drops the float stacks; on 600 bytes of the held-out text the perplexity stays within 1% of float and
+    the top token agrees at 90% of positions. Measured (2026-12-04, AMD EPYC Zen 4, VNNI kernels; Qwen2-MoE's
+    tiny checkpoint, weights 1 / sqrt(fan-in): a random network, so every rounding reaches the output):
+    int8 +0.2%, 0.97; int4 -1.4%, 0.89."""
+    from sobrio import data
+
+    folder, text = checkpoints["qwen2_moe"], data.read_text(data.HELDOUT)[:600]
+    kwargs = engine_kwargs(max_num_batched_tokens=64)
+    expected, ids = text_logprobs(LLM(folder, **kwargs), text)
+    llm = LLM(folder, quantization=method, **kwargs)
+    layer = llm.engine.runner.model.model.layers[0]
+    experts = layer.mlp.experts
+    assert experts.gate_up_proj is None and len(experts.quantized_down) == CONFIGS["qwen2_moe"]["num_experts"]
+    assert type(experts.quantized_gate_up[0]) is type(experts.quantized_down[0]) is type(layer.self_attn.o_proj)
+    got, _ = text_logprobs(llm, text)
+    nll = [-sum(lps[t] for lps, t in zip(run, ids)) / len(ids) for run in (expected, got)]
+    agree = sum(max(a, key=a.get) == max(b, key=b.get) for a, b in zip(expected, got)) / len(got)
+    ratio = float(torch.tensor(nll[1] - nll[0]).exp())
+    print(f"{method}: perplexity ratio {ratio:.4f}, top-1 agreement {agree:.3f}")
+    assert abs(ratio - 1) < max_ratio and agree >= min_agree

@@ -7,7 +7,7 @@ then renormalised to sum to 1 where the model says so (Mixtral always; Qwen2/Qwe
 The experts' weights are stacked per layer (`FusedExperts`: gate/up [E, 2I, H], down [E, H, I]). A step's
 (token, expert) pairs are sorted by expert id, so each active expert's tokens are one contiguous run of
 rows and it computes them in one matmul pair; the Python loop runs over the experts, never the tokens.
-Each token's k outputs are then summed in ascending expert id, as transformers adds them.
+Each token's k outputs are then summed in ascending expert id, the order transformers adds them in.
 
 Quantized (`--quantization int8/int4`, `FusedExperts.quantize`), each expert's two matrices become the
 same modules a dense Linear becomes (`layers.quantization.quantized_linear`), so the experts run the
@@ -89,11 +89,8 @@ class FusedExperts(torch.nn.Module):
 
 
 def _weighted_sum(slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """sum_j weights[:, j] * slots[:, j], added in slot order (ascending expert id) as transformers does."""
-    total = slots[:, 0] * weights[:, :1]
-    for j in range(1, slots.shape[1]):
-        total += slots[:, j] * weights[:, j:j + 1]
-    return total
+    """sum_j weights[:, j] * slots[:, j] ([T, k, H], [T, k] -> [T, H]), each token's sum in slot order."""
+    return (slots * weights[..., None]).sum(dim=1)
 
 
 class SparseMoE(torch.nn.Module):

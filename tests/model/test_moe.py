@@ -3,6 +3,7 @@ tiny random-weight checkpoints it writes: routing and the expert FFNs alone, the
 token with chunked prefill and prefix caching on, whatever the batching."""
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from sobrio.distributed.sharding import plan_shards
 from sobrio.errors import ConfigError
 from sobrio.layers.moe import FusedExperts, route
 from tests.conftest import engine_kwargs
-from tests.model.tiny_moe import CONFIGS, hf_greedy, write_checkpoint
+from tests.model.tiny_moe import CONFIGS, hf_greedy, write_checkpoint, write_gguf
 
 MAX_TOKENS = 20
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
@@ -76,6 +77,21 @@ def test_routing_and_experts_equal_transformers_modules(checkpoints, model_type)
     with torch.inference_mode():
         torch.testing.assert_close(ours(x, weights, experts), block.experts(x, experts, weights),
                                    rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_gguf_of_the_same_weights_matches_transformers(checkpoints, model_type, tmp_path, monkeypatch):
+    """The checkpoint written as a float32 GGUF with llama.cpp's names and metadata (Mixtral: `llama` with
+    experts, Q and K rows permuted; Qwen3-MoE: `qwen3moe`) answers as transformers does on the safetensors."""
+    monkeypatch.setenv("SOBRIO_CACHE", str(tmp_path / "cache"))  # the prepared folder: not the user's cache
+    folder = checkpoints[model_type]
+    path = write_gguf(Path(folder), tmp_path / f"{model_type}.gguf")
+    llm = LLM(str(path), **engine_kwargs(max_num_batched_tokens=32, block_size=16))
+    assert llm.engine.runner.model.config.model_type == model_type
+    batch = prompts()[2:5]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY, use_tqdm=False)
+    for prompt, output in zip(batch, outputs):
+        assert output.outputs[0].token_ids == hf_greedy(folder, prompt, MAX_TOKENS)
 
 
 def test_tensor_parallelism_refuses_experts(checkpoints):

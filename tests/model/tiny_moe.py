@@ -83,3 +83,93 @@ def hf_greedy(folder: str, prompt: list[int], max_new_tokens: int) -> list[int]:
         out = hf_model(folder).generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
                                         top_p=None, top_k=None, temperature=None)
     return out[0, len(prompt):].tolist()
+
+
+# Hugging Face name (after `model.layers.N.`) -> llama.cpp's (after `blk.N.`)
+_GGUF_LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+               "self_attn.k_norm": "attn_k_norm", "input_layernorm": "attn_norm",
+               "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp"}
+_GGUF_EXPERTS = {"w1": "ffn_gate_exps", "gate_proj": "ffn_gate_exps", "w3": "ffn_up_exps", "up_proj": "ffn_up_exps",
+                 "w2": "ffn_down_exps", "down_proj": "ffn_down_exps"}
+_GGUF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight"}
+
+
+def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's interleaving of a llama Q or K projection's rows (convert_hf_to_gguf's `permute`)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_tensors(folder: Path, arch: str, config) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors under llama.cpp's names, each layer's experts stacked [E, out, in]."""
+    import re
+
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    for name, tensor in load_file(folder / "model.safetensors").items():
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        if name in _GGUF_GLOBAL:
+            out[_GGUF_GLOBAL[name]] = tensor
+        elif m := re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight", name):
+            experts.setdefault((m.group(1), _GGUF_EXPERTS[m.group(3)]), {})[int(m.group(2))] = tensor
+        elif m := re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name):
+            if arch == "llama" and m.group(2) in ("self_attn.q_proj", "self_attn.k_proj"):
+                heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+                tensor = _permute(tensor, heads)
+            out[f"blk.{m.group(1)}.{_GGUF_LAYER[m.group(2)]}.{m.group(3)}"] = tensor
+    for (layer, part), by_expert in experts.items():
+        out[f"blk.{layer}.{part}.weight"] = torch.stack([by_expert[e] for e in sorted(by_expert)])
+    return out
+
+
+def write_gguf(folder: Path, path: Path) -> Path:
+    """The checkpoint in `folder` as a float32 GGUF with llama.cpp's names and metadata (Mixtral as `llama`
+    with experts, Qwen3-MoE as `qwen3moe`) and the byte tokenizer, written with the `gguf` package."""
+    import gguf
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    arch = {"mixtral": "llama", "qwen3_moe": "qwen3moe"}[config.model_type]
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_expert_count(getattr(config, "num_local_experts", None) or config.num_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    if arch == "qwen3moe":
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    _add_tokenizer(writer)
+    for name, tensor in gguf_tensors(folder, arch, config).items():
+        writer.add_tensor(name, tensor.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _add_tokenizer(writer) -> None:
+    """The byte tokenizer as llama.cpp's `gpt2` (byte-level BPE) model: 256 byte tokens, BOS and EOS, and one
+    merge (two spaces; transformers' reader wants one), token 258."""
+    tok = byte_tokenizer()
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    tokens = [t for t, _ in vocab] + ["ĠĠ"] + [f"[PAD{i}]" for i in range(len(vocab) + 1, VOCAB)]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * 256 + [3] * (len(tokens) - 256))
+    writer.add_token_merges(["Ġ Ġ"])
+    writer.add_bos_token_id(COMMON["bos_token_id"])
+    writer.add_eos_token_id(COMMON["eos_token_id"])

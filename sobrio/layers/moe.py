@@ -17,7 +17,15 @@ dense kernels (VNNI, int8pack, int4pack), one call per active expert; the float 
 import torch
 
 from sobrio.layers.activation import act_and_mul, activation_code
+from sobrio.layers.cpu_ops import cpu_ops, invariant_linear_available
 from sobrio.layers.linear import invariant_linear, linear
+
+GROUPED_MAX_ROWS = 4  # rows per active expert (on average) up to which the experts share one C++ call
+
+
+def expert_linear_available() -> bool:
+    """Whether the grouped expert matmul was built (the batch-invariant kernel's, AVX-512 or AVX2)."""
+    return invariant_linear_available() and hasattr(cpu_ops(), "expert_linear")
 
 
 def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,16 +84,30 @@ class FusedExperts(torch.nn.Module):
         tokens, k = experts.shape
         flat = experts.reshape(-1)
         order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        counts = torch.bincount(flat, minlength=self.num_experts)
         rows = x.index_select(0, order // k)
-        out = torch.empty_like(rows)
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
+        active = counts.nonzero().squeeze(1)
+        if self._grouped(rows, len(active)):
+            offsets = torch.nn.functional.pad(counts[active].cumsum(0), (1, 0))
+            ops = cpu_ops()
+            gate_up = ops.expert_linear(rows, self.gate_up_proj, active, offsets)
+            out = ops.expert_linear(act_and_mul(gate_up, self.act_code), self.down_proj, active, offsets)
+        else:
+            out = torch.empty_like(rows)
+            start = 0
+            for e, n in zip(active.tolist(), counts[active].tolist()):
                 out[start:start + n] = self.expert(e, rows[start:start + n])
                 start += n
         slots = torch.empty_like(out).index_copy_(0, order, out).view(tokens, k, -1)
         return _weighted_sum(slots, weights.to(x.dtype))
+
+    def _grouped(self, rows: torch.Tensor, active: int) -> bool:
+        """Whether every active expert runs in one C++ call (`expert_linear`): float weights, and few rows per
+        expert (decode), where one call per expert would cost more in calls than in reading its weights;
+        past `GROUPED_MAX_ROWS` an expert's rows take `layers.linear.linear` (oneDNN, aten), whose blocking
+        wins on long prompts."""
+        return (self.quantized_gate_up is None and rows.dtype in (torch.float32, torch.bfloat16)
+                and rows.shape[0] <= GROUPED_MAX_ROWS * active and expert_linear_available())
 
 
 def _weighted_sum(slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

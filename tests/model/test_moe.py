@@ -2,6 +2,7 @@
 tiny random-weight checkpoints it writes: routing and the expert FFNs alone, then greedy output token for
 token with chunked prefill and prefix caching on, whatever the batching."""
 
+import copy
 import random
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import torch
 from sobrio import LLM, SamplingParams
 from sobrio.distributed.sharding import plan_shards
 from sobrio.errors import ConfigError
+from sobrio.layers import moe
 from sobrio.layers.moe import FusedExperts, route
 from tests.conftest import engine_kwargs
 from tests.model.tiny_moe import CONFIGS, hf_greedy, write_checkpoint, write_gguf
@@ -58,7 +60,7 @@ def test_routing_and_experts_equal_transformers_modules(checkpoints, model_type)
     the top-k rule (Mixtral renormalises always, Qwen3-MoE per `norm_topk_prob`) and the weighted sum."""
     from tests.model.tiny_moe import hf_model
 
-    block = hf_model(checkpoints[model_type]).model.layers[0].mlp
+    block = copy.deepcopy(hf_model(checkpoints[model_type]).model.layers[0].mlp)  # the cached model stays as is
     x = torch.randn(37, block.gate.weight.shape[1])
     for normalize in (True, False):
         if model_type == "mixtral" and not normalize:
@@ -92,6 +94,24 @@ def test_gguf_of_the_same_weights_matches_transformers(checkpoints, model_type, 
     outputs = llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY, use_tqdm=False)
     for prompt, output in zip(batch, outputs):
         assert output.outputs[0].token_ids == hf_greedy(folder, prompt, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_call_for_all_experts_equals_one_call_each(monkeypatch, dtype):
+    """Decode's grouped path (every active expert in one C++ `expert_linear` call) against one matmul pair per
+    expert, the path of long prompts: the same rows within rounding (the kernels differ, not the math)."""
+    if not moe.expert_linear_available():
+        pytest.skip("the C++ operators were not built")
+    experts = moe.FusedExperts(8, 64, 32, "silu").to(dtype)
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0, 64 ** -0.5)
+        experts.down_proj.normal_(0, 32 ** -0.5)
+    x = torch.randn(5, 64).to(dtype)
+    weights, ids = route(torch.randn(5, 8), 3, True)
+    grouped = experts(x, weights, ids)
+    monkeypatch.setattr(moe, "GROUPED_MAX_ROWS", 0)
+    tolerance = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(grouped, experts(x, weights, ids), **tolerance)
 
 
 def test_tensor_parallelism_refuses_experts(checkpoints):

@@ -20,13 +20,14 @@ import torch
 
 from sobrio.config import SobrioConfig
 from sobrio.distributed.group import TPGroup, serve_store
-from sobrio.distributed.sharding import TPRank, plan_shards
+from sobrio.distributed.sharding import TPRank, plan_shards, refuse_experts
 from sobrio.distributed.worker import WorkerArgs
 from sobrio.engine.executor import Executor, ExecutorDeadError
 from sobrio.engine.model_runner import ModelRunner
 from sobrio.engine.scheduler import SchedulerOutput
 from sobrio.errors import ConfigError
 from sobrio.loader.load import LoadedModelFiles
+from sobrio.models.registry import family_of
 from sobrio.timing import log_step
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,11 @@ def check_supported(config: SobrioConfig, files: LoadedModelFiles) -> None:
     if spec.enabled and spec.get("method") != "ngram":
         raise ConfigError("with tensor parallelism only ngram speculation is supported (drafts of the model or "
                           "of heads would need every rank)", OPTION)
+    refuse_experts(files.config)  # before the family's reason below, which is about fused projections
+    family = family_of(files.config)
+    if not family.tensor_parallel:
+        raise ConfigError(f"tensor parallelism does not split {family.name} yet (its checkpoints store q/k/v and "
+                          f"gate/up fused)", OPTION)
     if config.cache_config.kv_offload_ram:
         raise ConfigError("--kv-offload-ram with tensor parallelism is not supported yet (each rank holds part of "
                           "each KV block)", OPTION)

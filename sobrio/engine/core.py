@@ -23,6 +23,7 @@ from sobrio.engine.scheduler import Scheduler, SchedulerOutput
 from sobrio.engine.stats import StepTokenCounts
 from sobrio.kv.offload import BlockCodec, open_offload
 from sobrio.loader.load import LoadedModelFiles, load_tokenizer
+from sobrio.models.registry import kv_window
 from sobrio.sample.params import SamplingParams
 from sobrio.sample.rejection import verify
 from sobrio.sample.sampler import SampledToken, Sampler
@@ -96,7 +97,7 @@ class EngineCore:
         tp = config.parallel_config.tensor_parallel_size > 1
         self.executor = TensorParallelExecutor(config, files) if tp else Executor(config, files)
         self.max_model_len = self.executor.max_model_len
-        self.scheduler = Scheduler(config, self.executor.num_blocks)
+        self.scheduler = Scheduler(config, self.executor.num_blocks, self._freeable_window(config))
         self.sampler = Sampler()
         self.step_tokens = StepTokenCounts()  # /metrics: iteration_tokens_total
         self.meter, self.flops = open_meter(), StepFlops(self.executor.runner.hf_config)  # engine/energy.py
@@ -120,6 +121,16 @@ class EngineCore:
                                  self.executor.draft, self.scheduler.kv.allocate_slots,
                                  self.executor.draft_eagle)
             self.speculator = Speculator(speculative, self.max_model_len, access)
+
+    def _freeable_window(self, config: SobrioConfig) -> int | None:
+        """The window behind which KV blocks may be freed during decode: the model's, when every layer has one
+        and no second cache shares the block tables (a draft model, an EAGLE head) and no prompt's blocks are
+        exported whole (disaggregated prefill)."""
+        runner = self.executor.runner
+        if getattr(runner, "draft_kv_cache", None) is not None or getattr(runner, "eagle", None) is not None \
+                or config.kv_transfer_config.enabled:
+            return None
+        return kv_window(runner.hf_config)
 
     # ---- requests in ----
     def add_request(self, creq: EngineCoreRequest) -> None:

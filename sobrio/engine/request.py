@@ -40,6 +40,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first schedule
     block_table: list[int] = field(default_factory=list)
+    num_freed_blocks: int = 0  # leading blocks of the table given back, behind every layer's sliding window
     block_hashes: list[bytes] = field(default_factory=list)  # of the full, computed blocks
     prompt_block_hashes: list[bytes] = field(default_factory=list)  # of every full block, set on admission
     status: RequestStatus = RequestStatus.WAITING

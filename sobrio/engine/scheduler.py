@@ -85,11 +85,13 @@ class PrefillSlots:
 
 
 class Scheduler:
-    def __init__(self, config: SobrioConfig, num_blocks: int):
+    def __init__(self, config: SobrioConfig, num_blocks: int, sliding_window: int | None = None):
+        """`sliding_window`: the widest window when every layer has one, so blocks behind it are freed as
+        requests advance (None: keep every block)."""
         self.config = config
         self.scheduler_config = config.scheduler_config  # read every step
         self.pool = BlockPool(num_blocks, config.cache_config.block_size, config.cache_config.enable_prefix_caching)
-        self.kv = KVCacheManager(self.pool)
+        self.kv = KVCacheManager(self.pool, sliding_window)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -132,6 +134,7 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
+            self.kv.free_outside_window(req)
             while not self.kv.allocate_slots(req, num_new):
                 if req.spec_token_ids:  # the drafts go before anyone is preempted
                     num_new -= len(req.spec_token_ids)

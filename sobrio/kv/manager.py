@@ -8,10 +8,13 @@ from sobrio.kv.prefix_cache import hash_block
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool):
+    def __init__(self, pool: BlockPool, sliding_window: int | None = None):
         self.pool = pool
         self.block_size = pool.block_size
         self.offload = None  # kv/offload.py's tiers behind the pool, when configured
+        # Every layer attends over at most this many positions (None: some layer sees the whole context):
+        # blocks wholly behind it are freed as a request advances (`free_outside_window`).
+        self.sliding_window = sliding_window
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -93,7 +96,22 @@ class KVCacheManager:
             self.offload.forget_tenant(salt)
         return self.pool.purge(salt)
 
+    def free_outside_window(self, req) -> None:
+        """Give back the blocks no layer will read again: every position below `num_computed_tokens - window
+        + 1`, the first key the next query (at `num_computed_tokens`) sees. Their ids stay in the table as
+        placeholders (positions index it), never read again: attention starts at the window (vLLM v1's
+        sliding-window manager does the same with a null block). A hashed block stays findable in the prefix
+        cache until it is reused, like any freed block."""
+        if self.sliding_window is None:
+            return
+        first_needed = max(0, req.num_computed_tokens - self.sliding_window + 1)
+        behind = min(first_needed // self.block_size, len(req.block_table))
+        if behind > req.num_freed_blocks:
+            self.pool.release(req.block_table[req.num_freed_blocks:behind])
+            req.num_freed_blocks = behind
+
     def free(self, req) -> None:
-        self.pool.release(req.block_table)
+        self.pool.release(req.block_table[req.num_freed_blocks:])
         req.block_table = []
         req.block_hashes = []
+        req.num_freed_blocks = 0

@@ -140,11 +140,12 @@ class ReferenceAttention(torch.nn.Module):
     ops = None  # the C++ operators, where a subclass loads them
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None, layer_idx: int = 0):
+                 sliding_window: int | None = None, layer_idx: int = 0, softcap: float | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+        self.softcap = softcap or None  # Gemma 2: scores become tanh(s / cap) * cap before the softmax
         self.layer_idx = layer_idx  # which of the step's KV cache layers is this one's
         # A module used alone (unit tests, benchmarks) may hold a cache of its own; a model's layers never
         # do: theirs comes with each step's metadata.
@@ -202,10 +203,26 @@ class ReferenceAttention(torch.nn.Module):
                 keys, values = k[s:e], v[s:e]
             else:
                 keys, values = self.gather(meta, meta.context_slots(i)[start:], q.dtype)
+            query = q[s:e].transpose(0, 1).unsqueeze(0)
+            if self.softcap is not None:  # SDPA has no softcap: the scores by hand
+                out[s:e] = self._capped(query, self._heads(keys), self._heads(values), mask, causal)[0].transpose(0, 1)
+                continue
             out[s:e] = F.scaled_dot_product_attention(
-                q[s:e].transpose(0, 1).unsqueeze(0), self._heads(keys), self._heads(values),
-                attn_mask=mask, is_causal=causal, scale=self.scale,
+                query, self._heads(keys), self._heads(values), attn_mask=mask, is_causal=causal, scale=self.scale,
             )[0].transpose(0, 1)
+
+    def _capped(self, q, k, v, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+        """Softcapped attention, [1, H, Lq, D], computed as transformers' eager path: scores in q's dtype,
+        the softmax in float32."""
+        scores = self.cap(torch.matmul(q, k.transpose(-1, -2)) * self.scale)
+        if causal:
+            mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril(k.shape[2] - q.shape[2])
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return torch.matmul(scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+    def cap(self, scores: torch.Tensor) -> torch.Tensor:
+        return scores if self.softcap is None else torch.tanh(scores / self.softcap) * self.softcap
 
     def gather(self, meta: AttentionMetadata, slots: torch.Tensor, dtype: torch.dtype):
         """Keys and values `[len(slots), Hkv, D]` of these slots, in `dtype` (a quantized cache dequantized)."""
@@ -249,7 +266,7 @@ class BatchedDecodeAttention(ReferenceAttention):
         keys, values = self.gather(meta, slots.view(-1), q.dtype)
         keys, values = keys.view(shape).transpose(1, 2), values.view(shape).transpose(1, 2)  # [Bd, Hkv, L, D]
         queries = q.view(bd, self.num_kv_heads, group, self.head_dim)  # head h reads kv head h // group
-        scores = torch.matmul(queries, keys.transpose(-1, -2)).float() * self.scale  # [Bd, Hkv, G, L]
+        scores = self.cap(torch.matmul(queries, keys.transpose(-1, -2)).float() * self.scale)  # [Bd, Hkv, G, L]
         probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1).to(q.dtype)
         return torch.matmul(probs, values).view(bd, self.num_heads, self.head_dim)
 
@@ -265,6 +282,8 @@ class CppPagedAttention(BatchedDecodeAttention):
         assert self.ops is not None, "the C++ operators did not build; use the batched backend"
 
     def forward(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+        if self.softcap is not None:  # the C++ kernel has no softcap: the batched PyTorch path
+            return super().forward(q, k, v, meta)
         self.write_cache(k, v, meta)
         decode = meta.decode_seqs()
         if decode is not None and len(decode[0]) == meta.num_seqs:  # a pure decode step (most): no scatter
@@ -298,6 +317,8 @@ class BatchInvariantAttention(ReferenceAttention):
 
         self.ops = load()
         assert self.ops is not None, "batch-invariant attention needs the C++ operators"
+        if self.softcap is not None:
+            raise NotImplementedError("batch-invariant attention has no logit softcapping (Gemma 2)")
 
     def forward(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
         self.write_cache(k, v, meta)

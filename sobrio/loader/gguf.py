@@ -39,6 +39,7 @@ _GEMMA3_LAYER_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+_PHI3_LAYER_NAMES = {**_LLAMA_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -60,6 +61,22 @@ def gguf_tokenizer(gguf_path: Path):
     return AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
 
 
+# general.architecture values whose GGUF files sobrio reads (docs/models.md's GGUF column)
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3")
+
+
+def check_architecture(gguf_path: Path) -> None:
+    """Refuse a GGUF of an architecture sobrio does not read, naming it, before transformers fails on it."""
+    from gguf import GGUFReader
+
+    from sobrio.errors import InvalidRequestError
+
+    arch = str(GGUFReader(str(gguf_path)).fields["general.architecture"].contents())
+    if arch not in GGUF_ARCHITECTURES:
+        raise InvalidRequestError(f"{gguf_path.name}: GGUF architecture {arch!r} (general.architecture) is not "
+                                  f"supported; supported: {', '.join(GGUF_ARCHITECTURES)}", "model")
+
+
 def prepared_folder(gguf_path: Path, prepare: bool = True) -> Path | None:
     """A folder with config.json and tokenizer files derived from the GGUF, made once and cached (with
     `prepare=False`: the folder if it is made already, else None)."""
@@ -71,15 +88,67 @@ def prepared_folder(gguf_path: Path, prepare: bool = True) -> Path | None:
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoTokenizer
 
+    check_architecture(gguf_path)
     tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")  # two processes may prepare at once
     tmp.mkdir(parents=True, exist_ok=True)
-    config = moe_config(gguf_path, AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name))
+    config = complete_config(AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name), gguf_path)
+    config = moe_config(gguf_path, config)
     config.save_pretrained(tmp)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     tokenizer.save_pretrained(tmp)
     save_file(dict(iter_gguf_weights(gguf_path, config)), str(tmp / "model.safetensors"))
     _move_into_place(tmp, folder)
     return folder
+
+
+# llama.cpp metadata (after `{arch}.`) that transformers' GGUF reader skips for some architectures -> config field
+_MISSED_FIELDS = {"attention.key_length": "head_dim", "attention.sliding_window": "sliding_window",
+                  "attn_logit_softcapping": "attn_logit_softcapping",
+                  "final_logit_softcapping": "final_logit_softcapping"}
+
+
+def complete_config(config, gguf_path: Path):
+    """The fields transformers' GGUF reader leaves at the class defaults although the file holds them (Qwen3's
+    head_dim, Gemma 2's softcaps and window, Phi-3's window, partial rotary and longrope factors): with the
+    defaults a model of other shapes would load wrong, or not at all."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf_path))
+    arch = str(reader.fields["general.architecture"].contents())
+    values = {key[len(arch) + 1:]: field.contents() for key, field in reader.fields.items()
+              if key.startswith(arch + ".")}
+    for key, name in _MISSED_FIELDS.items():
+        if key in values:
+            setattr(config, name, values[key])
+    scaling = values.get("rope.scaling.type", "none")
+    if scaling in ("linear", "yarn"):
+        params = dict(config.rope_parameters or {})
+        params.update(rope_type=scaling, factor=values["rope.scaling.factor"])
+        if "rope.scaling.original_context_length" in values:
+            params["original_max_position_embeddings"] = values["rope.scaling.original_context_length"]
+        config.rope_parameters = params
+    elif scaling != "none":
+        config.rope_parameters = {**(config.rope_parameters or {}), "rope_type": scaling}  # refused at load
+    if arch == "phi3":
+        _phi3_rope(config, values, {t.name: t for t in reader.tensors})
+    if arch == "gemma2":  # not in the file: llama.cpp takes the head size, and hidden / heads for the 27B
+        wide = config.num_hidden_layers == 46
+        config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads if wide else config.head_dim
+    return config
+
+
+def _phi3_rope(config, values: dict, tensors: dict) -> None:
+    """Phi-3's partial rotary (`rope.dimension_count`) and longrope factors (tensors `rope_factors_*`)."""
+    head_dim = config.hidden_size // config.num_attention_heads
+    params = dict(config.rope_parameters or {})
+    params["partial_rotary_factor"] = values.get("rope.dimension_count", head_dim) / head_dim
+    if "rope_factors_long.weight" in tensors:
+        original = values.get("rope.scaling.original_context_length", config.max_position_embeddings)
+        params.update(rope_type="longrope", original_max_position_embeddings=original,
+                      long_factor=tensors["rope_factors_long.weight"].data.tolist(),
+                      short_factor=tensors["rope_factors_short.weight"].data.tolist())
+        config.original_max_position_embeddings = original
+    config.rope_parameters = params
 
 
 def _move_into_place(tmp: Path, folder: Path) -> None:
@@ -100,7 +169,8 @@ def _hf_name(gguf_name: str, model_type: str) -> str | None:
     base, _, suffix = gguf_name.rpartition(".")
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
     if match:
-        table = _GEMMA3_LAYER_NAMES if model_type.startswith("gemma3") else _LLAMA_LAYER_NAMES
+        table = _GEMMA3_LAYER_NAMES if model_type.startswith("gemma") else \
+            _PHI3_LAYER_NAMES if model_type == "phi3" else _LLAMA_LAYER_NAMES
         part = table.get(match.group(2))
         return f"model.layers.{match.group(1)}.{part}.{suffix}" if part else None
     part = _GLOBAL_NAMES.get(base)

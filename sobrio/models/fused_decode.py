@@ -78,6 +78,9 @@ def _covered(layer: torch.nn.Module) -> bool:
     if type(layer) is not LlamaDecoderLayer or type(layer.self_attn) is not LlamaAttention \
             or type(layer.mlp) is not GatedMLP or type(layer.self_attn.attn) is not CppPagedAttention:
         return False
+    attn = layer.self_attn
+    if attn.q_norm is not None or attn.attn.softcap is not None or not attn.rotary.plain:
+        return False  # Qwen3's q/k norms, a softcap, a partial or interleaved rotary: the modules compute them
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
     return all(type(n) is RMSNorm for n in norms) and all(type(p) is VnniLinear for p in projections) \

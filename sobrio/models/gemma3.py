@@ -1,49 +1,45 @@
-"""Gemma 3 text: QK-norm, four norms per layer, sliding-window layers with their own RoPE base,
-scaled embeddings, GELU-tanh."""
+"""Gemma 2 and Gemma 3 text: four norms a layer, alternating sliding-window and global layers, scaled
+embeddings, GELU-tanh, `query_pre_attn_scalar`. Gemma 3 adds per-head q/k norms and a RoPE base per layer
+type; Gemma 2 caps the attention logits and the final logits (`attn_logit_softcapping`,
+`final_logit_softcapping`, the latter in `CausalLM.compute_logits`)."""
 
-import torch
 
 from sobrio.layers.attention import BatchedDecodeAttention, ReferenceAttention
 from sobrio.layers.norm import GemmaRMSNorm
 from sobrio.layers.rotary import RotaryEmbedding
-from sobrio.models.llama import CausalLM, DecoderModel, GatedMLP, LlamaAttention, head_dim_of
+from sobrio.models.llama import (
+    CausalLM,
+    DecoderModel,
+    LlamaAttention,
+    SandwichDecoderLayer,
+    dense_mlp,
+    head_dim_of,
+    layer_window,
+)
 
+GEMMA_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+               "post_feedforward_layernorm")
 
-class Gemma3Attention(LlamaAttention):
-    def __init__(self, config, rotary, sliding_window, attn_cls, layer_idx: int):
-        super().__init__(config, rotary, sliding_window, config.query_pre_attn_scalar ** -0.5, attn_cls, layer_idx)
-        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+class GemmaForCausalLM(CausalLM):
+    """Gemma 2 (`gemma2`) and Gemma 3 text (`gemma3_text`)."""
 
-    def qk_norm(self, q, k):
-        return self.q_norm(q), self.k_norm(k)
-
-
-class Gemma3DecoderLayer(torch.nn.Module):
-    def __init__(self, config, layer_type: str, rotary: RotaryEmbedding, attn_cls: type[ReferenceAttention],
-                 layer_idx: int):
-        super().__init__()
-        window = config.sliding_window if layer_type == "sliding_attention" else None
-        self.self_attn = Gemma3Attention(config, rotary, window, attn_cls, layer_idx)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_activation)
-        norm = lambda: GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.input_layernorm, self.post_attention_layernorm = norm(), norm()
-        self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
-
-    def forward(self, positions, x, residual, meta):
-        """Returns (this layer's output, the residual stream before it): the next norm adds them."""
-        x, residual = self.input_layernorm.add_and_norm(x, residual)
-        x = self.post_attention_layernorm(self.self_attn(positions, x, meta))
-        x, residual = self.pre_feedforward_layernorm.add_and_norm(x, residual)
-        return self.post_feedforward_layernorm(self.mlp(x)), residual
-
-
-class Gemma3ForCausalLM(CausalLM):
     def __init__(self, config, max_positions: int, attn_cls: type[ReferenceAttention] = BatchedDecodeAttention,
                  batch_invariant: bool = False):
         head_dim = head_dim_of(config)
-        rotary = {t: RotaryEmbedding(config, head_dim, max_positions, t) for t in set(config.layer_types)}
-        layers = [Gemma3DecoderLayer(config, t, rotary[t], attn_cls, i) for i, t in enumerate(config.layer_types)]
+        gemma3 = config.model_type.startswith("gemma3")
+        types = sorted(set(config.layer_types))
+        if gemma3:  # a RoPE base per layer type
+            rotary = {t: RotaryEmbedding(config, head_dim, max_positions, t) for t in types}
+        else:
+            rotary = dict.fromkeys(types, RotaryEmbedding(config, head_dim, max_positions))
+        switches = {"scale": config.query_pre_attn_scalar ** -0.5, "attn_cls": attn_cls,
+                    "qk_norm_cls": GemmaRMSNorm if gemma3 else None,
+                    "softcap": getattr(config, "attn_logit_softcapping", None)}
+        norm = lambda: GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)  # noqa: E731
+        layers = [SandwichDecoderLayer(LlamaAttention(config, rotary[t], layer_window(config, i), layer_idx=i,
+                                                      **switches),
+                                       dense_mlp(config, i), norm, GEMMA_NORMS)
+                  for i, t in enumerate(config.layer_types)]
         model = DecoderModel(config, layers, GemmaRMSNorm(config.hidden_size, config.rms_norm_eps))
         model.embed_scale = config.hidden_size ** 0.5
         super().__init__(config, model, batch_invariant)

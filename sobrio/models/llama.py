@@ -1,6 +1,7 @@
 """The Llama family (Llama, SmolLM2, Mistral, Qwen2): forward over the flattened tokens of a step."""
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -23,29 +24,49 @@ def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def layer_window(config, layer_idx: int) -> int | None:
+    """Layer `layer_idx`'s sliding window as transformers applies it: a config with `layer_types` (Qwen2's
+    `use_sliding_window` and `max_window_layers`, Qwen3, Gemma) windows its `sliding_attention` layers; one
+    without (Mistral, Phi-3) windows every layer when `sliding_window` is set."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if not window or types is None:
+        return window or None
+    return window if types[layer_idx] == "sliding_attention" else None
+
+
 class LlamaAttention(torch.nn.Module):
+    """Attention with the family switches: q/k/v and output biases, per-head q/k RMSNorm (Qwen3; Gemma 3's
+    norm class through `qk_norm_cls`), logit softcapping (Gemma 2), each layer's sliding window and the
+    rotary it is given (partial, interleaved or scaled)."""
+
     def __init__(self, config, rotary: RotaryEmbedding, sliding_window: int | None = None, scale=None,
-                 attn_cls: type[ReferenceAttention] = BatchedDecodeAttention, layer_idx: int = 0):
+                 attn_cls: type[ReferenceAttention] = BatchedDecodeAttention, layer_idx: int = 0,
+                 qkv_bias: bool | None = None, o_bias: bool | None = None,
+                 qk_norm_cls: type[RMSNorm] | None = None, softcap: float | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = head_dim_of(config)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
-        self.qkv_proj = PackedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=bias)
-        self.o_proj = Linear(q_size, config.hidden_size, bias=getattr(config, "attention_bias", False))
+        bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = PackedLinear(config.hidden_size, [q_size, kv_size, kv_size],
+                                     bias=bias if qkv_bias is None else qkv_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=bias if o_bias is None else o_bias)
         self.split = [q_size, kv_size, kv_size]
         self.rotary = rotary
+        self.q_norm = self.k_norm = None
+        if qk_norm_cls is not None:
+            self.q_norm = qk_norm_cls(self.head_dim, config.rms_norm_eps)
+            self.k_norm = qk_norm_cls(self.head_dim, config.rms_norm_eps)
         self.attn = attn_cls(self.num_heads, self.num_kv_heads, self.head_dim,
-                             scale or self.head_dim ** -0.5, sliding_window, layer_idx)
-
-    def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return q, k
+                             scale or self.head_dim ** -0.5, sliding_window, layer_idx, softcap=softcap)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.qk_norm(q, k)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         return self.o_proj(self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), meta))
 
@@ -71,12 +92,35 @@ class GatedMLP(torch.nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
+def dense_mlp(config, layer_idx: int) -> torch.nn.Module:
+    """The feed-forward block of a dense layer; a mixture-of-experts family passes its own `mlp` factory."""
+    return GatedMLP(config.hidden_size, config.intermediate_size,
+                    getattr(config, "hidden_activation", None) or config.hidden_act)
+
+
+MlpFactory = Callable[[object, int], torch.nn.Module]  # (config, layer index) -> the layer's feed-forward block
+
+
+def qwen3_attention(config) -> dict:
+    """LlamaAttention's switches for Qwen3 (and Qwen3-MoE): per-head q/k RMSNorm."""
+    return {"qk_norm_cls": RMSNorm}
+
+
+def llama_attention(config) -> dict:
+    """Qwen2 puts a bias on q/k/v (not the output) without saying so in its config, Qwen2-MoE where its
+    `qkv_bias` says; Llama, Mistral, Mixtral and Phi-3 follow `attention_bias`."""
+    if config.model_type == "qwen2_moe":
+        return {"qkv_bias": bool(getattr(config, "qkv_bias", True)), "o_bias": False}
+    return {"qkv_bias": True, "o_bias": False} if config.model_type == "qwen2" else {}
+
+
 class LlamaDecoderLayer(torch.nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding, attn_cls: type[ReferenceAttention], layer_idx: int):
+    def __init__(self, config, rotary: RotaryEmbedding, attn_cls: type[ReferenceAttention], layer_idx: int,
+                 mlp: MlpFactory = dense_mlp, attention: dict | None = None):
         super().__init__()
-        window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", False) else None
-        self.self_attn = LlamaAttention(config, rotary, window, attn_cls=attn_cls, layer_idx=layer_idx)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        self.self_attn = LlamaAttention(config, rotary, layer_window(config, layer_idx), attn_cls=attn_cls,
+                                        layer_idx=layer_idx, **(attention or {}))
+        self.mlp = mlp(config, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -86,6 +130,28 @@ class LlamaDecoderLayer(torch.nn.Module):
         x = self.self_attn(positions, x, meta)
         x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
         return self.mlp(x), residual
+
+
+class SandwichDecoderLayer(torch.nn.Module):
+    """Four norms a layer (Gemma 2 and 3, GLM-4): each block's output is normed again before the residual add.
+    `names`: the checkpoint's names of (the attention's input norm, its output norm, the MLP's input norm,
+    its output norm)."""
+
+    def __init__(self, attention: LlamaAttention, mlp: torch.nn.Module, norm: Callable[[], RMSNorm],
+                 names: tuple[str, str, str, str]):
+        super().__init__()
+        self.self_attn, self.mlp = attention, mlp
+        self.names = names
+        for name in names:
+            setattr(self, name, norm())
+
+    def forward(self, positions, x, residual, meta):
+        """Returns (this layer's output, the residual stream before it): the next norm adds them."""
+        attn_in, attn_out, mlp_in, mlp_out = (getattr(self, name) for name in self.names)
+        x, residual = attn_in.add_and_norm(x, residual)
+        x = attn_out(self.self_attn(positions, x, meta))
+        x, residual = mlp_in.add_and_norm(x, residual)
+        return mlp_out(self.mlp(x)), residual
 
 
 class DecoderModel(torch.nn.Module):
@@ -230,9 +296,16 @@ class CausalLM(torch.nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
+    """Llama, Mistral, Qwen2/2.5, Qwen3 and Phi-3 (whose fused `qkv_proj` and `gate_up_proj` are sobrio's own
+    packed modules, loaded as they are). A mixture-of-experts subclass sets `mlp_factory`."""
+
+    mlp_factory: MlpFactory = staticmethod(dense_mlp)
+
     def __init__(self, config, max_positions: int, attn_cls: type[ReferenceAttention] = BatchedDecodeAttention,
                  batch_invariant: bool = False):
         rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
-        layers = [LlamaDecoderLayer(config, rotary, attn_cls, i) for i in range(config.num_hidden_layers)]
+        attention = qwen3_attention(config) if config.model_type.startswith("qwen3") else llama_attention(config)
+        layers = [LlamaDecoderLayer(config, rotary, attn_cls, i, self.mlp_factory, attention)
+                  for i in range(config.num_hidden_layers)]
         model = DecoderModel(config, layers, RMSNorm(config.hidden_size, config.rms_norm_eps))
         super().__init__(config, model, batch_invariant)

@@ -1,5 +1,6 @@
 """Mixture-of-experts families on the Llama decoder: Mixtral (Llama attention), Qwen3-MoE (q/k RMSNorm per
-head) and Qwen2-MoE (q/k/v bias, a shared expert behind a sigmoid gate), their sparse FFN layers/moe.py's.
+head, Qwen3's attention switch) and Qwen2-MoE (q/k/v bias, a shared expert behind a sigmoid gate), their
+sparse FFN layers/moe.py's.
 
 Qwen's `decoder_sparse_step` and `mlp_only_layers` choose which layers are sparse; the others are dense
 `GatedMLP`s of `intermediate_size`. A field this file does not compute is refused at load (`check_config`).
@@ -8,13 +9,9 @@ Qwen's `decoder_sparse_step` and `mlp_only_layers` choose which layers are spars
 import torch
 
 from sobrio.errors import ConfigError
-from sobrio.layers.activation import ACTIVATIONS
 from sobrio.layers.attention import BatchedDecodeAttention, ReferenceAttention
 from sobrio.layers.moe import SparseMoE
-from sobrio.layers.norm import RMSNorm
-from sobrio.layers.rotary import RotaryEmbedding
-from sobrio.models.llama import CausalLM, DecoderModel, GatedMLP, LlamaAttention, LlamaDecoderLayer, head_dim_of
-from sobrio.models.weights import PackedLinear
+from sobrio.models.llama import GatedMLP, LlamaForCausalLM, dense_mlp
 
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
@@ -25,11 +22,9 @@ def num_experts(config) -> int:
 
 
 def check_config(config) -> None:
-    """Refuse, by name, what these modules do not compute: an activation without a kernel, more experts per
-    token than there are. (Training-only fields, router jitter and auxiliary losses, change nothing here.)"""
-    if config.hidden_act not in ACTIVATIONS:
-        raise ConfigError(f"{config.model_type}: hidden_act {config.hidden_act!r} is not supported (supported: "
-                          f"{', '.join(ACTIVATIONS)})", "--model")
+    """Refuse more experts per token than there are, by name (the registry's `check_config` refuses the fields
+    every family shares, the activation among them; training-only fields, router jitter and auxiliary
+    losses, change nothing here)."""
     if not 0 < config.num_experts_per_tok <= num_experts(config):
         raise ConfigError(f"{config.model_type}: num_experts_per_tok {config.num_experts_per_tok} does not fit "
                           f"{num_experts(config)} experts", "--model")
@@ -41,41 +36,10 @@ def is_sparse(config, layer_idx: int) -> bool:
     return layer_idx not in (getattr(config, "mlp_only_layers", None) or []) and (layer_idx + 1) % step == 0
 
 
-def sliding_window(config, layer_idx: int) -> int | None:
-    """The layer's attention window, or None: Qwen2-MoE's per `layer_types`, the others' `sliding_window`
-    (Qwen3-MoE's config leaves it None unless `use_sliding_window`)."""
-    window = getattr(config, "sliding_window", None) or None
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and layer_types[layer_idx] != "sliding_attention":
-        return None
-    return window
-
-
-class QkNormAttention(LlamaAttention):
-    """Qwen3's attention: an RMSNorm over each head's q and k before RoPE."""
-
-    def __init__(self, config, rotary, sliding_window, attn_cls, layer_idx: int):
-        super().__init__(config, rotary, sliding_window, attn_cls=attn_cls, layer_idx=layer_idx)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-
-    def qk_norm(self, q, k):
-        return self.q_norm(q), self.k_norm(k)
-
-
-def _attention(config, rotary: RotaryEmbedding, attn_cls: type[ReferenceAttention], layer_idx: int) -> LlamaAttention:
-    window = sliding_window(config, layer_idx)
-    if config.model_type == "qwen3_moe":
-        return QkNormAttention(config, rotary, window, attn_cls, layer_idx)
-    attn = LlamaAttention(config, rotary, window, attn_cls=attn_cls, layer_idx=layer_idx)
-    if getattr(config, "qkv_bias", False):  # Qwen2-MoE: biased q/k/v, unbiased o_proj
-        attn.qkv_proj = PackedLinear(config.hidden_size, attn.split, bias=True)
-    return attn
-
-
-def _mlp(config, layer_idx: int) -> torch.nn.Module:
+def moe_mlp(config, layer_idx: int) -> torch.nn.Module:
+    """Layer `layer_idx`'s feed-forward block: routed experts (with Qwen2-MoE's shared one), or dense."""
     if not is_sparse(config, layer_idx):
-        return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        return dense_mlp(config, layer_idx)
     shared = None
     if getattr(config, "shared_expert_intermediate_size", 0):
         shared = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size, config.hidden_act)
@@ -85,22 +49,13 @@ def _mlp(config, layer_idx: int) -> torch.nn.Module:
                      config.hidden_act, shared)
 
 
-class MoeDecoderLayer(LlamaDecoderLayer):
-    """Llama's pre-norm layer (its forward) with a sparse FFN, or a dense one where the config says."""
+class MoeForCausalLM(LlamaForCausalLM):
+    """Llama's decoder (Qwen3-MoE's q/k norm and Qwen2-MoE's q/k/v bias are its attention switches) with a
+    sparse FFN where the config says (`moe_mlp`)."""
 
-    def __init__(self, config, rotary: RotaryEmbedding, attn_cls: type[ReferenceAttention], layer_idx: int):
-        torch.nn.Module.__init__(self)
-        self.self_attn = _attention(config, rotary, attn_cls, layer_idx)
-        self.mlp = _mlp(config, layer_idx)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+    mlp_factory = staticmethod(moe_mlp)
 
-
-class MoeForCausalLM(CausalLM):
     def __init__(self, config, max_positions: int, attn_cls: type[ReferenceAttention] = BatchedDecodeAttention,
                  batch_invariant: bool = False):
         check_config(config)
-        rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
-        layers = [MoeDecoderLayer(config, rotary, attn_cls, i) for i in range(config.num_hidden_layers)]
-        model = DecoderModel(config, layers, RMSNorm(config.hidden_size, config.rms_norm_eps))
-        super().__init__(config, model, batch_invariant)
+        super().__init__(config, max_positions, attn_cls, batch_invariant)

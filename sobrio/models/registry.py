@@ -1,34 +1,107 @@
 """Map a Hugging Face architecture (or model_type) to sobrio's class."""
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 
 from sobrio.config.model import QUANTIZATION_METHODS
 from sobrio.errors import InvalidRequestError
-from sobrio.models.gemma3 import Gemma3ForCausalLM
-from sobrio.models.llama import CausalLM, LlamaForCausalLM
-from sobrio.models.moe import MoeForCausalLM
+from sobrio.layers.rotary import check_rope
+from sobrio.models.gemma3 import GemmaForCausalLM
+from sobrio.models.glm4 import Glm4ForCausalLM
+from sobrio.models.llama import ACTIVATIONS, CausalLM, LlamaForCausalLM, layer_window
+from sobrio.models.moe import MOE_MODEL_TYPES, MoeForCausalLM
 from sobrio.models.weights import Prequantized, PrequantizedWeight
 
-_BY_MODEL_TYPE = {
-    "llama": LlamaForCausalLM,
-    "mistral": LlamaForCausalLM,
-    "qwen2": LlamaForCausalLM,
-    "gemma3_text": Gemma3ForCausalLM,
-    "mixtral": MoeForCausalLM,
-    "qwen2_moe": MoeForCausalLM,
-    "qwen3_moe": MoeForCausalLM,
-}
+
+@dataclass(frozen=True)
+class Family:
+    """One supported family: what docs/models.md's table lists (tests/unit/test_models_doc.py reads one
+    against the other)."""
+
+    name: str
+    model_types: tuple[str, ...]  # config.json's model_type
+    architectures: tuple[str, ...]  # config.json's architectures
+    cls: type[CausalLM]
+    gguf: tuple[str, ...]  # llama.cpp's general.architecture names whose GGUF files sobrio reads
+    sliding_window: str  # which layers it windows (docs)
+    tensor_parallel: bool = True  # q/k/v and gate/up stored apart, as the rank sharding cuts them
 
 
-def model_class(config) -> type[CausalLM]:
-    cls = _BY_MODEL_TYPE.get(config.model_type)
-    if cls is None:
+FAMILIES = (
+    Family("Llama (Llama 2, 3, 3.x; SmolLM2)", ("llama",), ("LlamaForCausalLM",), LlamaForCausalLM, ("llama",),
+           "no"),
+    Family("Mistral", ("mistral",), ("MistralForCausalLM",), LlamaForCausalLM, ("llama",),
+           "every layer (`sliding_window`)"),
+    Family("Qwen2, Qwen2.5", ("qwen2",), ("Qwen2ForCausalLM",), LlamaForCausalLM, ("qwen2",),
+           "layers from `max_window_layers` on, with `use_sliding_window`"),
+    Family("Qwen3", ("qwen3",), ("Qwen3ForCausalLM",), LlamaForCausalLM, ("qwen3",),
+           "`layer_types` (`use_sliding_window`)"),
+    Family("Phi-3, Phi-3.5, Phi-4-mini", ("phi3",), ("Phi3ForCausalLM",), LlamaForCausalLM, ("phi3",),
+           "every layer (`sliding_window`)", tensor_parallel=False),
+    Family("Gemma 2", ("gemma2",), ("Gemma2ForCausalLM",), GemmaForCausalLM, ("gemma2",),
+           "alternate layers (`layer_types`)"),
+    Family("Gemma 3 (text)", ("gemma3_text",), ("Gemma3ForCausalLM",), GemmaForCausalLM, ("gemma3",),
+           "5 of 6 layers (`layer_types`)"),
+    Family("GLM-4", ("glm4",), ("Glm4ForCausalLM",), Glm4ForCausalLM, (), "no", tensor_parallel=False),
+    Family("Mixtral (mixture of experts)", ("mixtral",), ("MixtralForCausalLM",), MoeForCausalLM, ("llama",),
+           "every layer (`sliding_window`)", tensor_parallel=False),
+    Family("Qwen3-MoE", ("qwen3_moe",), ("Qwen3MoeForCausalLM",), MoeForCausalLM, ("qwen3moe",),
+           "every layer, with `use_sliding_window`", tensor_parallel=False),
+    Family("Qwen2-MoE, Qwen1.5-MoE (shared expert)", ("qwen2_moe",), ("Qwen2MoeForCausalLM",), MoeForCausalLM, (),
+           "layers from `max_window_layers` on, with `use_sliding_window`", tensor_parallel=False),
+)
+_BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
+LAYER_TYPES = ("sliding_attention", "full_attention")
+SOFTCAP_FAMILIES = ("gemma2", "gemma3_text")
+
+
+def family_of(config) -> Family:
+    family = _BY_MODEL_TYPE.get(config.model_type)
+    if family is None:
         raise InvalidRequestError(
             f"unsupported architecture {config.model_type!r}; supported: {', '.join(_BY_MODEL_TYPE)}"
         )
-    return cls
+    return family
+
+
+def model_class(config) -> type[CausalLM]:
+    family = family_of(config)
+    unknown = [a for a in getattr(config, "architectures", None) or () if a not in family.architectures]
+    if unknown:
+        raise InvalidRequestError(f"unsupported architecture {unknown[0]!r} (config field architectures); "
+                                  f"supported for {config.model_type}: {', '.join(family.architectures)}")
+    check_config(config)
+    return family.cls
+
+
+def kv_window(config) -> int | None:
+    """The widest sliding window when every layer has one (Mistral, Phi-3 with `sliding_window`): KV blocks
+    behind it are read by no layer and may be freed during decode. None when any layer attends globally."""
+    windows = [layer_window(config, i) for i in range(config.num_hidden_layers)]
+    return None if not windows or None in windows else max(windows)
+
+
+def check_config(config) -> None:
+    """Refuse, naming the field, a config value that transformers computes and sobrio does not: such a
+    checkpoint would load and answer wrong."""
+    check_rope(config)
+    refusals = {
+        "mlp_bias": bool(getattr(config, "mlp_bias", False)),
+        "use_bidirectional_attention": bool(getattr(config, "use_bidirectional_attention", False)),
+        "layer_types": any(t not in LAYER_TYPES for t in getattr(config, "layer_types", None) or ()),
+        "attn_logit_softcapping": config.model_type not in SOFTCAP_FAMILIES
+        and bool(getattr(config, "attn_logit_softcapping", None)),
+        "num_experts": config.model_type not in MOE_MODEL_TYPES
+        and bool(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)),
+    }
+    act_field = "hidden_activation" if getattr(config, "hidden_activation", None) else "hidden_act"
+    refusals[act_field] = getattr(config, act_field, "silu") not in ACTIVATIONS
+    for name, refused in refusals.items():
+        if refused:
+            raise InvalidRequestError(f"config field {name}={getattr(config, name, None)!r} is not supported "
+                                      f"for {config.model_type} (sobrio would compute it wrong)", name)
 
 
 def build_model(config, max_positions: int, weights, dtype: torch.dtype, attention_backend: str,

@@ -104,3 +104,17 @@ def test_fused_decode_stands_aside_where_it_does_not_cover(smollm2, monkeypatch)
     monkeypatch.delenv("SOBRIO_DISABLE_FUSED_DECODE")
     model.model.layers[3].mlp.down_proj.register_forward_hook(lambda *args: None)
     assert fused_decode.build(model) is None
+
+
+def test_fused_decode_honours_the_sliding_window(tmp_path) -> None:
+    """A windowed Mistral (int4, so on VNNI codes) decoding past its window: the fused decode's steps equal
+    the modules', whose windowed attention equals transformers (tests/model/test_families.py)."""
+    from tests.model.tiny_checkpoints import FAMILIES, WINDOW, prompt, write_checkpoint
+
+    folder = write_checkpoint(tmp_path, *FAMILIES["mistral-window"])
+    llm = LLM(str(folder), quantization="int4", **engine_kwargs(dtype="bfloat16", max_model_len=256))
+    assert [a.sliding_window for a in llm.engine.runner.model.attention_layers()] == [WINDOW, WINDOW]
+    pairs, calls = run_both_ways(llm, [prompt(3 * WINDOW), prompt(5, seed=2)], max_tokens=2 * WINDOW)
+    assert calls == len(pairs) >= 2 * WINDOW - 1
+    for hidden, reference_hidden, logits, reference_logits in pairs:
+        assert torch.equal(hidden, reference_hidden) and torch.equal(logits, reference_logits)

@@ -11,7 +11,7 @@ import torch
 
 from sobrio import LLM, SamplingParams
 from sobrio.distributed.sharding import plan_shards
-from sobrio.errors import ConfigError
+from sobrio.errors import ConfigError, InvalidRequestError
 from sobrio.layers import moe
 from sobrio.layers.moe import FusedExperts, route
 from tests.conftest import engine_kwargs
@@ -134,7 +134,7 @@ def test_dense_layers_and_refused_fields(tmp_path):
     assert out == hf_greedy(folder, prompt, MAX_TOKENS)
     del llm
     bad = str(write_checkpoint("mixtral", tmp_path / "relu", hidden_act="relu"))
-    with pytest.raises(ConfigError, match="hidden_act 'relu'"):
+    with pytest.raises(InvalidRequestError, match="hidden_act='relu'"):
         LLM(bad, **engine_kwargs())
 
 

@@ -8,7 +8,7 @@ import torch
 
 from sobrio.layers import smoothing
 from sobrio.layers.quantization import Outliers, QuantizedLinear, int8_mm, quantize_weight
-from sobrio.models.gemma3 import Gemma3ForCausalLM
+from sobrio.models.gemma3 import GemmaForCausalLM as Gemma3ForCausalLM
 from sobrio.models.llama import LlamaForCausalLM
 
 VOCAB, HIDDEN, TOKENS = 256, 64, 48

@@ -130,8 +130,13 @@ class SparseMoE(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        weights, experts = route(self.gate(rows), self.top_k, self.normalize)
+        weights, experts = route(self._linear(rows, self.gate), self.top_k, self.normalize)
         out = self.experts(rows, weights, experts)
         if self.shared_expert is not None:
-            out += torch.sigmoid(self.shared_expert_gate(rows)) * self.shared_expert(rows)
+            out += torch.sigmoid(self._linear(rows, self.shared_expert_gate)) * self.shared_expert(rows)
         return out.view(x.shape)
+
+    def _linear(self, rows: torch.Tensor, gate: torch.nn.Linear) -> torch.Tensor:
+        """A float gate's logits; with `--batch-invariant` by the kernel whose rows do not depend on the batch
+        (aten's may round a row differently with the batch, and move a token to another expert)."""
+        return invariant_linear(rows, gate.weight) if self.experts.batch_invariant else gate(rows)

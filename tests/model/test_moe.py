@@ -114,6 +114,21 @@ def test_one_call_for_all_experts_equals_one_call_each(monkeypatch, dtype):
     torch.testing.assert_close(grouped, experts(x, weights, ids), **tolerance)
 
 
+def test_batch_invariant_bf16_same_tokens_alone_and_batched(checkpoints):
+    """`batch_invariant=True` in bf16: each prompt's greedy tokens alone equal its tokens in one batch of all
+    (the router's logits too come from the batch-invariant kernel: a token's experts cannot change with the
+    batch)."""
+    if not moe.expert_linear_available():
+        pytest.skip("the C++ operators were not built")
+    llm = LLM(checkpoints["qwen2_moe"], **engine_kwargs(dtype="bfloat16", batch_invariant=True,
+                                                         max_num_batched_tokens=32))
+    batch = prompts()
+    alone = [llm.generate({"prompt_token_ids": p, "cache_salt": str(i)}, GREEDY, use_tqdm=False)[0]
+             for i, p in enumerate(batch)]
+    together = llm.generate([{"prompt_token_ids": p, "cache_salt": "batch"} for p in batch], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
+
+
 def test_tensor_parallelism_refuses_experts(checkpoints):
     from transformers import AutoConfig
 

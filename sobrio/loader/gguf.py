@@ -199,7 +199,7 @@ def iter_gguf_weights(gguf_path: Path, config, packed: bool = False) -> Iterator
         name = _hf_name(tensor.name, config.model_type)
         if name is None:
             continue
-        codes = _packed(tensor, name, config) if packed else None
+        codes = _packed(tensor, name, config) if packed and not name.endswith(".mlp.gate.weight") else None
         yield name, codes if codes is not None else _float_tensor(tensor, name, config)
 
 

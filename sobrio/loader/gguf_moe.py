@@ -10,7 +10,8 @@ llama.cpp stores a layer's experts as one 3-D tensor per matrix, `blk.N.ffn_{gat
 
 The experts are dequantized at load, also under `--quantization gguf`: no packed kernel takes a stacked
 expert tensor yet (each expert's matrix would need its own codes), so they are float in memory, as
-`--quantization int8/int4` can then quantize them.
+`--quantization int8/int4` can then quantize them. The router (`ffn_gate_inp`) is dequantized too, as
+`--quantization int8/int4` keeps it float (loader/gguf.py).
 """
 
 import re

@@ -150,7 +150,7 @@ def install_prequantized(model: CausalLM, prequantized: Prequantized, dtype: tor
         record = records[0] if len(records) == 1 else records[0].concat(records)
         if name == "model.embed_tokens":
             model.model.embed_tokens = _embedding(record, dtype)
-            if model.lm_head is None:
+            if model.config.tie_word_embeddings:  # not `lm_head is None`: an untied head's record may come first
                 model.quantized_lm_head = record.linear(None)
         elif name == "lm_head":
             model.quantized_lm_head, model.lm_head = record.linear(None), None

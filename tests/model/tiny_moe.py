@@ -125,9 +125,10 @@ def gguf_tensors(folder: Path, arch: str, config) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_gguf(folder: Path, path: Path) -> Path:
-    """The checkpoint in `folder` as a float32 GGUF with llama.cpp's names and metadata (Mixtral as `llama`
-    with experts, Qwen3-MoE as `qwen3moe`) and the byte tokenizer, written with the `gguf` package."""
+def write_gguf(folder: Path, path: Path, q8_0: bool = False) -> Path:
+    """The checkpoint in `folder` as a GGUF with llama.cpp's names and metadata (Mixtral as `llama` with
+    experts, Qwen3-MoE as `qwen3moe`) and the byte tokenizer, written with the `gguf` package: float32, or
+    with `q8_0` every matrix (and expert stack) in Q8_0 blocks."""
     import gguf
     from transformers import AutoConfig
 
@@ -152,7 +153,12 @@ def write_gguf(folder: Path, path: Path) -> Path:
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     _add_tokenizer(writer)
     for name, tensor in gguf_tensors(folder, arch, config).items():
-        writer.add_tensor(name, tensor.float().numpy())
+        values = tensor.float().numpy()
+        if q8_0 and values.ndim >= 2:
+            qtype = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(name, gguf.quantize(values, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, values)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -155,8 +155,11 @@ def test_q8_0_gguf_keeps_dense_blocks_packed_and_experts_float(checkpoints, tmp_
 
 
 def test_tensor_parallelism_refuses_experts(checkpoints):
+    """Refused by name before any rank starts, and by the rank plan itself."""
     from transformers import AutoConfig
 
+    with pytest.raises(ConfigError, match="mixture-of-experts models \\(mixtral\\)"):
+        LLM(checkpoints["mixtral"], **engine_kwargs(tensor_parallel_size=2))
     with pytest.raises(ConfigError, match="mixture-of-experts"):
         plan_shards(AutoConfig.from_pretrained(checkpoints["qwen3_moe"]), 2)
 

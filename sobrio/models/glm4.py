@@ -4,15 +4,7 @@
 from sobrio.layers.attention import BatchedDecodeAttention, ReferenceAttention
 from sobrio.layers.norm import RMSNorm
 from sobrio.layers.rotary import RotaryEmbedding
-from sobrio.models.llama import (
-    CausalLM,
-    DecoderModel,
-    LlamaAttention,
-    SandwichDecoderLayer,
-    dense_mlp,
-    head_dim_of,
-    layer_window,
-)
+from sobrio.models.llama import CausalLM, DecoderModel, head_dim_of, sandwich_layers
 
 GLM4_NORMS = ("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm")
 
@@ -21,10 +13,6 @@ class Glm4ForCausalLM(CausalLM):
     def __init__(self, config, max_positions: int, attn_cls: type[ReferenceAttention] = BatchedDecodeAttention,
                  batch_invariant: bool = False):
         rotary = RotaryEmbedding(config, head_dim_of(config), max_positions, interleaved=True)
-        norm = lambda: RMSNorm(config.hidden_size, config.rms_norm_eps)  # noqa: E731
-        layers = [SandwichDecoderLayer(LlamaAttention(config, rotary, layer_window(config, i), attn_cls=attn_cls,
-                                                      layer_idx=i, o_bias=False),
-                                       dense_mlp(config, i), norm, GLM4_NORMS)
-                  for i in range(config.num_hidden_layers)]
+        layers = sandwich_layers(config, lambda i: rotary, RMSNorm, GLM4_NORMS, attn_cls=attn_cls, o_bias=False)
         super().__init__(config, DecoderModel(config, layers, RMSNorm(config.hidden_size, config.rms_norm_eps)),
                          batch_invariant)

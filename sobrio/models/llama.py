@@ -154,6 +154,16 @@ class SandwichDecoderLayer(torch.nn.Module):
         return mlp_out(self.mlp(x)), residual
 
 
+def sandwich_layers(config, rotary_of: Callable[[int], RotaryEmbedding], norm_cls: type[RMSNorm],
+                    names: tuple[str, str, str, str], **switches) -> list[SandwichDecoderLayer]:
+    """Every layer of a four-norm family: layer i with rotary `rotary_of(i)`, its window, the attention
+    `switches` (LlamaAttention's keywords) and a dense MLP."""
+    norm = lambda: norm_cls(config.hidden_size, config.rms_norm_eps)  # noqa: E731
+    return [SandwichDecoderLayer(LlamaAttention(config, rotary_of(i), layer_window(config, i), layer_idx=i,
+                                                **switches), dense_mlp(config, i), norm, names)
+            for i in range(config.num_hidden_layers)]
+
+
 class DecoderModel(torch.nn.Module):
     """Embedding, layers, final norm; the `model.` prefix of Hugging Face names."""
 

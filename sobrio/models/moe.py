@@ -13,8 +13,6 @@ from sobrio.layers.attention import BatchedDecodeAttention, ReferenceAttention
 from sobrio.layers.moe import SparseMoE
 from sobrio.models.llama import GatedMLP, LlamaForCausalLM, dense_mlp
 
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
-
 
 def num_experts(config) -> int:
     """The routed experts of a layer: Mixtral's `num_local_experts`, Qwen's `num_experts`."""

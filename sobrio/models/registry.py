@@ -11,7 +11,7 @@ from sobrio.layers.rotary import check_rope
 from sobrio.models.gemma3 import GemmaForCausalLM
 from sobrio.models.glm4 import Glm4ForCausalLM
 from sobrio.models.llama import ACTIVATIONS, CausalLM, LlamaForCausalLM, layer_window
-from sobrio.models.moe import MOE_MODEL_TYPES, MoeForCausalLM
+from sobrio.models.moe import MoeForCausalLM
 from sobrio.models.weights import Prequantized, PrequantizedWeight
 
 
@@ -27,6 +27,7 @@ class Family:
     gguf: tuple[str, ...]  # llama.cpp's general.architecture names whose GGUF files sobrio reads
     sliding_window: str  # which layers it windows (docs)
     tensor_parallel: bool = True  # q/k/v and gate/up stored apart, as the rank sharding cuts them
+    experts: bool = False  # a mixture-of-experts family (its `cls` sets an `mlp_factory` of experts)
 
 
 FAMILIES = (
@@ -46,11 +47,11 @@ FAMILIES = (
            "5 of 6 layers (`layer_types`)"),
     Family("GLM-4", ("glm4",), ("Glm4ForCausalLM",), Glm4ForCausalLM, (), "no", tensor_parallel=False),
     Family("Mixtral (mixture of experts)", ("mixtral",), ("MixtralForCausalLM",), MoeForCausalLM, ("llama",),
-           "every layer (`sliding_window`)", tensor_parallel=False),
+           "every layer (`sliding_window`)", tensor_parallel=False, experts=True),
     Family("Qwen3-MoE", ("qwen3_moe",), ("Qwen3MoeForCausalLM",), MoeForCausalLM, ("qwen3moe",),
-           "every layer, with `use_sliding_window`", tensor_parallel=False),
+           "every layer, with `use_sliding_window`", tensor_parallel=False, experts=True),
     Family("Qwen2-MoE, Qwen1.5-MoE (shared expert)", ("qwen2_moe",), ("Qwen2MoeForCausalLM",), MoeForCausalLM, (),
-           "layers from `max_window_layers` on, with `use_sliding_window`", tensor_parallel=False),
+           "layers from `max_window_layers` on, with `use_sliding_window`", tensor_parallel=False, experts=True),
 )
 _BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -72,7 +73,7 @@ def model_class(config) -> type[CausalLM]:
     if unknown:
         raise InvalidRequestError(f"unsupported architecture {unknown[0]!r} (config field architectures); "
                                   f"supported for {config.model_type}: {', '.join(family.architectures)}")
-    check_config(config)
+    check_config(config, family)
     return family.cls
 
 
@@ -83,7 +84,7 @@ def kv_window(config) -> int | None:
     return None if not windows or None in windows else max(windows)
 
 
-def check_config(config) -> None:
+def check_config(config, family: Family) -> None:
     """Refuse, naming the field, a config value that transformers computes and sobrio does not: such a
     checkpoint would load and answer wrong."""
     check_rope(config)
@@ -93,7 +94,7 @@ def check_config(config) -> None:
         "layer_types": any(t not in LAYER_TYPES for t in getattr(config, "layer_types", None) or ()),
         "attn_logit_softcapping": config.model_type not in SOFTCAP_FAMILIES
         and bool(getattr(config, "attn_logit_softcapping", None)),
-        "num_experts": config.model_type not in MOE_MODEL_TYPES
+        "num_experts": not family.experts
         and bool(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)),
     }
     act_field = "hidden_activation" if getattr(config, "hidden_activation", None) else "hidden_act"
@@ -113,6 +114,9 @@ def build_model(config, max_positions: int, weights, dtype: torch.dtype, attenti
 
     if batch_invariant:
         check_batch_invariant(attention_backend)
+        if getattr(config, "attn_logit_softcapping", None):
+            raise InvalidRequestError("batch_invariant cannot be used with an attention logit softcap "
+                                      "(config field attn_logit_softcapping): its kernel has none", "batch_invariant")
     attn_cls = BatchInvariantAttention if batch_invariant else resolve_backend(attention_backend)
     with torch.device("cpu"), _parameters_not_initialized():
         model = model_class(config)(config, max_positions, attn_cls, batch_invariant=batch_invariant)

@@ -171,3 +171,9 @@ def test_every_attention_backend_honours_the_window(name, backend, tmp_path):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     for p, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(folder, p, MAX_TOKENS), f"{name}, {backend}: {len(p)} tokens"
+
+
+def test_batch_invariance_refuses_an_attention_softcap(tmp_path):
+    folder = write_checkpoint(tmp_path, *FAMILIES["gemma2-softcap"])
+    with pytest.raises(ValueError, match="attn_logit_softcapping"):
+        LLM(str(folder), **engine_kwargs(max_model_len=256, batch_invariant=True))

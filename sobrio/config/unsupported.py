@@ -18,7 +18,8 @@ class UnsupportedConfig(Checked):
     revision: str | None = unsupported(None, "model revisions (models resolve offline, from local files)")
     enable_lora: bool = unsupported(False, "LoRA adapters")
     lora_modules: list[str] | None = unsupported(None, "LoRA adapters", nargs="+")
-    enable_expert_parallel: bool = unsupported(False, "expert parallelism (no mixture-of-experts models)")
+    enable_expert_parallel: bool = unsupported(False, "expert parallelism (a mixture of experts runs all its "
+                                                      "experts in one process)")
     kv_events_config: str | None = unsupported(None, "KV-cache events")
     cpu_offload_gb: float = unsupported(0.0, "weight offloading (the weights are in CPU memory already)")
     enable_sleep_mode: bool = unsupported(False, "sleep mode")

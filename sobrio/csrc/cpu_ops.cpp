@@ -270,6 +270,62 @@ torch::Tensor invariant_linear(torch::Tensor x, torch::Tensor w, c10::optional<t
   return x;
 }
 
+#if defined(SOBRIO_LINEAR)
+// Routed experts (layers/moe.py): x's rows come grouped by expert, group g = rows offsets[g] .. offsets[g+1]
+// through expert ids[g]'s weight w[ids[g]] ([E, N, K]). Every group's blocks of weight rows share one parallel
+// region: a decode step's 8-80 small matmuls per layer were as many regions (and Python calls) before. Each
+// row's result is the batch-invariant kernel's, whatever the group sizes.
+template <class Dot>
+torch::Tensor expert_linear_run(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& ids,
+                                const torch::Tensor& offsets) {
+  using T = typename Dot::T;
+  auto xc = x.contiguous();
+  const int64_t groups = ids.size(0), N = w.size(1), K = w.size(2);
+  auto y = torch::empty({xc.size(0), N}, x.options());
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  const int64_t block = std::max<int64_t>(16, (256 << 10) / (K * static_cast<int64_t>(sizeof(T))));
+  const int64_t blocks = (N + block - 1) / block;
+  const T* xp = xc.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  T* yp = y.data_ptr<T>();
+  at::parallel_for(0, groups * blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t g = item / blocks, n0 = (item % blocks) * block, rows = off[g + 1] - off[g];
+      if (rows > 0)
+        linear_block<Dot>(xp + off[g] * K, wp + id[g] * N * K, nullptr, yp + off[g] * N, rows, N, K, n0,
+                          std::min(N, n0 + block));
+    }
+  });
+  return y;
+}
+#endif
+
+torch::Tensor expert_linear(torch::Tensor x, torch::Tensor w, torch::Tensor ids, torch::Tensor offsets) {
+  TORCH_CHECK(invariant_linear_supported(), "expert_linear needs AVX-512 (F, BW, VL) or AVX2 with FMA");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type() && x.dim() == 2 && w.dim() == 3 && w.is_contiguous() &&
+                  x.size(1) == w.size(2), "expert_linear: x [R, K], w [E, N, K] contiguous, one dtype");
+  TORCH_CHECK(ids.scalar_type() == at::kLong && offsets.scalar_type() == at::kLong && ids.is_contiguous() &&
+                  offsets.is_contiguous() && offsets.numel() == ids.numel() + 1, "ids [G], offsets [G + 1]: int64");
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  TORCH_CHECK(off[0] == 0 && off[ids.numel()] == x.size(0), "offsets: 0 .. rows of x");
+  for (int64_t g = 0; g < ids.numel(); ++g)
+    TORCH_CHECK(id[g] >= 0 && id[g] < w.size(0) && off[g] <= off[g + 1], "expert id or offsets out of range");
+#if defined(SOBRIO_LINEAR)
+  switch (x.scalar_type()) {
+    case at::kFloat: return expert_linear_run<LaneDot<float>>(x, w, ids, offsets);
+#if defined(__AVX512BF16__)
+    case at::kBFloat16: return expert_linear_run<PairDotBf16>(x, w, ids, offsets);
+#else
+    case at::kBFloat16: return expert_linear_run<LaneDot<c10::BFloat16>>(x, w, ids, offsets);
+#endif
+    default: TORCH_CHECK(false, "expert_linear takes float32 or bf16");
+  }
+#endif
+  return x;
+}
+
 // ---------------------------------------------------------------------------------------------------
 // RMSNorm over the last dimension. Llama (offset 0): w * bf16(x / rms) with the product rounded once,
 // as `weight * x.to(dtype)`. Gemma (offset 1): (x / rms) * (1 + w) in float32, rounded once.
@@ -623,6 +679,8 @@ void register_cpu_ops(pybind11::module& m) {
   m.def("invariant_linear_supported", &invariant_linear_supported, "whether invariant_linear was built (AVX-512 or AVX2)");
   m.def("invariant_linear", &invariant_linear, "x @ w.T (+ bias), each row's result independent of the others",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
+  m.def("expert_linear", &expert_linear, "rows grouped by expert, each group @ its expert's weight.T",
+        py::arg("x"), py::arg("w"), py::arg("ids"), py::arg("offsets"));
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally adding x into residual first");
   m.def("rotary_embedding", &rotary_embedding, "rotate-half RoPE in place");
   m.def("act_and_mul", &act_and_mul, "silu(gate)*up (0) or gelu_tanh(gate)*up (1)");

@@ -43,8 +43,17 @@ def _runs(total: int, parts: int) -> list[range]:
     return [range(starts[i], starts[i + 1]) for i in range(parts)]
 
 
+def refuse_experts(config) -> None:
+    """A ConfigError for a mixture of experts: no rank splits its experts yet."""
+    if getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None):
+        raise ConfigError(f"tensor parallelism does not split mixture-of-experts models ({config.model_type}) "
+                          f"yet: run it with {OPTION} 1", OPTION)
+
+
 def plan_shards(config, size: int) -> list[RankShard]:
-    """Every rank's share of a model of this Hugging Face config; a ConfigError when its heads cannot be split."""
+    """Every rank's share of a model of this Hugging Face config; a ConfigError when its heads cannot be split,
+    or when it is a mixture of experts (`refuse_experts`)."""
+    refuse_experts(config)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     group = heads // kv_heads
     if kv_heads >= size:

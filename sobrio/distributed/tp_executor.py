@@ -20,7 +20,7 @@ import torch
 
 from sobrio.config import SobrioConfig
 from sobrio.distributed.group import TPGroup, serve_store
-from sobrio.distributed.sharding import TPRank, plan_shards
+from sobrio.distributed.sharding import TPRank, plan_shards, refuse_experts
 from sobrio.distributed.worker import WorkerArgs
 from sobrio.engine.executor import Executor, ExecutorDeadError
 from sobrio.engine.model_runner import ModelRunner
@@ -46,6 +46,7 @@ def check_supported(config: SobrioConfig, files: LoadedModelFiles) -> None:
     if spec.enabled and spec.get("method") != "ngram":
         raise ConfigError("with tensor parallelism only ngram speculation is supported (drafts of the model or "
                           "of heads would need every rank)", OPTION)
+    refuse_experts(files.config)  # before the family's reason below, which is about fused projections
     family = family_of(files.config)
     if not family.tensor_parallel:
         raise ConfigError(f"tensor parallelism does not split {family.name} yet (its checkpoints store q/k/v and "

@@ -151,12 +151,15 @@ def scale_inputs(linear: Linear, s: torch.Tensor) -> None:
 
 def smoothable(model: torch.nn.Module) -> Iterator[tuple[str, Linear, Fold]]:
     """(name, Linear, the fold into its input's producer) for qkv_proj, gate_up_proj and down_proj of every
-    decoder layer. The norm before the MLP is Gemma 3's `pre_feedforward_layernorm` (its
-    `post_attention_layernorm` normalizes attention's output), Llama's `post_attention_layernorm`."""
+    decoder layer; of a mixture-of-experts layer qkv_proj only (its experts are quantized unsmoothed). The
+    norm before the MLP is Gemma 3's `pre_feedforward_layernorm` (its `post_attention_layernorm` normalizes
+    attention's output), Llama's `post_attention_layernorm`."""
     for i, layer in enumerate(model.model.layers):
         mlp_norm = getattr(layer, "pre_feedforward_layernorm", None) or layer.post_attention_layernorm
-        gate_up = layer.mlp.gate_up_proj
         yield f"layers.{i}.qkv_proj", layer.self_attn.qkv_proj, fold_into_norm(layer.input_layernorm)
+        if not hasattr(layer.mlp, "gate_up_proj"):  # a sparse FFN (layers/moe.py): its norm feeds the router too
+            continue
+        gate_up = layer.mlp.gate_up_proj
         yield f"layers.{i}.gate_up_proj", gate_up, fold_into_norm(mlp_norm)
         yield f"layers.{i}.down_proj", layer.mlp.down_proj, fold_into_rows(gate_up, gate_up.shard_offsets[1][0])
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from sobrio.loader.gguf_moe import ROUTER, expert_weights, moe_config
 from sobrio.loader.resolve import cache_dir
 
 # GGUF tensor name (after `blk.N.`) -> Hugging Face name (after `model.layers.N.`), per architecture.
@@ -31,7 +32,7 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-_LLAMA_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "post_attention_layernorm"}
+_LLAMA_LAYER_NAMES = {**_LAYER_NAMES, **ROUTER, "ffn_norm": "post_attention_layernorm"}
 _GEMMA3_LAYER_NAMES = {
     **_LAYER_NAMES,
     "post_attention_norm": "post_attention_layernorm",
@@ -61,7 +62,7 @@ def gguf_tokenizer(gguf_path: Path):
 
 
 # general.architecture values whose GGUF files sobrio reads (docs/models.md's GGUF column)
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3")
 
 
 def check_architecture(gguf_path: Path) -> None:
@@ -91,6 +92,7 @@ def prepared_folder(gguf_path: Path, prepare: bool = True) -> Path | None:
     tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")  # two processes may prepare at once
     tmp.mkdir(parents=True, exist_ok=True)
     config = complete_config(AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name), gguf_path)
+    config = moe_config(gguf_path, config)
     config.save_pretrained(tmp)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     tokenizer.save_pretrained(tmp)
@@ -190,10 +192,14 @@ def iter_gguf_weights(gguf_path: Path, config, packed: bool = False) -> Iterator
 
     reader = GGUFReader(str(gguf_path))
     for tensor in reader.tensors:
+        experts = expert_weights(tensor, _dequantized)
+        if experts is not None:  # a mixture of experts' stacked matrices: float (loader/gguf_moe.py)
+            yield from experts
+            continue
         name = _hf_name(tensor.name, config.model_type)
         if name is None:
             continue
-        codes = _packed(tensor, name, config) if packed else None
+        codes = _packed(tensor, name, config) if packed and not name.endswith(".mlp.gate.weight") else None
         yield name, codes if codes is not None else _float_tensor(tensor, name, config)
 
 
@@ -206,10 +212,14 @@ def _packed(tensor, name: str, config):
     return decode_blocks(_unpermuted(tensor.data, name, config), tensor.tensor_type.name, int(tensor.shape[0]))
 
 
-def _float_tensor(tensor, name: str, config) -> torch.Tensor:
+def _dequantized(tensor) -> np.ndarray:
     from gguf import dequantize
 
-    weights = _unpermuted(dequantize(tensor.data, tensor.tensor_type), name, config)
+    return dequantize(tensor.data, tensor.tensor_type)
+
+
+def _float_tensor(tensor, name: str, config) -> torch.Tensor:
+    weights = _unpermuted(_dequantized(tensor), name, config)
     if config.model_type.startswith("gemma") and name.endswith("norm.weight"):
         weights = weights - 1  # llama.cpp stores Gemma's (1 + w); transformers keeps w
     return torch.from_numpy(np.array(weights, dtype=np.float32))
@@ -217,7 +227,7 @@ def _float_tensor(tensor, name: str, config) -> torch.Tensor:
 
 def _unpermuted(rows: np.ndarray, name: str, config) -> np.ndarray:
     """Llama's Q and K rows (floats or whole rows of blocks) back in transformers' order."""
-    if config.model_type in ("llama", "mistral") and (".q_proj." in name or ".k_proj." in name):
+    if config.model_type in ("llama", "mistral", "mixtral") and (".q_proj." in name or ".k_proj." in name):
         heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
         return _unpermute_rope(rows, heads)
     return rows

@@ -10,6 +10,7 @@ from sobrio.layers import smoothing
 from sobrio.layers.attention import AttentionMetadata, BatchedDecodeAttention, ReferenceAttention
 from sobrio.layers.cpu_ops import cpu_ops
 from sobrio.layers.linear import Linear, amx_pack_weight, linear, pack_weight
+from sobrio.layers.moe import FusedExperts
 from sobrio.layers.norm import RMSNorm
 from sobrio.layers.quantization import INT4_GROUP_SIZE, quantized_embedding, quantized_linear
 from sobrio.layers.rotary import RotaryEmbedding
@@ -106,8 +107,10 @@ def qwen3_attention(config) -> dict:
 
 
 def llama_attention(config) -> dict:
-    """Qwen2 puts a bias on q/k/v (not the output) without saying so in its config; Llama, Mistral and Phi-3
-    follow `attention_bias`."""
+    """Qwen2 puts a bias on q/k/v (not the output) without saying so in its config, Qwen2-MoE where its
+    `qkv_bias` says; Llama, Mistral, Mixtral and Phi-3 follow `attention_bias`."""
+    if config.model_type == "qwen2_moe":
+        return {"qkv_bias": bool(getattr(config, "qkv_bias", True)), "o_bias": False}
     return {"qkv_bias": True, "o_bias": False} if config.model_type == "qwen2" else {}
 
 
@@ -213,7 +216,7 @@ class CausalLM(torch.nn.Module):
         """Choose every matmul (oneDNN's packed weights, or the batch-invariant kernel); call once the
         weights are loaded and cast."""
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, (Linear, FusedExperts)):
                 module.prepack(self.batch_invariant)
         if self.quantized_lm_head is None:
             self.packed_lm_head = None if self.batch_invariant else pack_weight(self.lm_head_weight())
@@ -237,6 +240,9 @@ class CausalLM(torch.nn.Module):
                                                        grouped_inputs=name == "down_proj",
                                                        hessian=hessians.pop(qualified, None)))
         assert not hessians, f"GPTQ statistics for no Linear: {sorted(hessians)[:3]}"
+        for name, module in list(self.named_modules()):
+            if isinstance(module, FusedExperts):  # each expert as a dense Linear is (layers/moe.py)
+                module.quantize(method, name)
         if isinstance(self.model.embed_tokens, torch.nn.Embedding):
             self.model.embed_tokens = quantized_embedding(self.model.embed_tokens.weight)
         if self.quantized_lm_head is None:

@@ -11,6 +11,7 @@ from sobrio.layers.rotary import check_rope
 from sobrio.models.gemma3 import GemmaForCausalLM
 from sobrio.models.glm4 import Glm4ForCausalLM
 from sobrio.models.llama import ACTIVATIONS, CausalLM, LlamaForCausalLM, layer_window
+from sobrio.models.moe import MoeForCausalLM
 from sobrio.models.weights import Prequantized, PrequantizedWeight
 
 
@@ -45,6 +46,12 @@ FAMILIES = (
     Family("Gemma 3 (text)", ("gemma3_text",), ("Gemma3ForCausalLM",), GemmaForCausalLM, ("gemma3",),
            "5 of 6 layers (`layer_types`)"),
     Family("GLM-4", ("glm4",), ("Glm4ForCausalLM",), Glm4ForCausalLM, (), "no", tensor_parallel=False),
+    Family("Mixtral (mixture of experts)", ("mixtral",), ("MixtralForCausalLM",), MoeForCausalLM, ("llama",),
+           "every layer (`sliding_window`)", tensor_parallel=False, experts=True),
+    Family("Qwen3-MoE", ("qwen3_moe",), ("Qwen3MoeForCausalLM",), MoeForCausalLM, ("qwen3moe",),
+           "every layer, with `use_sliding_window`", tensor_parallel=False, experts=True),
+    Family("Qwen2-MoE, Qwen1.5-MoE (shared expert)", ("qwen2_moe",), ("Qwen2MoeForCausalLM",), MoeForCausalLM, (),
+           "layers from `max_window_layers` on, with `use_sliding_window`", tensor_parallel=False, experts=True),
 )
 _BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -147,7 +154,7 @@ def install_prequantized(model: CausalLM, prequantized: Prequantized, dtype: tor
         record = records[0] if len(records) == 1 else records[0].concat(records)
         if name == "model.embed_tokens":
             model.model.embed_tokens = _embedding(record, dtype)
-            if model.lm_head is None:
+            if model.config.tie_word_embeddings:  # not `lm_head is None`: an untied head's record may come first
                 model.quantized_lm_head = record.linear(None)
         elif name == "lm_head":
             model.quantized_lm_head, model.lm_head = record.linear(None), None

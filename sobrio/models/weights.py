@@ -6,6 +6,7 @@ collects them by module, a fused module's shards in order, and `models.registry.
 module's quantized form (`concat(shards).linear(bias)`) once the float parameters are cast.
 """
 
+import re
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
@@ -21,6 +22,11 @@ PACKED_MODULES = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+
+# A routed expert's matrix (Mixtral's w1/w3/w2, Qwen's gate/up/down_proj) -> (stacked parameter, shard)
+_EXPERT_NAME = re.compile(r"(.*\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight")
+_EXPERT_SHARDS = {"w1": ("gate_up_proj", 0), "gate_proj": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1),
+                  "up_proj": ("gate_up_proj", 1), "w2": ("down_proj", None), "down_proj": ("down_proj", None)}
 
 
 class PrequantizedWeight(Protocol):
@@ -57,6 +63,10 @@ def load_weights(model: torch.nn.Module, weights: Iterable[WeightItem]) -> Prequ
     for name, tensor in weights:
         if name == "lm_head.weight" and "lm_head.weight" not in params:
             continue  # tied embeddings: the file may still carry a copy
+        name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's sparse FFN
+        if (key := _load_expert(model, params, name, tensor)) is not None:
+            filled.add(key)
+            continue
         target, shard = _packed_target(name)
         param = params.get(target)
         if param is None:
@@ -68,8 +78,44 @@ def load_weights(model: torch.nn.Module, weights: Iterable[WeightItem]) -> Prequ
             records.setdefault(target.rsplit(".", 1)[0], {})[shard] = tensor
         filled.add(f"{target}#{shard}")
     missing = [n for n in params if not any(f.startswith(n + "#") for f in filled)]
+    missing += _missing_experts(model, filled)
     assert not missing, f"weights missing from the checkpoint: {missing[:5]}"
     return {module: _in_shard_order(model, module, shards) for module, shards in records.items()}
+
+
+def _load_expert(model: torch.nn.Module, params: dict[str, torch.nn.Parameter], name: str,
+                 tensor: torch.Tensor | PrequantizedWeight) -> str | None:
+    """Copy one routed expert's matrix into its row of the layer's stacked weights (layers/moe.py
+    `FusedExperts`); returns the filled key (`param#expert.shard`), or None for a name that is no expert's."""
+    match = _EXPERT_NAME.fullmatch(name)
+    if match is None:
+        return None
+    stacked, shard = _EXPERT_SHARDS[match.group(3)]
+    target, expert = f"{match.group(1)}.{stacked}", int(match.group(2))
+    if target not in params:
+        return None
+    if not isinstance(tensor, torch.Tensor):
+        raise NotImplementedError(f"{name}: experts held quantized by the checkpoint are not supported (load a "
+                                  f"float checkpoint, with --quantization int8 or int4 if wanted)")
+    rows = params[target][expert]
+    if shard is not None:
+        start, size = model.get_submodule(match.group(1)).shard_offsets[shard]
+        rows = rows[start:start + size]
+    assert rows.shape == tensor.shape, f"{name}: {tuple(tensor.shape)} vs {tuple(rows.shape)}"
+    with torch.no_grad():
+        rows.copy_(tensor)
+    return f"{target}#{expert}.{shard}"
+
+
+def _missing_experts(model: torch.nn.Module, filled: set[str]) -> list[str]:
+    """Experts of a stacked weight that the checkpoint did not fill, where it filled some one by one."""
+    missing = []
+    for target in {key.split("#")[0] for key in filled if "#" in key and "." in key.split("#")[1]}:
+        module = model.get_submodule(target.rsplit(".", 1)[0])
+        shards = [0, 1] if target.endswith("gate_up_proj") else [None]
+        missing += [f"{target}[{e}]" for e in range(module.num_experts) for s in shards
+                    if f"{target}#{e}.{s}" not in filled]
+    return missing
 
 
 def _copy_tensor(model: torch.nn.Module, name: str, param: torch.nn.Parameter, target: str, shard: int | None,

@@ -1,0 +1,74 @@
+"""Mixture-of-experts GGUF files (llama.cpp's `llama` with experts, i.e. Mixtral, and `qwen3moe`): the
+config transformers does not derive, and the experts' stacked tensors under Hugging Face's per-expert names.
+
+llama.cpp stores a layer's experts as one 3-D tensor per matrix, `blk.N.ffn_{gate,up,down}_exps` [E, I, H]
+(down: [E, H, I]), and the router as `blk.N.ffn_gate_inp` [E, H]. transformers reads a `llama` file with
+`llama.expert_count` as a dense Llama, and a `qwen3moe` one without its `expert_feed_forward_length`:
+`moe_config` fixes both from the metadata. llama.cpp renormalises Qwen3-MoE's top-k weights always (its
+`qwen3moe` graph), as Qwen3-MoE's released checkpoints do (`norm_topk_prob`); a file that says
+`expert_weights_norm` is taken at its word.
+
+The experts are dequantized at load, also under `--quantization gguf`: no packed kernel takes a stacked
+expert tensor yet (each expert's matrix would need its own codes), so they are float in memory, as
+`--quantization int8/int4` can then quantize them. The router (`ffn_gate_inp`) is dequantized too, as
+`--quantization int8/int4` keeps it float (loader/gguf.py).
+"""
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from sobrio.errors import ConfigError
+
+EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+ROUTER = {"ffn_gate_inp": "mlp.gate"}  # GGUF name after `blk.N.` -> Hugging Face's after `model.layers.N.`
+_EXPERT_NAME = re.compile(r"blk\.(\d+)\.(ffn_gate_exps|ffn_up_exps|ffn_down_exps)\.weight")
+
+
+def _field(reader, key: str):
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+def moe_config(gguf_path: Path, config):
+    """`config` (transformers' reading of the file) made right for a mixture of experts: a `llama` file with
+    experts becomes a Mixtral config, a `qwen3moe` one gets its experts' intermediate size; a dense file's
+    config comes back as it was. An architecture with experts that sobrio does not run is a ConfigError."""
+    from gguf import GGUFReader
+    from transformers import AutoConfig
+
+    reader = GGUFReader(str(gguf_path))
+    arch = _field(reader, "general.architecture")
+    experts = _field(reader, f"{arch}.expert_count")
+    if not experts:
+        return config
+    used = _field(reader, f"{arch}.expert_used_count")
+    if arch == "llama":
+        fields = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures")}
+        return AutoConfig.for_model("mixtral", **fields, num_local_experts=experts, num_experts_per_tok=used,
+                                    architectures=["MixtralForCausalLM"])
+    if arch == "qwen3moe":
+        config.num_experts, config.num_experts_per_tok = experts, used
+        config.moe_intermediate_size = _field(reader, f"{arch}.expert_feed_forward_length")
+        norm = _field(reader, f"{arch}.expert_weights_norm")
+        config.norm_topk_prob = True if norm is None else bool(norm)
+        return config
+    raise ConfigError(f"{gguf_path.name}: GGUF architecture {arch!r} with experts is not supported (supported: "
+                      f"llama with experts (Mixtral), qwen3moe)", "--model")
+
+
+def expert_weights(tensor, dequantize) -> Iterator[tuple[str, torch.Tensor]] | None:
+    """An expert tensor's matrices as (Hugging Face name, float32 [out, in]), one per expert, or None for a
+    tensor that is no expert stack. `dequantize(tensor)` gives its values as a numpy array."""
+    match = _EXPERT_NAME.fullmatch(tensor.name)
+    if match is None:
+        return None
+    layer, part = match.group(1), EXPERT_TENSORS[match.group(2)]
+    values = np.asarray(dequantize(tensor), dtype=np.float32)
+    rows, cols = (int(n) for n in reversed(tensor.shape[:2]))  # GGUF lists dimensions innermost first
+    values = values.reshape(-1, rows, cols)
+    return ((f"model.layers.{layer}.mlp.experts.{e}.{part}.weight", torch.from_numpy(values[e].copy()))
+            for e in range(values.shape[0]))

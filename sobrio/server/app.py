@@ -393,8 +393,14 @@ async def _respond(server: OpenAIServer, request: Request, body, params: Samplin
     request.state.request_id = base_id  # X-Request-Id of the answer, unless the client sent its own
     log_ignored(ignored_fields(body), base_id)
     queue: asyncio.Queue = asyncio.Queue()
-    request_ids = await server.submit(engine, base_id, prompts, per_prompt, cache_salt(request.state, body.cache_salt),
-                                      queue, body.priority, request.state)
+    try:
+        request_ids = await server.submit(engine, base_id, prompts, per_prompt,
+                                          cache_salt(request.state, body.cache_salt), queue, body.priority,
+                                          request.state)
+    except InvalidRequestError as exc:  # a grammar the front refused: name the field the request gave it in
+        if exc.param != "structured_outputs" or body.structured_outputs is not None:
+            raise
+        raise InvalidRequestError(str(exc), param="tools" if tool_calls else "response_format") from None
     stream = engine.stream_outputs(request_ids, params.n, queue)
     choices = ChoiceState(request_ids, params.n, params.logprobs, echo, params.prompt_logprobs,
                           engine.input_processor.decode)

@@ -1,7 +1,7 @@
 """llguidance: a request's StructuredOutputsParams -> grammar text -> a matcher compiled against the tokenizer.
 
-The front checks the grammar without a tokenizer (`validate`: a bad schema, regex or grammar is a 400 before
-anything is queued). The engine core compiles it on one worker thread (`GrammarCompiler`): the first
+The front compiles the grammar first, bounded (`edge.GrammarGate`: a bad schema, regex or grammar is a 400
+before anything is queued). The engine core compiles it on one worker thread (`GrammarCompiler`): the first
 structured request builds the llguidance tokenizer (~0.5 s), each (kind, spec) compiles once and is kept
 (least recently used out), and every request gets a fresh copy of the compiled matcher. llguidance bounds
 the work itself (its ParserLimits defaults: lexer fuel, Earley items per step, grammar size: a schema built to
@@ -72,13 +72,6 @@ def _as_lark(grammar: str) -> str:
         return any_to_lark(grammar)
     except GbnfToLarkError as exc:
         raise _invalid("grammar", str(exc)) from None
-
-
-def validate(params: StructuredOutputsParams) -> None:
-    """Raise InvalidRequestError naming the problem if the schema, regex or grammar cannot be compiled."""
-    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar_text(params), None)
-    if is_error:
-        raise _invalid(params.spec[0], messages[0] if messages else "cannot be compiled")
 
 
 # seconds; a compile is most often a few ms, a large schema a few hundred

@@ -82,7 +82,9 @@ class StructuredOutputManager:
             exc = job.future.exception()
             if exc is not None:
                 logger.warning("request %s: its grammar did not compile (%s)", request_id, type(exc).__name__)
-                failed.append((req, str(exc) if isinstance(exc, InvalidRequestError) else None))
+                why = str(exc) if isinstance(exc, InvalidRequestError) else \
+                    failure_message(req.sampling_params.structured_outputs.spec[0], type(exc).__name__)
+                failed.append((req, why))  # the grammar's doing either way: its client gets a 400
             else:
                 self.matchers[request_id] = job.future.result()
                 done.append((req, tag))

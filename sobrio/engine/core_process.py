@@ -26,6 +26,7 @@ import zmq
 from sobrio import openmp
 from sobrio.config import SobrioConfig
 from sobrio.engine.core import EngineCoreRequest
+from sobrio.engine.cpu_share import open_governor, spin_count_for_start
 from sobrio.engine.executor import ExecutorDeadError
 from sobrio.errors import SobrioError
 
@@ -68,7 +69,7 @@ def run_engine_core(config: SobrioConfig, input_addr: str, output_addr: str, log
     outputs.send(encode(("ready", {"max_model_len": core.max_model_len, "num_blocks": core.scheduler.pool.num_blocks,
                                    "pid": os.getpid(), "layout": core.executor.layout()})))
     try:
-        _serve(core, inputs, outputs, parent)
+        _serve(core, inputs, outputs, parent, open_governor(config.parallel_config.num_threads))
     except ExecutorDeadError as exc:  # a tensor-parallel rank died: exit, the client restarts the group
         logger.error("%s; engine core exits for a restart", exc)
         raise SystemExit(1) from None
@@ -94,13 +95,14 @@ def _start_core(config: SobrioConfig):
 @contextlib.contextmanager
 def engine_core_environ():
     """The environment a spawned engine-core process starts with: OpenMP threads that spin longer before
-    they sleep (`openmp.ENGINE_CORE_SPINCOUNT`), unless the user set the policy. This process's own
-    environment is back as it was afterwards."""
+    they sleep (`openmp.ENGINE_CORE_SPINCOUNT`) on a host that looks free (no CPU quota below its cores, no
+    other process busy: `cpu_share`), the short spin otherwise, unless the user set the policy. This
+    process's own environment is back as it was afterwards."""
     if openmp.OMP_WAIT_SET_BY_USER:
         yield
         return
     before = os.environ.get("GOMP_SPINCOUNT")
-    os.environ["GOMP_SPINCOUNT"] = openmp.ENGINE_CORE_SPINCOUNT
+    os.environ["GOMP_SPINCOUNT"] = spin_count_for_start(openmp.ENGINE_CORE_SPINCOUNT, openmp.SPINCOUNT)
     try:
         yield
     finally:
@@ -114,8 +116,11 @@ def _parent_lives(parent: int | None) -> bool:
     return parent is None or os.getppid() == parent
 
 
-def _serve(core, inputs: zmq.Socket, outputs: zmq.Socket, parent: int | None) -> None:
+def _serve(core, inputs: zmq.Socket, outputs: zmq.Socket, parent: int | None, governor=None) -> None:
+    """Step while there is work; `governor` (cpu_share.ThreadGovernor) sizes the threads to the free cores."""
     while _parent_lives(parent):
+        if governor is not None:
+            governor.poll()
         busy = core.has_unfinished_requests() or core.on_idle()
         inputs.poll(0 if busy else IDLE_POLL_MS)
         changed, stop = _apply_inputs(core, inputs)

@@ -45,6 +45,7 @@ class GrammarGate:
             return
         if len(spec) > MAX_SPEC_CHARS:
             self._refuse(kind, f"{len(spec)} characters, more than the {MAX_SPEC_CHARS} allowed")
+        self.compiler.prepare(eos_token_ids)  # the tokenizer, once: not counted in the grammar's time
         job = self.compiler.submit(params, eos_token_ids)
         try:
             job.future.result(self.timeout)

@@ -99,9 +99,16 @@ constraints = st.one_of(st.builds(lambda r: {"regex": r}, regexes()),
                         st.builds(lambda g: {"grammar": g}, lark_grammars()))
 
 
-@settings(max_examples=24, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(constraint=constraints)
 def test_fuzzed_grammars_never_get_a_5xx(server, constraint):
+    assert_200_or_400(post(server, {"structured_outputs": constraint}), "structured_outputs")
+
+
+@pytest.mark.exhaustive
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(constraint=constraints)
+def test_more_fuzzed_grammars_never_get_a_5xx(server, constraint):
     assert_200_or_400(post(server, {"structured_outputs": constraint}), "structured_outputs")
 
 

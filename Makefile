@@ -48,8 +48,10 @@ lint: $(STAMP)
 chat: $(STAMP)
 	$(BIN)/sobrio chat
 
+# the chat models and the embedding model (/v1/embeddings); `make serve SERVE_MODELS=gemma3-270m` for one
+SERVE_MODELS ?= smollm2-135m --model gemma3-270m --model all-minilm-l6-v2
 serve: $(STAMP)
-	$(BIN)/sobrio serve
+	$(BIN)/sobrio serve $(SERVE_MODELS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/offline_throughput.py

@@ -10,6 +10,9 @@ engine's outputs and routes them to one asyncio queue per HTTP request:
 Cancelling an output iteration (a client that disconnects) aborts the request. A step that fails for
 one request fails that request alone (the core isolates it); a core process that dies fails the
 requests in flight, and the client starts a new core (a bounded number of times, then gives up).
+The thread itself is supervised the same way: the server's callbacks on it (metrics, logs) cannot raise
+into it (`guard.CallbackGuard`), and if it dies anyway its requests fail at once, `healthy` turns False
+(/health: 503) and the engine restarts; a thread that is not running is never reported healthy.
 """
 
 import asyncio
@@ -21,6 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from sobrio.config import ServerConfig, SobrioConfig
 from sobrio.distributed.core_groups import open_cores
 from sobrio.engine.core_process import CoreProcess, EngineDeadError
+from sobrio.engine.guard import CallbackGuard, where
 from sobrio.engine.llm_engine import LLMEngine
 from sobrio.engine.outputs import RequestOutput
 from sobrio.errors import InvalidRequestError, SobrioError
@@ -54,8 +58,19 @@ class _ClientBase:
         self._lock = threading.Lock()  # guards the front (and an in-process core) between threads
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = False
-        self.healthy = True
-        self._thread = threading.Thread(target=self._run, name=f"engine-{engine.model_name}", daemon=True)
+        self._healthy = True
+        self.callbacks = CallbackGuard(f"a callback of engine {engine.model_name}")  # errors by type
+        self.thread_deaths = 0
+        self._thread = threading.Thread(target=self._supervise, name=f"engine-{engine.model_name}", daemon=True)
+
+    @property
+    def healthy(self) -> bool:
+        """False while the engine restarts, and whenever its thread is not running: nothing would answer."""
+        return self._healthy and self._thread.is_alive()
+
+    @healthy.setter
+    def healthy(self, value: bool) -> None:
+        self._healthy = value
 
     @property
     def model_name(self) -> str:
@@ -145,12 +160,14 @@ class _ClientBase:
             self.engine.abort_request(request_id)
         self._queues.pop(request_id, None)
         if self.on_abort is not None:
-            self.on_abort(request_id)
+            self.callbacks(self.on_abort, request_id)
 
     def stats(self) -> dict:
         with self._lock:
             stats = self.engine.stats()
         stats["tables"] = {**stats["tables"], "client_queues": len(self._queues)}
+        stats["callback_errors"] = dict(self.callbacks.errors)
+        stats["engine_thread_deaths"] = self.thread_deaths
         return stats
 
     def _deliver_all(self, outputs: list[RequestOutput]) -> None:
@@ -160,7 +177,7 @@ class _ClientBase:
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for output in outputs:
             if self.on_output is not None:
-                self.on_output(output, now)
+                self.callbacks(self.on_output, output, now)
             target = self._queues.get(output.request_id)
             if target is not None:
                 loop, queue = target
@@ -180,7 +197,7 @@ class _ClientBase:
         for request_id in request_ids:
             target = self._queues.pop(request_id, None)
             if self.on_abort is not None:
-                self.on_abort(request_id)
+                self.callbacks(self.on_abort, request_id)
             if target is not None:
                 target[0].call_soon_threadsafe(target[1].put_nowait, error)
 
@@ -193,7 +210,27 @@ class _ClientBase:
     def _wake(self) -> None:
         """Tell the thread there is new work (an in-process core waits for it)."""
 
+    def _supervise(self) -> None:
+        """The thread: the client's loop, restarted (with the engine) if it ever dies of an exception."""
+        while not self._stopping:
+            try:
+                self._run()
+            except Exception as exc:
+                self.thread_deaths += 1
+                self.healthy = False
+                logger.error("engine thread of %s died (%s at %s); failing its requests and restarting",
+                             self.model_name, type(exc).__name__, where(exc))
+                try:
+                    self._recover(exc)
+                except Exception as again:
+                    logger.error("engine %s could not recover (%s); it stops", self.model_name, type(again).__name__)
+                    self._stopping = True
+
     def _run(self) -> None:
+        raise NotImplementedError
+
+    def _recover(self, exc: Exception) -> None:
+        """After the thread died of `exc`: fail what was in flight, put the engine back in order."""
         raise NotImplementedError
 
     def shutdown(self, timeout: float = 5.0) -> None:
@@ -242,6 +279,14 @@ class AsyncLLM(_ClientBase):
         close = getattr(self.engine.core, "close", None)
         if close is not None:  # an in-process EngineCore: its KV offload tier's disk writes
             close()
+
+    def _recover(self, exc: Exception) -> None:
+        """An in-process core: its requests fail and are aborted; a thread that keeps dying gives up."""
+        with self._lock:
+            self._fail_all(EngineStepError(f"the engine thread failed ({type(exc).__name__})"))
+        if self.thread_deaths > ServerConfig.engine_restarts:
+            raise EngineUnavailableError(f"engine thread died {self.thread_deaths} times")
+        self.healthy = True
 
     def _run(self) -> None:
         while not self._stopping:
@@ -296,6 +341,14 @@ class AsyncMPClient(_ClientBase):
             with self._lock:
                 outputs = self.engine.process_outputs(message[1])
             self._deliver_all(outputs)
+
+    def _recover(self, exc: Exception) -> None:
+        """The thread died (not the core): fail and abort what was in flight, then restart the core as if it
+        had died, so the front and the core start again from nothing in flight."""
+        with self._lock:
+            self._fail_all(EngineStepError(f"the engine thread failed ({type(exc).__name__})"))
+            self.engine.forget_all()
+        self._restart(EngineDeadError(f"engine thread of {self.model_name} failed ({type(exc).__name__})"))
 
     def _restart(self, exc: EngineDeadError) -> None:
         """Fail the requests the dead core held at once (all of them, or one replica's), then start a new

@@ -9,6 +9,7 @@ The core process never sees text: the front tokenizes and detokenizes on the API
 """
 
 import contextlib
+import ctypes
 import logging
 import multiprocessing
 import os
@@ -26,6 +27,7 @@ import zmq
 from sobrio import openmp
 from sobrio.config import SobrioConfig
 from sobrio.engine.core import EngineCoreRequest
+from sobrio.engine.cpu_share import open_governor, spin_count_for_start
 from sobrio.engine.executor import ExecutorDeadError
 from sobrio.errors import SobrioError
 
@@ -68,7 +70,7 @@ def run_engine_core(config: SobrioConfig, input_addr: str, output_addr: str, log
     outputs.send(encode(("ready", {"max_model_len": core.max_model_len, "num_blocks": core.scheduler.pool.num_blocks,
                                    "pid": os.getpid(), "layout": core.executor.layout()})))
     try:
-        _serve(core, inputs, outputs, parent)
+        _serve(core, inputs, outputs, parent, open_governor(config.parallel_config.num_threads))
     except ExecutorDeadError as exc:  # a tensor-parallel rank died: exit, the client restarts the group
         logger.error("%s; engine core exits for a restart", exc)
         raise SystemExit(1) from None
@@ -94,28 +96,59 @@ def _start_core(config: SobrioConfig):
 @contextlib.contextmanager
 def engine_core_environ():
     """The environment a spawned engine-core process starts with: OpenMP threads that spin longer before
-    they sleep (`openmp.ENGINE_CORE_SPINCOUNT`), unless the user set the policy. This process's own
-    environment is back as it was afterwards."""
-    if openmp.OMP_WAIT_SET_BY_USER:
-        yield
-        return
-    before = os.environ.get("GOMP_SPINCOUNT")
-    os.environ["GOMP_SPINCOUNT"] = openmp.ENGINE_CORE_SPINCOUNT
+    they sleep (`openmp.ENGINE_CORE_SPINCOUNT`) on a host that looks free (no CPU quota below its cores, no
+    other process busy: `cpu_share`), the short spin otherwise, unless the user set the policy. This
+    process's own environment is back as it was afterwards."""
+    settings = {name: value for name, value in CORE_MALLOC_ENV.items() if name not in os.environ}  # the user's win
+    if not openmp.OMP_WAIT_SET_BY_USER:  # sobrio's own GOMP_SPINCOUNT (openmp.py) is replaced for the core
+        settings["GOMP_SPINCOUNT"] = spin_count_for_start(openmp.ENGINE_CORE_SPINCOUNT, openmp.SPINCOUNT)
+    before = {name: os.environ.get(name) for name in settings}
     try:
+        os.environ.update(settings)
         yield
     finally:
-        if before is None:
-            del os.environ["GOMP_SPINCOUNT"]
-        else:
-            os.environ["GOMP_SPINCOUNT"] = before
+        for name, value in before.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
+
+
+# glibc gives each thread that allocates (OpenMP's, llguidance's mask threads, ZMQ's) an arena of its own,
+# and freed memory stays in them: the core's RSS rose all along a steady mixed load. Two arenas, and
+# `malloc_trim` every 30 s (`MemoryTrimmer`), keep it flat.
+CORE_MALLOC_ENV = {"MALLOC_ARENA_MAX": "2"}
+TRIM_EVERY_S = 30.0
+
+
+class MemoryTrimmer:
+    """Returns the heap's free pages to the system (glibc's malloc_trim, a few ms) every TRIM_EVERY_S."""
+
+    def __init__(self):
+        try:
+            self._trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):  # not glibc
+            self._trim = None
+        self._next = time.monotonic() + TRIM_EVERY_S
+
+    def poll(self) -> None:
+        now = time.monotonic()
+        if self._trim is not None and now >= self._next:
+            self._next = now + TRIM_EVERY_S
+            self._trim(0)
 
 
 def _parent_lives(parent: int | None) -> bool:
     return parent is None or os.getppid() == parent
 
 
-def _serve(core, inputs: zmq.Socket, outputs: zmq.Socket, parent: int | None) -> None:
+def _serve(core, inputs: zmq.Socket, outputs: zmq.Socket, parent: int | None, governor=None) -> None:
+    """Step while there is work; `governor` (cpu_share.ThreadGovernor) sizes the threads to the free cores."""
+    trimmer = MemoryTrimmer()
     while _parent_lives(parent):
+        if governor is not None:
+            governor.poll()
+        trimmer.poll()
         busy = core.has_unfinished_requests() or core.on_idle()
         inputs.poll(0 if busy else IDLE_POLL_MS)
         changed, stop = _apply_inputs(core, inputs)

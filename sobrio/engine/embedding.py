@@ -26,6 +26,7 @@ import torch
 
 from sobrio.config import SobrioConfig
 from sobrio.engine.async_llm import EngineStepError, EngineUnavailableError
+from sobrio.engine.guard import CallbackGuard
 from sobrio.engine.input import InputProcessor, check_text
 from sobrio.errors import ConfigError, EngineOverloadedError, InvalidRequestError
 
@@ -120,6 +121,7 @@ class EmbeddingEngine:
         self.healthy = True
         self.on_finished: Callable[[EmbeddingRequestStats], None] | None = None  # metrics, from the worker thread
         self.on_output = self.on_abort = None  # set by the server for every engine; never called here
+        self.callbacks = CallbackGuard(f"a callback of embedding model {model_name}")
         self._pending: deque[tuple[_Job, int]] = deque()
         self._running = 0
         self._stopping = False
@@ -352,8 +354,8 @@ class EmbeddingEngine:
     def _finish(self, job: _Job) -> None:
         finished = time.monotonic()
         job.loop.call_soon_threadsafe(_resolve, job.future, job.vectors, None)
-        if self.on_finished is not None:
-            self.on_finished(EmbeddingRequestStats([len(r) for r in job.rows], job.arrival_time,
+        if self.on_finished is not None:  # a metric that raises must not stop the worker
+            self.callbacks(self.on_finished, EmbeddingRequestStats([len(r) for r in job.rows], job.arrival_time,
                                                    job.first_scheduled_time or finished, finished))
 
     @staticmethod

@@ -18,7 +18,7 @@ from sobrio.engine.outputs import CompletionOutput, Logprob, RequestMetrics, Req
 from sobrio.errors import ConfigError, EngineOverloadedError, InvalidRequestError
 from sobrio.loader.load import LoadedModelFiles, load_model_files
 from sobrio.sample.params import SamplingParams
-from sobrio.structured.backend import validate as validate_structured
+from sobrio.structured.edge import GrammarGate
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +76,9 @@ class LLMEngine:
         self.default_sampling = files.default_sampling  # --generation-config: for fields a request leaves unset
         self.num_requests_added = 0  # numbers the unseeded requests' seeds (--seed)
         self.eos_token_ids = self._eos_token_ids()
+        # grammars compile here, bounded, before a request is queued (a bad one is a 400, never an engine failure)
+        self.grammar_gate = GrammarGate(lambda: self.tokenizer,
+                                        config.structured_outputs_config.structured_outputs_compile_timeout)
         self.sequences: dict[str, _Sequence] = {}  # child request id -> sequence
         self.children: dict[str, list[str]] = {}  # parent request id -> child request ids
 
@@ -106,7 +109,7 @@ class LLMEngine:
         self._check_priority(priority)
         self.input_processor.validate_params(params, cache_salt)
         if params.structured_outputs is not None:  # a bad schema, regex or grammar: refused before queuing
-            validate_structured(params.structured_outputs)
+            self.grammar_gate.check(params.structured_outputs, self.eos_token_ids)
         ids = self.input_processor.tokenize(prompt_token_ids if prompt_token_ids is not None else prompt)
         max_tokens = self.input_processor.resolve_max_tokens(len(ids), params)
         text_prompt = prompt if isinstance(prompt, str) else None

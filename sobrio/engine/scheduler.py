@@ -196,7 +196,8 @@ class Scheduler:
             slots.take(remaining, num_new)
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
-                req.num_cached_tokens = req.num_computed_tokens
+                # prompt tokens only: a repeated structured request's forced output tokens may hit the cache too
+                req.num_cached_tokens = min(req.num_computed_tokens, req.num_prompt_tokens)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append((req, num_new))

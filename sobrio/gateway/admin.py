@@ -2,9 +2,10 @@
 the gateway checks (gateway/tenants.py), in the database `sobrio serve` reads by default."""
 
 import argparse
+import dataclasses
 import time
 
-from sobrio.gateway.tenants import Limits, TenantStore, default_db_path
+from sobrio.gateway.tenants import Limits, TenantError, TenantStore, default_db_path
 
 
 def add_admin_parser(sub) -> None:
@@ -14,11 +15,14 @@ def add_admin_parser(sub) -> None:
     tenants = objects.add_parser("tenants", help="create, list or delete tenants").add_subparsers(
         dest="action", required=True)
     for action, text in (("create", "a new tenant (its limits optional)"),
-                         ("set-limits", "replace a tenant's limits (those not given: no limit); the running "
-                                        "server applies them to its next request")):
+                         ("set-limits", "change the limits given (the others stay; --clear removes one); the "
+                                        "running server applies them to its next request")):
         parser = tenants.add_parser(action, help=text)
         parser.add_argument("name", help="1-64 letters, digits, '.', '_' or '-'")
         _add_limit_args(parser)
+        if action == "set-limits":
+            parser.add_argument("--clear", nargs="+", default=[], choices=list(LIMIT_FLAGS), metavar="LIMIT",
+                                help="limits to remove (no limit from then on): " + ", ".join(LIMIT_FLAGS))
     tenants.add_parser("list", help="every tenant and its limits")
     tenants.add_parser("delete", help="a tenant and all its keys").add_argument("name", help="the tenant")
     keys = objects.add_parser("keys", help="create, list or revoke API keys").add_subparsers(
@@ -29,6 +33,12 @@ def add_admin_parser(sub) -> None:
         "--tenant", default=None, help="only this tenant's (default: every tenant's)")
     keys.add_parser("revoke", help="a key, by its id").add_argument("key_id", help="as `keys list` shows it")
     admin.set_defaults(func=cmd_admin)
+
+
+# set-limits --clear's names: the flag of each limit, and its field in Limits
+LIMIT_FLAGS = {"requests-per-minute": "requests_per_minute", "tokens-per-day": "tokens_per_day",
+               "max-concurrent": "max_concurrent", "models": "allowed_models", "regions": "allowed_regions",
+               "default-model": "default_model", "kv-offload": "kv_offload"}
 
 
 def _add_limit_args(parser: argparse.ArgumentParser) -> None:
@@ -67,7 +77,13 @@ def _create_tenant(store: TenantStore, args: argparse.Namespace) -> None:
 
 
 def _set_limits(store: TenantStore, args: argparse.Namespace) -> None:
-    store.set_limits(args.name, _limits(args))
+    """Only what is given changes: an operator tightening one limit must not lose the others."""
+    given = {name: value for name, value in dataclasses.asdict(_limits(args)).items() if value is not None}
+    cleared = {LIMIT_FLAGS[flag]: None for flag in args.clear}
+    both = set(given) & set(cleared)
+    if both:
+        raise TenantError(f"both set and cleared: {', '.join(sorted(both))}")
+    store.set_limits(args.name, dataclasses.replace(store.tenant(args.name).limits, **given, **cleared))
     print(f"new limits for tenant {args.name}")
 
 

@@ -31,7 +31,7 @@ class StructuredOutputsParams:
     a `regex`, a `choice` of strings, a Lark (or GBNF) `grammar`, or `json_object` (any JSON object).
 
     Checked for shape here; the schema, regex or grammar itself is checked by the front before queuing
-    (`sobrio.structured.backend.validate`), and compiled by the engine core."""
+    (`sobrio.structured.edge.GrammarGate`), and compiled by the engine core."""
 
     json: dict | str | None = None
     regex: str | None = None

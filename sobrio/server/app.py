@@ -64,7 +64,14 @@ from sobrio.server.limits import protocol_class as guarded_protocol_class
 from sobrio.server.metrics import ServerMetrics
 from sobrio.server.protocol import ChatCompletionRequest, CompletionRequest, ignored_fields, log_ignored, new_id, now
 from sobrio.server.responses import ChoiceState, chat_chunk, completion_chunk, final_response, note_usage, usage_of
-from sobrio.server.startup import RootPath, StatsLogger, bind_socket, listening_url, served_names
+from sobrio.server.startup import (
+    RootPath,
+    StatsLogger,
+    bind_socket,
+    listening_url,
+    served_names,
+    with_paths_as_given,
+)
 from sobrio.timing import log_step, start_together
 
 logger = logging.getLogger("sobrio.server")
@@ -232,9 +239,10 @@ class OpenAIServer:
                 failure = exc
         raise failure
 
-    async def resolve_auto(self, model: str | None, text: str, state) -> str | None:
+    async def resolve_auto(self, model: str | None, text: str, state, endpoint: str = "completions") -> str | None:
         """Model "auto": the router's choice for this request's text, said in response headers; any other
-        name as it is; none: the tenant's default model, if it has one."""
+        name as it is; none: the tenant's default model, if it has one. The choice is among the router's
+        models that can answer `endpoint` ("chat": those with a chat template)."""
         tenant = getattr(state, "tenant", None)
         if not model and tenant is not None:
             model = tenant.limits.default_model
@@ -244,12 +252,29 @@ class OpenAIServer:
             raise InvalidRequestError('model "auto" needs the router, which needs both of its models served: '
                                       "sobrio serve smollm2-135m --model gemma3-270m", param="model")
         chosen, score = self.router.choose(text)
+        if not self.can_answer(chosen, endpoint):
+            weights = self.router.weights
+            other = weights.small if chosen == weights.large else weights.large
+            if not self.can_answer(other, endpoint):
+                raise InvalidRequestError(f'model "auto": neither {chosen} nor {other} can answer {endpoint} '
+                                          "requests (no chat template)", param="model")
+            chosen = other
         state.response_headers = [(b"x-sobrio-routed-to", chosen.encode()),
                                   (b"x-sobrio-router-score", f"{score:.3f}".encode())]
         if getattr(state, "ledger", None) is not None:
             state.ledger.requested_model = "auto"
             state.ledger.router_score = score
         return chosen
+
+    def can_answer(self, name: str, endpoint: str) -> bool:
+        """Whether a served model can answer this endpoint: a generating model, with a chat template for chat.
+        A remote model is trusted to."""
+        engine = self.engines.get(self.aliases.get(name, name))
+        if engine is None:
+            return True
+        if getattr(engine, "task", "generate") != "generate":
+            return False
+        return endpoint != "chat" or bool(getattr(engine.input_processor.tokenizer, "chat_template", None))
 
     def check_fanout(self, engine: EngineClient, num_prompts: int, n: int) -> None:
         """Prompts and sequences against the limits and the waiting queue, before any tokenizing."""
@@ -329,7 +354,7 @@ def create_app(engines: dict[str, EngineClient], limits: LimitsConfig | None = N
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         users = [m.content for m in body.messages if m.role == "user" and isinstance(m.content, str)]
-        model = await server.resolve_auto(body.model, users[-1] if users else "", request.state)
+        model = await server.resolve_auto(body.model, users[-1] if users else "", request.state, "chat")
         remote = await server.via_remote(model, "chat/completions", body, request)
         if remote is not None:
             return remote
@@ -405,8 +430,14 @@ async def _respond(server: OpenAIServer, request: Request, body, params: Samplin
     request.state.request_id = base_id  # X-Request-Id of the answer, unless the client sent its own
     log_ignored(ignored_fields(body), base_id)
     queue: asyncio.Queue = asyncio.Queue()
-    request_ids = await server.submit(engine, base_id, prompts, per_prompt, cache_salt(request.state, body.cache_salt),
-                                      queue, body.priority, request.state)
+    try:
+        request_ids = await server.submit(engine, base_id, prompts, per_prompt,
+                                          cache_salt(request.state, body.cache_salt), queue, body.priority,
+                                          request.state)
+    except InvalidRequestError as exc:  # a grammar the front refused: name the field the request gave it in
+        if exc.param != "structured_outputs" or body.structured_outputs is not None:
+            raise
+        raise InvalidRequestError(str(exc), param="tools" if tool_calls else "response_format") from None
     stream = engine.stream_outputs(request_ids, params.n, queue)
     choices = ChoiceState(request_ids, params.n, params.logprobs, echo, params.prompt_logprobs,
                           engine.input_processor.decode)
@@ -545,7 +576,8 @@ def run_server(args) -> int:
     gateway = load_gateway_config(config.config)
     models = _served_models(config, gateway)
     region = region_code(config.region)  # an unknown one fails now, before anything loads
-    names = served_names([m if m in ALIASES else resolve_model(m).name for m in models], config.served_model_name)
+    names = with_paths_as_given(models, served_names([m if m in ALIASES else resolve_model(m).name for m in models],
+                                                     config.served_model_name), config.served_model_name)
     configs = [SobrioConfig.from_kwargs(model=model, **engine_kwargs(args)) for model in models]
     sock = bind_socket(config.host, config.port)  # a busy port fails now, not after loading
     fatal = threading.Event()  # an engine core that keeps dying: exit non-zero for a supervisor

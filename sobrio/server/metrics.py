@@ -101,6 +101,7 @@ class EngineStatsCollector:
         yield from kv_offload_families(generating)
         yield from kv_transfer_families(p, generating)
         yield from tensor_parallel_families(p, generating)
+        yield from engine_fault_families(generating)
         if cache_infos:  # one label set for the family: every engine's keys
             keys = list(dict.fromkeys(k for info in cache_infos for k in info))
             family = GaugeMetricFamily(f"{p}:cache_config_info", "Information of the LLMEngine CacheConfig",
@@ -109,6 +110,21 @@ class EngineStatsCollector:
                 family.add_metric([info.get(k, "") for k in keys], 1)
             yield family
         yield tables
+
+
+def engine_fault_families(generating: list[tuple[str, dict]]):
+    """What the engine thread survived: callback errors by type, and its own deaths (each a restart)."""
+    errors = CounterMetricFamily("sobrio:engine_callback_errors", "Errors raised by a callback on the engine's "
+                                 "delivery path (metrics, logs), by type; the requests went on",
+                                 labels=["model_name", "error"])
+    deaths = CounterMetricFamily("sobrio:engine_thread_deaths", "Times the engine thread died and was restarted "
+                                 "(its requests failed)", labels=["model_name"])
+    for model_name, stats in generating:
+        for error, count in (stats.get("callback_errors") or {}).items():
+            errors.add_metric([model_name, error], count)
+        deaths.add_metric([model_name], stats.get("engine_thread_deaths", 0))
+    yield errors
+    yield deaths
 
 
 def cumulative_buckets(bounds: tuple[float, ...], counts: list[int]) -> list[tuple[str, int]]:

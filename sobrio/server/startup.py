@@ -58,6 +58,18 @@ def served_names(model_names: list[str], given: list[str] | None) -> list[list[s
     return names
 
 
+def with_paths_as_given(models: list[str], names: list[list[str]], given: list[str] | None) -> list[list[str]]:
+    """A folder or .gguf model served under its own name (its basename) also answers to the path as given on
+    the command line (vLLM's name for it), unless --served-model-name named it or the path is taken."""
+    taken = {n for group in names for n in group}
+    named = len(given or [])
+    for i, (model, group) in enumerate(zip(models, names)):
+        if i >= named and model not in taken:
+            group.append(model)
+            taken.add(model)
+    return names
+
+
 class RootPath:
     """`--root-path /api`: a request under the prefix is routed as without it (`/api/v1/models` is
     `/v1/models`, with the ASGI `root_path` set); a request without it routes as before (vLLM's FastAPI

@@ -1,7 +1,7 @@
 """llguidance: a request's StructuredOutputsParams -> grammar text -> a matcher compiled against the tokenizer.
 
-The front checks the grammar without a tokenizer (`validate`: a bad schema, regex or grammar is a 400 before
-anything is queued). The engine core compiles it on one worker thread (`GrammarCompiler`): the first
+The front compiles the grammar first, bounded (`edge.GrammarGate`: a bad schema, regex or grammar is a 400
+before anything is queued). The engine core compiles it on one worker thread (`GrammarCompiler`): the first
 structured request builds the llguidance tokenizer (~0.5 s), each (kind, spec) compiles once and is kept
 (least recently used out), and every request gets a fresh copy of the compiled matcher. llguidance bounds
 the work itself (its ParserLimits defaults: lexer fuel, Earley items per step, grammar size: a schema built to
@@ -32,7 +32,10 @@ MAX_ERROR_CHARS = 500
 # llguidance's default bounds on the work (lexer fuel, Earley items per step, grammar size), without the parser
 # state in error messages (they go to the client)
 LIMITS = LLParserLimits(verbose_errors=False)
-CACHE_SIZE = 256
+# Compiled grammars kept. Each keeps the lexer states its requests built (llguidance: 1-2 kB each, up to
+# max_lexer_states = 250,000), so the cache is memory: 256 of them grew the engine core without end under
+# a load of ever new schemas (tool definitions, json_schema); 32 bound it.
+CACHE_SIZE = 32
 
 
 def failure_message(kind: str, why: str) -> str:
@@ -72,13 +75,6 @@ def _as_lark(grammar: str) -> str:
         return any_to_lark(grammar)
     except GbnfToLarkError as exc:
         raise _invalid("grammar", str(exc)) from None
-
-
-def validate(params: StructuredOutputsParams) -> None:
-    """Raise InvalidRequestError naming the problem if the schema, regex or grammar cannot be compiled."""
-    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar_text(params), None)
-    if is_error:
-        raise _invalid(params.spec[0], messages[0] if messages else "cannot be compiled")
 
 
 # seconds; a compile is most often a few ms, a large schema a few hundred
@@ -129,8 +125,14 @@ class GrammarCompiler:
             self._pool = None
 
     def _run(self, job: CompileJob, params: StructuredOutputsParams, eos_token_ids: list[int]) -> LLMatcher:
+        self.prepare(eos_token_ids)  # once per compiler, and not the grammar's time: its timeout starts after
         job.started = time.monotonic()
         return self._compile(params, eos_token_ids)
+
+    def prepare(self, eos_token_ids: Iterable[int]) -> None:
+        """Build the llguidance tokenizer now (~0.5 s, seconds on a busy host) if it is not built yet."""
+        with self._lock:
+            self._llg_tokenizer(sorted(eos_token_ids))
 
     def _compile(self, params: StructuredOutputsParams, eos_token_ids: list[int]) -> LLMatcher:
         key = params.spec

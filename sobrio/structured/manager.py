@@ -82,7 +82,9 @@ class StructuredOutputManager:
             exc = job.future.exception()
             if exc is not None:
                 logger.warning("request %s: its grammar did not compile (%s)", request_id, type(exc).__name__)
-                failed.append((req, str(exc) if isinstance(exc, InvalidRequestError) else None))
+                why = str(exc) if isinstance(exc, InvalidRequestError) else \
+                    failure_message(req.sampling_params.structured_outputs.spec[0], type(exc).__name__)
+                failed.append((req, why))  # the grammar's doing either way: its client gets a 400
             else:
                 self.matchers[request_id] = job.future.result()
                 done.append((req, tag))
@@ -153,8 +155,8 @@ class StructuredOutputManager:
 
     def accept(self, req: Request, token_id: int) -> str | None:
         """Advance the request's matcher by an appended token. "stop": the grammar is complete (only EOS could
-        follow); "error": the grammar failed: `req.error` says why when it met one of llguidance's limits
-        (the request's fault), else the token broke it (it cannot, unless the mask was bypassed); None: go on."""
+        follow); "error": the grammar failed, `req.error` says why (one of llguidance's limits, or a token its
+        mask allowed and it then refused: the request's grammar either way, a 400); None: go on."""
         matcher = self.matchers.get(req.request_id)
         if matcher is None:
             return None
@@ -164,6 +166,11 @@ class StructuredOutputManager:
             return "error"
         if not matcher.consume_token(token_id):
             logger.warning("request %s: a sampled token broke its grammar", req.request_id)
+            # llguidance refused a token its own mask allowed: seen on pathological grammars (a regex
+            # a{1000}{1000}); the grammar's doing, so its client gets a 400, not an engine failure
+            req.error = failure_message(req.sampling_params.structured_outputs.spec[0],
+                                        "the grammar refused a token it had allowed; it is beyond what llguidance "
+                                        "handles reliably, simplify it")
             return "error"
         return "stop" if matcher.is_stopped() else None
 

@@ -138,3 +138,12 @@ def test_model_auto_is_routed_and_says_where(client, server):
         rows = httpx.get(f"{server.base_url}/v1/usage", params={"limit": 5}).json()["data"]
         row = next(r for r in rows if r["request_id"] == answer.id)
         assert (row["requested_model"], row["served_model"]) == ("auto", answer.model)
+
+
+def test_model_auto_routes_chats_only_to_a_model_with_a_chat_template(client):
+    """The base Gemma 3 has no chat template: "auto" once sent it chats it could only refuse (400)."""
+    for question in ("What is 48 x 97? Answer with the number only.", "Prove that there are infinitely many primes.",
+                     "hi"):
+        raw = client.chat.completions.with_raw_response.create(
+            model="auto", messages=[{"role": "user", "content": question}], max_tokens=4, temperature=0)
+        assert raw.parse().model == raw.headers["x-sobrio-routed-to"] == SMOL

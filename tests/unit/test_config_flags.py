@@ -472,3 +472,14 @@ def test_speculative_config_takes_vllm_json_and_fills_the_defaults():
     config = SobrioConfig.from_kwargs(speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
     assert config.speculative_config.enabled and config.speculative_config.get("num_speculative_tokens") == 3
     assert config.speculative_config.get("prompt_lookup_max") == 5 and not SobrioConfig().speculative_config.enabled
+
+
+def test_a_folder_model_answers_to_its_basename_and_the_path_as_given():
+    """vLLM serves a folder under the path as given; sobrio under its basename: both reach it (issue 40)."""
+    from sobrio.server.startup import served_names, with_paths_as_given
+
+    models = ["/models/tiny-llama", "smollm2-135m", "./other"]
+    names = with_paths_as_given(models, served_names(["tiny-llama", "smollm2-135m", "other"], None), None)
+    assert names == [["tiny-llama", "/models/tiny-llama"], ["smollm2-135m"], ["other", "./other"]]
+    named = with_paths_as_given(models[:1], served_names(["tiny-llama"], ["mine"]), ["mine"])
+    assert named == [["mine"]]  # --served-model-name decides alone

@@ -4,6 +4,7 @@ import multiprocessing
 import os
 
 from sobrio import openmp
+from sobrio.engine import core_process, cpu_share
 from sobrio.engine.core_process import engine_core_environ
 
 
@@ -28,6 +29,7 @@ def spawned_spincount() -> str | None:
 
 def test_a_spawned_core_spins_longer_and_this_process_keeps_its_own(monkeypatch):
     monkeypatch.setattr(openmp, "OMP_WAIT_SET_BY_USER", False)
+    monkeypatch.setattr(core_process, "spin_count_for_start", lambda long, short: long)  # a free host
     monkeypatch.setenv("GOMP_SPINCOUNT", openmp.SPINCOUNT)
     assert spawned_spincount() == openmp.ENGINE_CORE_SPINCOUNT != openmp.SPINCOUNT
     assert os.environ["GOMP_SPINCOUNT"] == openmp.SPINCOUNT
@@ -38,3 +40,16 @@ def test_a_policy_the_user_set_reaches_the_core_unchanged(monkeypatch):
     monkeypatch.setenv("GOMP_SPINCOUNT", "1234")
     assert spawned_spincount() == "1234"
     assert os.environ["GOMP_SPINCOUNT"] == "1234"
+
+
+def test_a_core_on_a_shared_host_spins_short_and_keeps_two_malloc_arenas(monkeypatch):
+    """What a core spawned inside the block inherits (the test above shows a spawn sees the environment)."""
+    monkeypatch.setattr(openmp, "OMP_WAIT_SET_BY_USER", False)
+    monkeypatch.setattr(cpu_share, "cpu_quota", lambda: 0.5)  # a container allowed half a core
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    with engine_core_environ():
+        assert os.environ["GOMP_SPINCOUNT"] == openmp.SPINCOUNT and os.environ["MALLOC_ARENA_MAX"] == "2"
+    assert "MALLOC_ARENA_MAX" not in os.environ
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "8")
+    with engine_core_environ():
+        assert os.environ["MALLOC_ARENA_MAX"] == "8"  # the user's

@@ -95,8 +95,26 @@ def test_admin_commands_print_the_key_once(tmp_path, capsys):
     assert "no tenant named 'nobody'" in capsys.readouterr().err
     assert cli.main(db + ["tenants", "set-limits", "acme", "--requests-per-minute", "5"]) == 0
     store = TenantStore(tmp_path / "admin.db")
-    assert store.resolve(text) is None and store.tenant("acme").limits == Limits(requests_per_minute=5)
+    assert store.resolve(text) is None
+    assert store.tenant("acme").limits == Limits(requests_per_minute=5, tokens_per_day=1000, allowed_models=("a", "b"))
     store.close()
+
+
+def test_set_limits_changes_only_what_it_is_given_and_clears_on_request(tmp_path, capsys):
+    """Tightening one limit once silently removed the tenant's token cap, concurrency cap and models."""
+    db = ["admin", "--db", str(tmp_path / "admin.db")]
+    assert cli.main(db + ["tenants", "create", "acme", "--tokens-per-day", "1000", "--max-concurrent", "4",
+                          "--models", "a", "--kv-offload"]) == 0
+    assert cli.main(db + ["tenants", "set-limits", "acme", "--requests-per-minute", "30"]) == 0
+    assert cli.main(db + ["tenants", "set-limits", "acme", "--clear", "max-concurrent", "kv-offload"]) == 0
+    assert cli.main(db + ["tenants", "set-limits", "acme", "--models", "b", "--clear", "models"]) == 1
+    assert "both set and cleared: allowed_models" in capsys.readouterr().err
+    store = TenantStore(tmp_path / "admin.db")
+    try:
+        assert store.tenant("acme").limits == Limits(requests_per_minute=30, tokens_per_day=1000,
+                                                     allowed_models=("a",))
+    finally:
+        store.close()
 
 
 def test_limiter_window_concurrency_and_daily_tokens_reset():

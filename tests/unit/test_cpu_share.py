@@ -1,0 +1,76 @@
+"""The engine core's threads follow the cores other processes leave free (issue 40); the user's choice wins."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from sobrio.engine import cpu_share
+from sobrio.engine.cpu_share import OthersMeter, ThreadGovernor, cpu_quota, open_governor, threads_for
+
+
+def test_threads_are_the_free_cores_at_least_one():
+    assert threads_for(2.0, 0.1, 2) == 2
+    assert threads_for(2.0, 1.0, 2) == 1  # a one-core neighbour on 2 cores
+    assert threads_for(2.0, 3.5, 2) == 1
+    assert threads_for(8.0, 2.6, 8) == 5
+    assert threads_for(1.5, 0.0, 4) == 1  # a quota of 1.5 cores: one thread (spin fights the throttle)
+
+
+def test_cgroup_quotas_v2_and_v1(tmp_path):
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert cpu_quota(str(tmp_path)) == 1.5
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert cpu_quota(str(tmp_path)) is None
+    (tmp_path / "cpu.max").unlink()
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("50000")
+    (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000")
+    assert cpu_quota(str(tmp_path)) == 0.5
+    assert cpu_quota(str(tmp_path / "nowhere")) is None
+
+
+class FakeMeter:
+    def __init__(self, readings):
+        self.readings = list(readings)
+
+    def cores(self) -> float:
+        return self.readings.pop(0)
+
+
+def test_the_governor_changes_after_two_looks_in_a_row(monkeypatch):
+    monkeypatch.setattr(cpu_share, "allowed_cores", lambda: 2.0)
+    widths = []
+    gov = ThreadGovernor(widths.append, most=2, ours=[os.getpid()], interval=0.0)
+    gov.meter = FakeMeter([1.0, 0.0, 1.0, 1.0, 1.1, 0.1, 0.2])
+    for _ in range(7):
+        gov.poll()
+    assert widths == [1, 2]  # one look at 1.0 was not enough; two were; two idle looks brought it back
+    assert gov.threads == 2 and gov.changes == 2
+
+
+def test_the_meter_sees_a_busy_neighbour_and_not_ourselves():
+    ours, everyone = OthersMeter([os.getpid()]), OthersMeter([])
+    end = time.process_time() + 0.5
+    while time.process_time() < end:  # our own work: counted by a meter that does not know us, not by ours
+        pass
+    assert everyone.cores() - ours.cores() >= 0.2  # 0.5 s of our CPU over the wall time it took
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nend = time.monotonic() + 5\n"
+                             "while time.monotonic() < end: pass"])
+    try:
+        time.sleep(1.0)
+        ours.cores()
+        time.sleep(1.0)
+        assert ours.cores() >= 0.6  # others: at least the neighbour's core
+    finally:
+        busy.kill()
+        busy.wait()
+
+
+@pytest.mark.parametrize("flag, env", [(2, {}), (None, {"OMP_NUM_THREADS": "2"})])
+def test_the_users_threads_win(monkeypatch, flag, env):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert open_governor(flag) is None

@@ -437,7 +437,7 @@ async def _respond(server: OpenAIServer, request: Request, body, params: Samplin
     except InvalidRequestError as exc:  # a grammar the front refused: name the field the request gave it in
         if exc.param != "structured_outputs" or body.structured_outputs is not None:
             raise
-        raise InvalidRequestError(str(exc), param="tools" if tool_calls else "response_format") from None
+        raise InvalidRequestError(str(exc), param="tools" if tool_plan is not None else "response_format") from None
     stream = engine.stream_outputs(request_ids, params.n, queue)
     choices = ChoiceState(request_ids, params.n, params.logprobs, echo, params.prompt_logprobs,
                           engine.input_processor.decode)

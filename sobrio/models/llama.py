@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from sobrio.layers import smoothing
 from sobrio.layers.attention import AttentionMetadata, BatchedDecodeAttention, ReferenceAttention
 from sobrio.layers.cpu_ops import cpu_ops
-from sobrio.layers.linear import Linear, amx_pack_weight, linear, pack_weight
+from sobrio.layers.linear import Linear, amx_pack_weight, linear, one_copy_layout, pack_weight
 from sobrio.layers.norm import RMSNorm
 from sobrio.layers.quantization import INT4_GROUP_SIZE, quantized_embedding, quantized_linear
 from sobrio.layers.rotary import RotaryEmbedding
@@ -138,12 +138,17 @@ class CausalLM(torch.nn.Module):
     def prepack(self) -> None:
         """Choose every matmul (oneDNN's packed weights, or the batch-invariant kernel); call once the
         weights are loaded and cast."""
+        if self.quantized_lm_head is None and self.lm_head is not None and type(self.lm_head) is torch.nn.Linear:
+            self.lm_head = Linear.of(self.lm_head)  # packed as the other Linears, its plain weight then dropped
         for module in self.modules():
             if isinstance(module, Linear):
                 module.prepack(self.batch_invariant)
-        if self.quantized_lm_head is None:
-            self.packed_lm_head = None if self.batch_invariant else pack_weight(self.lm_head_weight())
-            self.amx_lm_head = None if self.batch_invariant else amx_pack_weight(self.lm_head_weight())
+        if self.quantized_lm_head is None and self.lm_head is None and not self.batch_invariant:
+            # Tied: the head reads the embedding's own matrix; a packed copy beside it would hold that weight
+            # twice, kept only where the Linears keep two copies anyway (another CPU's packed layout).
+            weight = self.lm_head_weight()
+            self.packed_lm_head = None if one_copy_layout() else pack_weight(weight)
+            self.amx_lm_head = amx_pack_weight(weight)
 
     def quantize(self, method: str, calibration_ids: list[int] | None = None) -> None:
         """Quantized weights (`--quantization`): every Linear replaced by its int8 or int4 form, the
@@ -206,6 +211,8 @@ class CausalLM(torch.nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.quantized_lm_head is not None:
             logits = self.quantized_lm_head(hidden).float()
+        elif self.lm_head is not None:
+            logits = self.lm_head(hidden).float()
         else:
             logits = linear(hidden, self.lm_head_weight(), packed=self.packed_lm_head,
                             batch_invariant=self.batch_invariant, amx_packed=self.amx_lm_head).float()

@@ -17,7 +17,7 @@ import sobrio  # noqa: F401  (first: it sets the OpenMP thread policy before tor
 import torch  # noqa: E402
 
 from sobrio import LLM, SamplingParams  # noqa: E402
-from sobrio.layers.linear import Linear, pack_weight, unblocked  # noqa: E402
+from sobrio.layers.linear import BlockedEmbedding, Linear, pack_weight, unblocked  # noqa: E402
 from sobrio.models.weights import resident_bytes  # noqa: E402
 
 
@@ -27,7 +27,10 @@ def two_copies(model) -> None:
         if isinstance(m, Linear) and m.blocks is not None:
             m.saved_blocks, m.blocks = m.blocks, None
             m.weight = torch.nn.Parameter(unblocked(m.saved_blocks), requires_grad=False)
-    if model.lm_head is None:
+    if isinstance(model.model.embed_tokens, BlockedEmbedding):  # tied: the plain embedding beside the packed head
+        model.saved_embedding, model.model.embed_tokens = model.model.embed_tokens, model.model.embed_tokens.plain()
+        model.lm_head_blocks = None
+    elif model.lm_head is None:
         model.packed_lm_head = pack_weight(model.lm_head_weight())
 
 
@@ -36,7 +39,9 @@ def one_copy(model) -> None:
         if isinstance(m, Linear) and getattr(m, "saved_blocks", None) is not None:
             del m.weight
             m.blocks, m.saved_blocks = m.saved_blocks, None
-    model.packed_lm_head = None
+    if getattr(model, "saved_embedding", None) is not None:
+        model.model.embed_tokens, model.saved_embedding = model.saved_embedding, None
+        model.lm_head_blocks = model.model.embed_tokens.blocks
 
 
 def step_time(llm, batch: int, prompt: int, steps: int, clock) -> tuple[float, float]:

@@ -18,7 +18,7 @@ import torch
 
 from sobrio.layers import quantization
 from sobrio.layers.cpu_ops import amx_int8_available, cpu_ops
-from sobrio.layers.linear import Linear
+from sobrio.layers.linear import BlockedEmbedding, Linear
 from sobrio.layers.quantization import QuantizedLinear
 from sobrio.layers.rotary import RotaryEmbedding
 
@@ -108,6 +108,8 @@ def _tensors_read(module: torch.nn.Module) -> list[torch.Tensor]:
         return []  # cos/sin tables: a row per token
     if isinstance(module, Linear) and module.blocks is not None:  # oneDNN's packed copy alone
         return [t for t in (module.packed, module.bias) if t is not None]
+    if isinstance(module, BlockedEmbedding):  # the tied head's packed copy, which the embedding reads too
+        return [module.packed]
     if isinstance(module, QuantizedLinear) and (module.packed is not None or module.amx_packed is not None):
         packed = module.packed if module.packed is not None else module.amx_packed
         return [t for t in (packed, module.scale_fp32, module.bias, module.outliers and module.outliers.weight)

@@ -10,7 +10,8 @@ One copy of each weight: where oneDNN's packed copy has the blocked layout the C
 (AVX512-BF16 without AMX: [N/64, K/2, 64, 2], checked against the weight itself at `prepack`), the few-row
 matmuls read that copy too and the plain weight is dropped, so a bf16 model holds its weights once (it held
 them twice: 2.4 GB more for Llama-3.2-1B). `Linear.weight` then unpacks a copy for the rare readers (adapters,
-tools); the model's matmuls never do.
+tools); the model's matmuls never do. A tied embedding reads its rows from the LM head's packed copy
+(`BlockedEmbedding`), so the head keeps oneDNN's GEMM past 4 rows without a second copy of the matrix.
 
 Neither is batch-invariant: a row's result depends on how many rows came with it (GEMV or GEMM, and
 oneDNN's and MKL's blockings differ by M, in fp32 too). With `batch_invariant` every matmul takes the C++
@@ -144,6 +145,29 @@ def blocked_linear(x: torch.Tensor, packed: torch.Tensor, blocks: torch.Tensor,
     else:
         y = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
     return y.view(*x.shape[:-1], y.shape[-1])
+
+
+class BlockedEmbedding(torch.nn.Module):
+    """A tied embedding read from its LM head's packed copy (each token's row gathered from the blocked view),
+    so the matrix is held once, in the layout the head's matmuls read. `weight` unpacks a copy (rare readers)."""
+
+    def __init__(self, packed: torch.Tensor, blocks: torch.Tensor):
+        super().__init__()
+        self.packed, self.blocks = packed, blocks
+        self.num_embeddings, self.embedding_dim = blocks.shape[0] * BLOCK, blocks.shape[1] * 2
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return unblocked(self.blocks)
+
+    def plain(self) -> torch.nn.Embedding:
+        """A plain embedding of the same rows (a copy)."""
+        return torch.nn.Embedding(self.num_embeddings, self.embedding_dim, _weight=self.weight, _freeze=True)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        ids = input_ids.reshape(-1)
+        rows = self.blocks[ids // BLOCK, :, ids % BLOCK, :]  # [tokens, K/2, 2]
+        return rows.reshape(*input_ids.shape, self.embedding_dim)
 
 
 class Linear(torch.nn.Linear):

@@ -8,7 +8,16 @@ import torch.nn.functional as F
 from sobrio.layers import smoothing
 from sobrio.layers.attention import AttentionMetadata, BatchedDecodeAttention, ReferenceAttention
 from sobrio.layers.cpu_ops import cpu_ops
-from sobrio.layers.linear import Linear, amx_pack_weight, linear, one_copy_layout, pack_weight
+from sobrio.layers.linear import (
+    BlockedEmbedding,
+    Linear,
+    amx_pack_weight,
+    blocked_linear,
+    blocked_view,
+    linear,
+    one_copy_layout,
+    pack_weight,
+)
 from sobrio.layers.norm import RMSNorm
 from sobrio.layers.quantization import INT4_GROUP_SIZE, quantized_embedding, quantized_linear
 from sobrio.layers.rotary import RotaryEmbedding
@@ -132,6 +141,7 @@ class CausalLM(torch.nn.Module):
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
         self.packed_lm_head: torch.Tensor | None = None
         self.amx_lm_head: torch.Tensor | None = None
+        self.lm_head_blocks: torch.Tensor | None = None  # tied, one copy: `packed_lm_head` read by the C++ kernel
         self.quantized_lm_head: torch.nn.Module | None = None  # set by `quantize()` or a pre-quantized checkpoint
         self.gather_logits = None  # tensor parallelism: this rank's vocabulary slice -> the whole row
 
@@ -144,10 +154,14 @@ class CausalLM(torch.nn.Module):
             if isinstance(module, Linear):
                 module.prepack(self.batch_invariant)
         if self.quantized_lm_head is None and self.lm_head is None and not self.batch_invariant:
-            # Tied: the head reads the embedding's own matrix; a packed copy beside it would hold that weight
-            # twice, kept only where the Linears keep two copies anyway (another CPU's packed layout).
+            # Tied: one copy where the few-row kernel reads oneDNN's layout (the embedding then reads the
+            # head's packed copy); else the packed copy beside the embedding's, as the Linears keep two there.
             weight = self.lm_head_weight()
-            self.packed_lm_head = None if one_copy_layout() else pack_weight(weight)
+            packed = pack_weight(weight)
+            self.lm_head_blocks = blocked_view(packed, weight) if packed is not None and one_copy_layout() else None
+            if self.lm_head_blocks is not None:
+                self.model.embed_tokens = BlockedEmbedding(packed, self.lm_head_blocks)
+            self.packed_lm_head = packed if self.lm_head_blocks is not None or not one_copy_layout() else None
             self.amx_lm_head = amx_pack_weight(weight)
 
     def quantize(self, method: str, calibration_ids: list[int] | None = None) -> None:
@@ -213,6 +227,8 @@ class CausalLM(torch.nn.Module):
             logits = self.quantized_lm_head(hidden).float()
         elif self.lm_head is not None:
             logits = self.lm_head(hidden).float()
+        elif self.lm_head_blocks is not None:
+            logits = blocked_linear(hidden, self.packed_lm_head, self.lm_head_blocks).float()
         else:
             logits = linear(hidden, self.lm_head_weight(), packed=self.packed_lm_head,
                             batch_invariant=self.batch_invariant, amx_packed=self.amx_lm_head).float()

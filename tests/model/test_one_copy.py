@@ -19,19 +19,20 @@ needs_blocked = pytest.mark.skipif(not one_copy_layout(),
                                    reason="oneDNN's packed layout here is not the one the few-row kernel reads")
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """A random Llama in bf16 safetensors (~60 MB), big enough that a second copy shows in resident memory."""
+def write_checkpoint(folder, tied: bool, **shape):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model("llama", hidden_size=512, intermediate_size=2048, num_hidden_layers=4,
-                                  num_attention_heads=8, num_key_value_heads=2, vocab_size=32000,
-                                  max_position_embeddings=512, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
-    folder = tmp_path_factory.mktemp("one-copy")
-    model.save_pretrained(folder)
+    config = AutoConfig.for_model("llama", num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
+                                  tie_word_embeddings=tied, **shape)
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A random Llama in bf16 safetensors (~100 MB), big enough that a second copy shows in resident memory."""
+    return write_checkpoint(tmp_path_factory.mktemp("one-copy"), False, hidden_size=512, intermediate_size=2048,
+                            num_hidden_layers=4, vocab_size=32000)
 
 
 def build(folder, dtype=torch.bfloat16):
@@ -56,6 +57,24 @@ def test_a_bf16_model_holds_each_weight_once(checkpoint):
     assert torch.equal(model.lm_head.weight, checkpoint_weights["lm_head.weight"])  # unpacked on demand, exactly
     down = checkpoint_weights["model.layers.1.mlp.down_proj.weight"]
     assert torch.equal(model.model.layers[1].mlp.down_proj.weight, down)
+
+
+@needs_blocked
+def test_a_tied_embedding_reads_the_heads_packed_copy(tmp_path):
+    from sobrio.layers.linear import BlockedEmbedding
+
+    folder = write_checkpoint(tmp_path, True, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                              vocab_size=4096)
+    model = build(folder)
+    floats, _ = safetensors_elements(folder)
+    assert resident_bytes(model) <= floats * 2 * 1.05  # the embedding once (beside a packed head: 1.8x)
+    embedding = dict(iter_safetensors_weights(folder))["model.embed_tokens.weight"]
+    assert isinstance(model.model.embed_tokens, BlockedEmbedding)
+    ids = torch.tensor([[0, 63, 64, 4095], [7, 7, 1000, 2]])
+    assert torch.equal(model.model.embed_tokens(ids), embedding[ids])
+    hidden = torch.randn(6, 128).bfloat16()
+    for rows in (hidden[:1], hidden):  # the few-row kernel, then oneDNN
+        torch.testing.assert_close(model.compute_logits(rows), rows.float() @ embedding.float().T, rtol=1e-2, atol=5e-2)
 
 
 @needs_blocked

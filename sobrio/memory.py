@@ -10,16 +10,21 @@ import ctypes.util
 import functools
 
 
-def process_resident() -> int:
-    """This process's resident memory (VmRSS) in bytes, or 0 where /proc does not say."""
+def proc_bytes(path: str, field: str) -> int | None:
+    """A `Field:   123 kB` line of a /proc file in bytes, or None where it is not there."""
     try:
-        with open("/proc/self/status") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 0
+    return None
+
+
+def process_resident() -> int:
+    """This process's resident memory (VmRSS) in bytes, or 0 where /proc does not say."""
+    return proc_bytes("/proc/self/status", "VmRSS") or 0
 
 
 @functools.cache

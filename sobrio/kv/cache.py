@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from sobrio.errors import InvalidRequestError
+from sobrio.memory import proc_bytes
 
 KV_CACHE_DTYPES = {"auto": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 SCALE_DTYPE = torch.bfloat16
@@ -58,14 +59,8 @@ class KVCacheSpec:
 
 def available_memory() -> int:
     """Bytes the kernel says a new allocation can take without swapping (half the RAM if it cannot say)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    available = proc_bytes("/proc/meminfo", "MemAvailable")
+    return available if available is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 
 
 def kv_budget(memory: int | None, fraction: float, cap: int, weights: int = 0) -> int:

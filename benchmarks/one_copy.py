@@ -30,7 +30,7 @@ def two_copies(model) -> None:
     if isinstance(model.model.embed_tokens, BlockedEmbedding):  # tied: the plain embedding beside the packed head
         model.saved_embedding, model.model.embed_tokens = model.model.embed_tokens, model.model.embed_tokens.plain()
         model.lm_head_blocks = None
-    elif model.lm_head is None:
+    elif model.lm_head is None and model.packed_lm_head is None:
         model.packed_lm_head = pack_weight(model.lm_head_weight())
 
 
@@ -91,10 +91,10 @@ def main() -> None:
         print(f"batch {batch:3}: prompts ({batch} x {args.prompt} tokens) {p1:.2f} s one copy, {p2:.2f} s two "
               f"({p2 / p1:.2f}x) | decode step {d1 * 1e3:.1f} ms one copy, {d2 * 1e3:.1f} ms two ({d2 / d1:.2f}x)",
               flush=True)
-    two_copies(model)
-    two = resident_bytes(model)
     one_copy(model)
-    print(f"resident weights: {resident_bytes(model) / 1e9:.2f} GB one copy, {two / 1e9:.2f} GB two")
+    one = resident_bytes(model)
+    two_copies(model)
+    print(f"resident weights: {one / 1e9:.2f} GB one copy, {resident_bytes(model) / 1e9:.2f} GB two")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The matmuls of a SmolLM2-135M decode step (30 layers' qkv, o, gate_up and down, then the LM head: 270 MB
 of bf16 weights, read from memory as a step reads them) through each kernel at a given row count:
-aten (F.linear), oneDNN with its packed weight, the C++ AMX kernel, the C++ GEMV and the C++ lane kernel
+aten (F.linear), oneDNN with its packed weight, the C++ AMX kernel, the C++ GEMV, the C++ GEMV on oneDNN's packed
+copy (`blocked_gemv_bf16`: what a bf16 Linear runs up to 4 rows where it keeps that copy alone) and the C++ lane kernel
 (`invariant_linear`: what float32 takes on an AVX2-only CPU), and on AMX-INT8 the W8A8 kernel that
 `--quantization int8` takes there (int8 weights per channel, activations rounded per token in the kernel,
 each down_proj's per token and group of 64 inputs, as the engine runs them: half the bytes). Prints ms per
@@ -28,19 +29,19 @@ from sobrio.layers.cpu_ops import (  # noqa: E402
     gemv_available,
     invariant_linear_available,
 )
-from sobrio.layers.linear import amx_pack_weight, pack_weight  # noqa: E402
+from sobrio.layers.linear import amx_pack_weight, blocked_view, pack_weight  # noqa: E402
 from sobrio.layers.quantization import AMX_ACT_GROUP, quantize_weight  # noqa: E402
 
 INT8 = "AMX int8"
 
-LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): qkv, o, gate_up, down
-DOWN_PROJ = LAYER_SHAPES[3]
-LAYERS, VOCAB, HIDDEN = 30, 49152, 576
+# (out, in) of qkv, o, gate_up, down; layers; the LM head's (vocabulary, hidden)
+MODELS = {"smollm2-135m": ([(960, 576), (576, 576), (3072, 576), (576, 1536)], 30, (49152, 576)),
+          "llama3.2-1b": ([(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)], 16, (128256, 2048))}
 
 
-def weights(dtype: torch.dtype) -> list[torch.Tensor]:
-    layers = [torch.randn(n, k).to(dtype) for _ in range(LAYERS) for (n, k) in LAYER_SHAPES]
-    return layers + [torch.randn(VOCAB, HIDDEN).to(dtype)]
+def weights(dtype: torch.dtype, model: str = "smollm2-135m") -> list[torch.Tensor]:
+    shapes, layers, head = MODELS[model]
+    return [torch.randn(n, k).to(dtype) for _ in range(layers) for (n, k) in shapes] + [torch.randn(*head).to(dtype)]
 
 
 def kernels(ws: list[torch.Tensor], rows: int) -> dict:
@@ -56,11 +57,14 @@ def kernels(ws: list[torch.Tensor], rows: int) -> dict:
         found["AMX"] = lambda: [cpu_ops().amx_linear(xs[w.shape[1]], p, w.shape[0]) for w, p in zip(ws, amx)]
     if gemv_available() and ws[0].dtype == torch.bfloat16 and rows <= 8:
         found["GEMV"] = lambda: [cpu_ops().gemv_bf16(xs[w.shape[1]], w) for w in ws]
+    views = [blocked_view(p, w) if p is not None else None for w, p in zip(ws, dnn)]
+    if all(v is not None for v in views) and rows <= 8:  # the few-row kernel on oneDNN's copy (one copy kept)
+        found["GEMV on oneDNN's"] = lambda: [cpu_ops().blocked_gemv_bf16(xs[w.shape[1]], v) for w, v in zip(ws, views)]
     if invariant_linear_available() and rows <= 64:
         found["C++ lanes"] = lambda: [cpu_ops().invariant_linear(xs[w.shape[1]], w) for w in ws]
     if amx_int8_available():
         int8 = [(cpu_ops().amx_pack_weight_int8(q), s.float()) for q, s in (quantize_weight(w, w.dtype) for w in ws)]
-        groups = [AMX_ACT_GROUP if tuple(w.shape) == DOWN_PROJ else 0 for w in ws]
+        groups = [AMX_ACT_GROUP if i % 4 == 3 else 0 for i in range(len(ws))]  # each layer's down_proj
         found[INT8] = lambda: [cpu_ops().amx_int8_linear(xs[w.shape[1]], p, s, w.shape[0], group_k=g)
                                for w, (p, s), g in zip(ws, int8, groups)]
     return found
@@ -72,10 +76,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--model", default="smollm2-135m", choices=sorted(MODELS),
+                        help="whose layer shapes (default %(default)s; llama3.2-1b: 2.5 GB of bf16 weights)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     clock = time.process_time if args.threads == 1 else time.perf_counter
-    ws = weights(getattr(torch, args.dtype))
+    ws = weights(getattr(torch, args.dtype), args.model)
     total = sum(w.numel() * w.element_size() for w in ws)
     size = {INT8: sum(w.numel() for w in ws)}  # bytes each kernel reads a step: one a weight in int8
     for rows in args.rows:

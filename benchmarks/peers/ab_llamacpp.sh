@@ -7,7 +7,9 @@
 # SOBRIO_ARGS adds flags to sobrio's server (e.g. SOBRIO_ARGS="--quantization int4" on the same file).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-GGUF=$(.venv/bin/python -c "from sobrio.loader.resolve import resolve_model as r; print(r('smollm2-135m').path)")
+# GGUF (a file) and TOKENIZER (a model name or folder) run another model: benchmarks/peers/real_shapes.sh sets them.
+GGUF=${GGUF:-$(.venv/bin/python -c "from sobrio.loader.resolve import resolve_model as r; print(r('smollm2-135m').path)")}
+TOKENIZER=${TOKENIZER:-smollm2-135m}
 SOBRIO_ARGS=${SOBRIO_ARGS:---quantization gguf}
 mkdir -p results
 SERVER=
@@ -16,7 +18,7 @@ wait_for() { for _ in $(seq 300); do curl -sf "$1" >/dev/null && return 0; sleep
 # A server left on the port would answer for the one started here (and hold its prompts in its prefix cache).
 port_free() { if curl -s -o /dev/null "$1"; then echo "something already answers on $1: stop it first" >&2; exit 1; fi; }
 batch1() {
-  .venv/bin/sobrio bench serve --base-url "$1" --model smollm2-135m --tokenizer smollm2-135m --ignore-eos \
+  .venv/bin/sobrio bench serve --base-url "$1" --model smollm2-135m --tokenizer "$TOKENIZER" --ignore-eos \
     --no-progress --num-prompts 8 --input-len 80 --output-len 128 --max-concurrency 1 --seed "$2" \
     --result-json "results/$3-$2-batch1.json" > /dev/null
   .venv/bin/python -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[2], f\"{r['output_throughput']:.1f} tok/s, TPOT p50 {r['p50_tpot_ms']:.2f} ms\")" \

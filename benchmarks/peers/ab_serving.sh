@@ -4,8 +4,11 @@
 # one is killed measured up to 10% slow here. One seed per pair (same prompts and arrivals for both):
 #   benchmarks/peers/ab_serving.sh 908 909        -> results/{sobrio,vllm}-SEED-{batch32,batch1,poisson}.json
 # SOBRIO_ARGS adds flags to sobrio's server (e.g. SOBRIO_ARGS="--quantization int8"; vLLM stays bf16).
+# MODEL serves another model folder on both (default smollm2-135m; benchmarks/peers/real_shapes.sh sets it).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+MODEL=${MODEL:-smollm2-135m}
+export SERVED=${SERVED:-$(basename "$MODEL")} TOKENIZER=${TOKENIZER:-$MODEL}
 SERVER=
 trap 'if [ -n "$SERVER" ]; then kill "$SERVER" 2>/dev/null || true; fi' EXIT  # an interrupted run leaves no server behind
 wait_for() { for _ in $(seq 300); do curl -sf "$1" >/dev/null && return 0; sleep 1; done; echo "no answer from $1" >&2; return 1; }
@@ -24,13 +27,13 @@ PY
 for SEED in "$@"; do
   port_free http://127.0.0.1:8000/health
   # shellcheck disable=SC2086
-  .venv/bin/sobrio serve smollm2-135m --port 8000 ${SOBRIO_ARGS:-} > "results/sobrio-$SEED-serve.log" 2>&1 &
+  .venv/bin/sobrio serve "$MODEL" --served-model-name "$SERVED" --port 8000 ${SOBRIO_ARGS:-} > "results/sobrio-$SEED-serve.log" 2>&1 &
   SERVER=$!
   wait_for http://127.0.0.1:8000/health; sleep 5
   benchmarks/peers/serving_workloads.sh http://127.0.0.1:8000 "sobrio-$SEED" "$SEED" > /dev/null
   kill "$SERVER"; wait "$SERVER" || true; sleep 10
   port_free http://127.0.0.1:8100/v1/models
-  benchmarks/peers/vllm_server.sh smollm2-135m 8100 > "results/vllm-$SEED-serve.log" 2>&1 &
+  benchmarks/peers/vllm_server.sh "$MODEL" 8100 > "results/vllm-$SEED-serve.log" 2>&1 &
   SERVER=$!
   wait_for http://127.0.0.1:8100/v1/models; sleep 5
   benchmarks/peers/serving_workloads.sh http://127.0.0.1:8100 "vllm-$SEED" "$SEED" > /dev/null

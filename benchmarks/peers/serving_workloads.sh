@@ -7,6 +7,7 @@
 # Run it once per server, each on a fresh server (the same prompts would hit a prefix cache):
 #   benchmarks/peers/serving_workloads.sh http://127.0.0.1:8000 sobrio
 #   benchmarks/peers/serving_workloads.sh http://127.0.0.1:8100 vllm
+# SERVED and TOKENIZER name another model (default smollm2-135m for both), e.g. a real_shapes.py folder.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 URL=${1:?base url}
@@ -22,7 +23,8 @@ with open(sys.argv[1], "w") as f:
         ids = [rng.randrange(200, 28000) for _ in range(rng.randint(64, 448))]
         f.write(json.dumps({"prompt": ids, "max_tokens": 128}) + "\n")
 PY
-bench() { .venv/bin/sobrio bench serve --base-url "$URL" --model smollm2-135m --tokenizer smollm2-135m \
+bench() { .venv/bin/sobrio bench serve --base-url "$URL" --model "${SERVED:-smollm2-135m}" \
+  --tokenizer "${TOKENIZER:-smollm2-135m}" \
   --ignore-eos --no-progress "$@"; }
 bench --num-prompts 128 --input-len 80 --output-len 128 --max-concurrency 32 --seed "$SEED" \
   --result-json "results/$LABEL-batch32.json"

@@ -3,9 +3,10 @@ share of each an engine decode step reaches: bandwidth at small batches (weights
 compute at large ones.
 
 Weights are counted two ways. "Resident" is every distinct tensor the model holds (`resident_bytes`): in
-bf16 that is the plain weights plus oneDNN's and AMX's packed copies, about 3x the checkpoint. "Read per
-step" is what a decode step streams: each matrix once, in the form its kernel reads (a bf16 weight's
-packed copies hold the same bytes as the plain one, so the parameters count; a quantized layer's int8 or
+bf16 that is oneDNN's packed copy alone where the few-row kernel reads it (AVX512-BF16 without AMX), else the
+plain weights plus oneDNN's and AMX's packed copies. "Read per step" is what a decode step streams: each
+matrix once, in the form its kernel reads (a bf16 weight's packed copies hold the same bytes as the plain
+one, so the parameters or the one packed copy count; a quantized layer's int8 or
 int4 buffers, or oneDNN's packed int8 copy, which is its only one), without the rotary tables and an
 untied embedding, of which a step reads a row per token. The bandwidth floor uses the latter.
 """
@@ -17,6 +18,7 @@ import torch
 
 from sobrio.layers import quantization
 from sobrio.layers.cpu_ops import amx_int8_available, cpu_ops
+from sobrio.layers.linear import BlockedEmbedding, Linear
 from sobrio.layers.quantization import QuantizedLinear
 from sobrio.layers.rotary import RotaryEmbedding
 
@@ -104,6 +106,10 @@ def _tensors_read(module: torch.nn.Module) -> list[torch.Tensor]:
     """The tensors of this module (not its children) a decode step reads whole."""
     if isinstance(module, RotaryEmbedding):
         return []  # cos/sin tables: a row per token
+    if isinstance(module, Linear) and module.blocks is not None:  # oneDNN's packed copy alone
+        return [t for t in (module.packed, module.bias) if t is not None]
+    if isinstance(module, BlockedEmbedding):  # the tied head's packed copy, which the embedding reads too
+        return [module.packed]
     if isinstance(module, QuantizedLinear) and (module.packed is not None or module.amx_packed is not None):
         packed = module.packed if module.packed is not None else module.amx_packed
         return [t for t in (packed, module.scale_fp32, module.bias, module.outliers and module.outliers.weight)

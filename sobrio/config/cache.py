@@ -12,8 +12,9 @@ class CacheConfig(Checked):
     """The paged KV cache: block size, its memory, prefix reuse."""
 
     block_size: int = flag(16, "tokens per KV-cache block (a multiple of 8)")
-    kv_cache_memory: int | None = flag(None, "bytes for the KV cache (default: a share of available memory)")
-    kv_cache_memory_fraction: float = 0.15  # of available memory, when kv_cache_memory is None
+    kv_cache_memory: int | None = flag(
+        None, "bytes for the KV cache (default: a share of the memory available once the weights are loaded)")
+    kv_cache_memory_fraction: float = 0.15  # of the memory available less the weights, when kv_cache_memory is None
     kv_cache_memory_cap: int = 2 << 30  # bytes, when kv_cache_memory is None
     enable_prefix_caching: bool = flag(True, "reuse the KV blocks of prompt prefixes seen before")
     kv_cache_dtype: str = flag("auto", "KV-cache rows: auto (the model's dtype), or int8 / fp8_e4m3 (fp8) with a "

@@ -480,6 +480,7 @@ void register_amx_ops(pybind11::module& m);  // amx_linear.cpp
 void register_grouped_ops(pybind11::module& m);  // grouped_linear.cpp
 void register_vnni_ops(pybind11::module& m);  // vnni_linear.cpp
 void register_fused_decode(pybind11::module& m);  // fused_decode.cpp
+void register_blocked_ops(pybind11::module& m);  // blocked_gemv.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)", py::arg("query"),
@@ -491,4 +492,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_grouped_ops(m);
   register_vnni_ops(m);
   register_fused_decode(m);
+  register_blocked_ops(m);
 }

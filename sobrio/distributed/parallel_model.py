@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from sobrio.distributed.group import TPGroup
 from sobrio.distributed.sharding import RankShard
+from sobrio.layers.linear import BlockedEmbedding
 
 
 class VocabParallelEmbedding(torch.nn.Embedding):
@@ -33,6 +34,8 @@ def parallelize(model, shard: RankShard, group: TPGroup, vocab_size: int) -> Non
     for layer in model.model.layers:
         layer.self_attn.o_proj.register_forward_hook(_all_reduce_output(group))
         layer.mlp.down_proj.register_forward_hook(_all_reduce_output(group))
+    if isinstance(model.model.embed_tokens, BlockedEmbedding):  # a slice of the vocabulary: plain rows again
+        model.model.embed_tokens = model.model.embed_tokens.plain()
     embedding = model.model.embed_tokens
     assert type(embedding) is torch.nn.Embedding, "tensor parallelism takes float weights"
     embedding.__class__ = VocabParallelEmbedding

@@ -14,6 +14,7 @@ from sobrio.config import ModelConfig, SobrioConfig
 from sobrio.config.speculative import OPTION
 from sobrio.distributed.parallel_model import parallelize
 from sobrio.distributed.sharding import TPRank, local_config, shard_weights
+from sobrio.engine.footprint import log_breakdown, weight_estimate
 from sobrio.engine.scheduler import SchedulerOutput
 from sobrio.errors import ConfigError, InvalidRequestError
 from sobrio.kv.cache import KV_CACHE_DTYPES, KVCache, KVCacheSpec, kv_budget
@@ -93,7 +94,9 @@ class ModelRunner:
         draft_config = draft.config if draft is not None else (eagle.layer_config() if eagle is not None else None)
         draft_spec = None if draft_config is None else kv_cache_spec(draft_config, self.dtype, self.block_size,
                                                                      cache_dtype)
-        budget = kv_budget(cache.kv_cache_memory, cache.kv_cache_memory_fraction, cache.kv_cache_memory_cap)
+        weights = weight_estimate(files, self.dtype, model.quantization, 1 if tp is None else tp.group.size)
+        budget = kv_budget(cache.kv_cache_memory, cache.kv_cache_memory_fraction, cache.kv_cache_memory_cap,
+                           weights)
         if draft_spec is not None:
             budget = budget * self.kv_spec.block_bytes // (self.kv_spec.block_bytes + draft_spec.block_bytes)
         self.num_blocks = widest.num_blocks_for(budget)
@@ -116,6 +119,9 @@ class ModelRunner:
                     "batch_invariant=%s%s%s", files.source.name, self.dtype, quantization_in_use(model, files),
                     cache.kv_cache_dtype, self.num_blocks, self.max_model_len, model.batch_invariant,
                     "" if draft is None else f" draft_model={draft.source.name}", "" if tp is None else f" {tp}")
+        log_breakdown(logger, files.source.name, [m for m in (self.model, self.draft_model) if m is not None],
+                      self.kv_cache.nbytes() + (self.draft_kv_cache.nbytes() if self.draft_kv_cache else 0),
+                      self.num_blocks)
         if eagle is not None:
             logger.info("EAGLE head for %s: %d draft tokens, its own KV cache of one layer", eagle.config["base_model"],
                         len(self.eagle.vocab_ids))

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from sobrio.errors import InvalidRequestError
+from sobrio.memory import proc_bytes
 
 KV_CACHE_DTYPES = {"auto": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 SCALE_DTYPE = torch.bfloat16
@@ -58,22 +59,22 @@ class KVCacheSpec:
 
 def available_memory() -> int:
     """Bytes the kernel says a new allocation can take without swapping (half the RAM if it cannot say)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    available = proc_bytes("/proc/meminfo", "MemAvailable")
+    return available if available is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 
 
-def kv_budget(memory: int | None, fraction: float, cap: int) -> int:
+def kv_budget(memory: int | None, fraction: float, cap: int, weights: int = 0) -> int:
     """The KV cache's bytes: `memory` if given (--kv-cache-memory), else a fraction of the memory available
-    now, capped, so a large host does not pin gigabytes a small model never fills."""
-    if memory is not None:
-        return memory
-    return min(cap, int(available_memory() * fraction))
+    now once the `weights` about to be loaded have taken theirs, capped, so a large host does not pin
+    gigabytes a small model never fills. Where the weights and the cache cannot both fit in the memory
+    available, a MemoryError says so before anything large is read."""
+    available = available_memory()
+    budget = memory if memory is not None else min(cap, int(max(0, available - weights) * fraction))
+    if weights + budget > available:
+        raise MemoryError(f"the weights (about {weights / 1e9:.2f} GB) and the KV cache ({budget / 1e9:.2f} GB) "
+                          f"need more than the {available / 1e9:.2f} GB of memory available: lower "
+                          f"--kv-cache-memory, or quantize (--quantization int8 or int4)")
+    return budget
 
 
 def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,6 +29,13 @@ def gemv_available() -> bool:
 
 
 @functools.cache
+def blocked_gemv_available() -> bool:
+    """Whether the few-row bf16 matmul on oneDNN's packed weight was built (AVX512-BF16)."""
+    ops = cpu_ops()
+    return ops is not None and ops.blocked_gemv_supported()
+
+
+@functools.cache
 def grouped_linear_available() -> bool:
     """Whether the group-wise int8 matmul was built (it needs AVX-512, or AVX2 with FMA)."""
     ops = cpu_ops()

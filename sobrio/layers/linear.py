@@ -6,6 +6,13 @@ memory bandwidth; the GEMV streams each weight row once through AVX512-BF16 dot 
 `GEMV_MAX_ROWS` rows a blocked GEMM wins, and oneDNN's with a pre-packed weight is 1.1-1.4x aten's
 (which re-lays the weight out on every call). Same results as aten: both are oneDNN underneath.
 
+One copy of each weight: where oneDNN's packed copy has the blocked layout the C++ `blocked_gemv_bf16` reads
+(AVX512-BF16 without AMX: [N/64, K/2, 64, 2], checked against the weight itself at `prepack`), the few-row
+matmuls read that copy too and the plain weight is dropped, so a bf16 model holds its weights once (it held
+them twice: 2.4 GB more for Llama-3.2-1B). `Linear.weight` then unpacks a copy for the rare readers (adapters,
+tools); the model's matmuls never do. A tied embedding reads its rows from the LM head's packed copy
+(`BlockedEmbedding`), so the head keeps oneDNN's GEMM past 4 rows without a second copy of the matrix.
+
 Neither is batch-invariant: a row's result depends on how many rows came with it (GEMV or GEMM, and
 oneDNN's and MKL's blockings differ by M, in fp32 too). With `batch_invariant` every matmul takes the C++
 `invariant_linear`, which computes each output element in one order for any M; for bf16 it is the GEMV
@@ -24,6 +31,7 @@ for 2 to 8 (which is what speculative decoding verifies), 1.2-1.9x up to 48, whe
 (`benchmarks/linear_kernels.py --dtype float32`). Unmeasured on AVX-512 CPUs, so float32 keeps aten there.
 """
 
+import ctypes
 import functools
 
 import torch
@@ -32,12 +40,15 @@ import torch.nn.functional as F
 from sobrio.layers.cpu_ops import (
     amx_available,
     avx2_without_avx512,
+    blocked_gemv_available,
     cpu_ops,
     gemv_available,
     invariant_linear_available,
 )
 
 GEMV_MAX_ROWS = 4
+BLOCKED_GEMV_MAX_ROWS = 4
+BLOCK = 64  # outputs per block of oneDNN's packed bf16 layout
 AMX_MAX_ROWS = 64
 FP32_KERNEL_MAX_ROWS = 48
 
@@ -96,17 +107,100 @@ def amx_pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     return cpu_ops().amx_pack_weight(weight.detach())
 
 
+def blocked_view(packed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's packed copy of `weight` as the bf16 tensor [N/64, K/2, 64, 2] that `blocked_gemv_bf16` reads
+    (a view of its memory: valid while `packed` lives), or None where its bytes are not that layout (another
+    CPU's blocking, padded shapes) or the kernel is not built. Compared element by element with the weight,
+    so a view returned always holds the weight exactly."""
+    n, k = weight.shape
+    if not blocked_gemv_available() or n % BLOCK or k % 2 or torch.ops.mkldnn._nbytes(packed) != n * k * 2:
+        return None
+    memory = (ctypes.c_uint8 * (n * k * 2)).from_address(torch.ops.mkldnn.data_ptr(packed))
+    blocks = torch.frombuffer(memory, dtype=torch.bfloat16).view(n // BLOCK, k // 2, BLOCK, 2)
+    expected = weight.detach().view(n // BLOCK, BLOCK, k // 2, 2).transpose(1, 2)
+    return blocks if torch.equal(blocks, expected) else None
+
+
+@functools.cache
+def one_copy_layout() -> bool:
+    """Whether a bf16 Linear here keeps oneDNN's packed copy alone (the few-row kernel reads its layout)."""
+    weight = torch.randn(BLOCK, 2 * BLOCK, generator=torch.Generator().manual_seed(0)).bfloat16()
+    packed = pack_weight(weight)
+    return packed is not None and amx_pack_weight(weight) is None and blocked_view(packed, weight) is not None
+
+
+def unblocked(blocks: torch.Tensor) -> torch.Tensor:
+    """The plain [N, K] weight of a blocked view (a copy)."""
+    nb, pairs, block, _ = blocks.shape
+    return blocks.transpose(1, 2).reshape(nb * block, pairs * 2)
+
+
+def blocked_linear(x: torch.Tensor, packed: torch.Tensor, blocks: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias from oneDNN's packed copy alone: the C++ kernel on its blocked view for a few rows,
+    oneDNN's GEMM past them."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] <= BLOCKED_GEMV_MAX_ROWS:
+        y = cpu_ops().blocked_gemv_bf16(rows, blocks, bias)
+    else:
+        y = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+class BlockedEmbedding(torch.nn.Module):
+    """A tied embedding read from its LM head's packed copy (each token's row gathered from the blocked view),
+    so the matrix is held once, in the layout the head's matmuls read. `weight` unpacks a copy (rare readers)."""
+
+    def __init__(self, packed: torch.Tensor, blocks: torch.Tensor):
+        super().__init__()
+        self.packed, self.blocks = packed, blocks
+        self.num_embeddings, self.embedding_dim = blocks.shape[0] * BLOCK, blocks.shape[1] * 2
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return unblocked(self.blocks)
+
+    def plain(self) -> torch.nn.Embedding:
+        """A plain embedding of the same rows (a copy)."""
+        return torch.nn.Embedding(self.num_embeddings, self.embedding_dim, _weight=self.weight, _freeze=True)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        ids = input_ids.reshape(-1)
+        rows = self.blocks[ids // BLOCK, :, ids % BLOCK, :]  # [tokens, K/2, 2]
+        return rows.reshape(*input_ids.shape, self.embedding_dim)
+
+
 class Linear(torch.nn.Linear):
     packed: torch.Tensor | None = None  # set by `prepack()` once the weights are loaded and cast
     amx_packed: torch.Tensor | None = None
+    blocks: torch.Tensor | None = None  # `packed` read by the C++ few-row kernel: then the weight's only copy
     batch_invariant = False
 
     def prepack(self, batch_invariant: bool = False) -> None:
         """Choose the matmul once the weights are final: oneDNN's and AMX's packed copies, or the
-        batch-invariant kernel (which reads the plain weight, so no packed copy is kept)."""
+        batch-invariant kernel (which reads the plain weight, so no packed copy is kept). Where the few-row
+        kernel reads oneDNN's copy, the plain weight is dropped (one copy of each weight)."""
         self.batch_invariant = batch_invariant
         self.packed = None if batch_invariant else pack_weight(self.weight)
         self.amx_packed = None if batch_invariant else amx_pack_weight(self.weight)
+        if self.packed is not None and self.amx_packed is None:
+            self.blocks = blocked_view(self.packed, self.weight)
+            if self.blocks is not None:
+                del self.weight  # the Parameter goes; `weight` now unpacks a copy (`__getattr__`)
+
+    def __getattr__(self, name: str):
+        if name == "weight" and self.__dict__.get("blocks") is not None:
+            return unblocked(self.__dict__["blocks"])
+        return super().__getattr__(name)
+
+    @classmethod
+    def of(cls, module: torch.nn.Linear) -> "Linear":
+        """A sobrio Linear on a torch Linear's own parameters (no copy)."""
+        new = cls(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
+        new.weight, new.bias = module.weight, module.bias
+        return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.blocks is not None:
+            return blocked_linear(x, self.packed, self.blocks, self.bias)
         return linear(x, self.weight, self.bias, self.packed, self.batch_invariant, self.amx_packed)

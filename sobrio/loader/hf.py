@@ -1,10 +1,22 @@
-"""Hugging Face model folders: safetensors shards under their own names."""
+"""Hugging Face model folders: safetensors shards under their own names.
 
+The tensors are read with plain file reads, one at a time, in the order they lie in the file, each into a
+tensor of its own: the caller copies it into its parameter and drops it, so loading holds the model plus one
+tensor, and nothing of the file stays mapped into the process afterwards. (safetensors' `safe_open` maps
+the whole file: every page read stayed in the process's resident memory until the file was closed, a second
+copy of the weights at the end of the largest shard's load.)
+"""
+
+import json
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -17,6 +29,49 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 def iter_safetensors_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for file in safetensors_files(folder):
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():
-                yield name, handle.get_tensor(name)
+        yield from read_safetensors(file)
+
+
+def read_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for each tensor of one file, read in file order; a malformed file is a ValueError."""
+    with open(file, "rb", buffering=0) as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+        header.pop("__metadata__", None)
+        start = 8 + header_len
+        for name, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
+            dtype = DTYPES.get(info["dtype"])
+            if dtype is None:
+                raise ValueError(f"{file}: tensor {name} has dtype {info['dtype']}, which sobrio does not read")
+            begin, end = info["data_offsets"]
+            tensor = torch.empty(info["shape"], dtype=dtype)
+            if tensor.numel() * tensor.element_size() != end - begin:
+                raise ValueError(f"{file}: tensor {name} takes {end - begin} bytes for shape {info['shape']}")
+            f.seek(start + begin)
+            view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+            got = 0
+            while got < len(view):
+                n = f.readinto(view[got:])
+                if not n:
+                    raise ValueError(f"{file}: ends inside tensor {name}")
+                got += n
+            yield name, tensor
+
+
+def safetensors_elements(folder: Path) -> tuple[int, int]:
+    """(elements of floating-point tensors, bytes of the others) in the folder's shards, from their headers
+    alone: what the weights will take before any is read."""
+    floats = others = 0
+    for file in safetensors_files(folder):
+        with open(file, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_len))
+        header.pop("__metadata__", None)
+        for info in header.values():
+            dtype = DTYPES.get(info["dtype"])
+            begin, end = info["data_offsets"]
+            if dtype is not None and dtype.is_floating_point:
+                floats += (end - begin) // dtype.itemsize
+            else:
+                others += end - begin
+    return floats, others

@@ -15,7 +15,7 @@ from sobrio.loader.awq_gptq import (
 )
 from sobrio.loader.generation import default_sampling
 from sobrio.loader.gguf import gguf_tokenizer, iter_gguf_weights, prepared_folder
-from sobrio.loader.hf import iter_safetensors_weights
+from sobrio.loader.hf import iter_safetensors_weights, safetensors_elements
 from sobrio.loader.resolve import ModelSource, resolve_model
 from sobrio.loader.templates import load_chat_template
 from sobrio.models.weights import WeightItem
@@ -40,6 +40,24 @@ class LoadedModelFiles:
         if self.gguf_packed:
             return iter_gguf_weights(self.source.path, self.config, packed=True)
         return iter_safetensors_weights(self.folder)  # a GGUF's prepared folder holds them dequantized
+
+
+# bytes a weight takes in each `--quantization` computed at load (int8: a byte and its scales; int4: half a
+# byte, group scales, and the int8 embedding/head), against bf16's 2: for sizing the KV cache before loading
+_BYTES_PER_WEIGHT = {"int8": 1.1, "int8-weight-only": 1.1, "int4": 0.75}
+
+
+def expected_weight_bytes(files: LoadedModelFiles, dtype_bytes: int, quantization: str | None) -> int:
+    """About what the loaded weights will take (one copy each), before any is read: the checkpoint's float
+    elements at `dtype_bytes` each (or the quantization's bytes per weight); a checkpoint held quantized (GGUF blocks
+    kept, AWQ/GPTQ) by its files' size."""
+    if files.gguf_packed:
+        return files.source.path.stat().st_size
+    floats, others = safetensors_elements(files.folder)
+    if files.quantization is not None:
+        return floats * 2 + others
+    per_weight = _BYTES_PER_WEIGHT.get(quantization or "", dtype_bytes)
+    return int(floats * per_weight) + others
 
 
 def load_model_files(model: str | ModelConfig, tokenizer: bool = True) -> LoadedModelFiles:

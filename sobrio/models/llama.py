@@ -9,7 +9,16 @@ import torch.nn.functional as F
 from sobrio.layers import smoothing
 from sobrio.layers.attention import AttentionMetadata, BatchedDecodeAttention, ReferenceAttention
 from sobrio.layers.cpu_ops import cpu_ops
-from sobrio.layers.linear import Linear, amx_pack_weight, linear, pack_weight
+from sobrio.layers.linear import (
+    BlockedEmbedding,
+    Linear,
+    amx_pack_weight,
+    blocked_linear,
+    blocked_view,
+    linear,
+    one_copy_layout,
+    pack_weight,
+)
 from sobrio.layers.moe import FusedExperts
 from sobrio.layers.norm import RMSNorm
 from sobrio.layers.quantization import INT4_GROUP_SIZE, quantized_embedding, quantized_linear
@@ -209,18 +218,28 @@ class CausalLM(torch.nn.Module):
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
         self.packed_lm_head: torch.Tensor | None = None
         self.amx_lm_head: torch.Tensor | None = None
+        self.lm_head_blocks: torch.Tensor | None = None  # tied, one copy: `packed_lm_head` read by the C++ kernel
         self.quantized_lm_head: torch.nn.Module | None = None  # set by `quantize()` or a pre-quantized checkpoint
         self.gather_logits = None  # tensor parallelism: this rank's vocabulary slice -> the whole row
 
     def prepack(self) -> None:
         """Choose every matmul (oneDNN's packed weights, or the batch-invariant kernel); call once the
         weights are loaded and cast."""
+        if self.quantized_lm_head is None and self.lm_head is not None and type(self.lm_head) is torch.nn.Linear:
+            self.lm_head = Linear.of(self.lm_head)  # packed as the other Linears, its plain weight then dropped
         for module in self.modules():
             if isinstance(module, (Linear, FusedExperts)):
                 module.prepack(self.batch_invariant)
-        if self.quantized_lm_head is None:
-            self.packed_lm_head = None if self.batch_invariant else pack_weight(self.lm_head_weight())
-            self.amx_lm_head = None if self.batch_invariant else amx_pack_weight(self.lm_head_weight())
+        if self.quantized_lm_head is None and self.lm_head is None and not self.batch_invariant:
+            # Tied: one copy where the few-row kernel reads oneDNN's layout (the embedding then reads the
+            # head's packed copy); else the packed copy beside the embedding's, as the Linears keep two there.
+            weight = self.lm_head_weight()
+            packed = pack_weight(weight)
+            self.lm_head_blocks = blocked_view(packed, weight) if packed is not None and one_copy_layout() else None
+            if self.lm_head_blocks is not None:
+                self.model.embed_tokens = BlockedEmbedding(packed, self.lm_head_blocks)
+            self.packed_lm_head = packed if self.lm_head_blocks is not None or not one_copy_layout() else None
+            self.amx_lm_head = amx_pack_weight(weight)
 
     def quantize(self, method: str, calibration_ids: list[int] | None = None) -> None:
         """Quantized weights (`--quantization`): every Linear replaced by its int8 or int4 form, the
@@ -286,6 +305,10 @@ class CausalLM(torch.nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.quantized_lm_head is not None:
             logits = self.quantized_lm_head(hidden).float()
+        elif self.lm_head is not None:
+            logits = self.lm_head(hidden).float()
+        elif self.lm_head_blocks is not None:
+            logits = blocked_linear(hidden, self.packed_lm_head, self.lm_head_blocks).float()
         else:
             logits = linear(hidden, self.lm_head_weight(), packed=self.packed_lm_head,
                             batch_invariant=self.batch_invariant, amx_packed=self.amx_lm_head).float()

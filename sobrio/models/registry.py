@@ -8,6 +8,7 @@ import torch
 from sobrio.config.model import QUANTIZATION_METHODS
 from sobrio.errors import InvalidRequestError
 from sobrio.layers.rotary import check_rope
+from sobrio.memory import release_freed_memory
 from sobrio.models.gemma3 import GemmaForCausalLM
 from sobrio.models.glm4 import Glm4ForCausalLM
 from sobrio.models.llama import ACTIVATIONS, CausalLM, LlamaForCausalLM, layer_window
@@ -120,13 +121,16 @@ def build_model(config, max_positions: int, weights, dtype: torch.dtype, attenti
     attn_cls = BatchInvariantAttention if batch_invariant else resolve_backend(attention_backend)
     with torch.device("cpu"), _parameters_not_initialized():
         model = model_class(config)(config, max_positions, attn_cls, batch_invariant=batch_invariant)
-    prequantized = load_weights(model, weights)
+    # Cast while the parameters are still unwritten memory, so the checkpoint is copied straight into the
+    # dtype: loaded first in float32 and cast after, a bf16 model passed through three times its size.
     model = model.to(dtype).eval().requires_grad_(False)
+    prequantized = load_weights(model, weights)
     install_prequantized(model, prequantized, dtype)
     if quantization in QUANTIZATION_METHODS:  # at load; a checkpoint's own method (awq, gptq, gguf) is in place
         model.quantize(quantization, calibration_ids)
     model.prepack()
     model.model.fused_decode = fused_decode.build(model)
+    release_freed_memory()  # the load's transient tensors, kept by the heap otherwise
     return model
 
 

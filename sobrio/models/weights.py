@@ -169,14 +169,14 @@ class PackedLinear(Linear):
 
 def resident_bytes(module: torch.nn.Module) -> int:
     """Bytes of the distinct tensors a module and its children hold, as parameters, buffers or attributes
-    (oneDNN's opaque packed weights counted by their elements)."""
+    (oneDNN's opaque packed weights counted by their elements, once with the views of their memory)."""
     seen: set[int] = set()
     total = 0
     for sub in module.modules():
         tensors = [*sub.parameters(recurse=False), *sub.buffers(recurse=False),
                    *(v for v in vars(sub).values() if isinstance(v, torch.Tensor))]
         for t in tensors:
-            key = id(t) if t.is_mkldnn else t.untyped_storage().data_ptr()
+            key = torch.ops.mkldnn.data_ptr(t) if t.is_mkldnn else t.untyped_storage().data_ptr()
             if key not in seen:
                 seen.add(key)
                 total += t.numel() * t.element_size() if t.is_mkldnn else t.untyped_storage().nbytes()

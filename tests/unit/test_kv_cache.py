@@ -40,6 +40,14 @@ def test_budget_is_the_flag_or_a_capped_share_of_available_memory(monkeypatch):
                      defaults.kv_cache_memory_cap) == 2 << 30  # the cap, on a large host
 
 
+def test_the_default_budget_leaves_room_for_the_weights_about_to_load(monkeypatch):
+    monkeypatch.setattr(kv_cache_module, "available_memory", lambda: 20 << 30)
+    assert kv_budget(None, 0.5, 1 << 40, weights=16 << 30) == 2 << 30  # half of what the weights leave
+    assert kv_budget(1 << 30, 0.5, 1 << 40, weights=16 << 30) == 1 << 30
+    with pytest.raises(MemoryError, match="weights .*17.18 GB.* KV cache .*5.37 GB"):
+        kv_budget(5 << 30, 0.5, 1 << 40, weights=16 << 30)  # both cannot fit: said before loading anything
+
+
 def test_kv_cache_owns_one_tensor_per_layer_and_slot_views_alias_it():
     spec = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=4, dtype=torch.bfloat16, block_size=BLOCK)
     cache = KVCache.allocate(spec, num_blocks=5)

@@ -1,0 +1,113 @@
+// Few-row bf16 matmul on oneDNN's packed weight, so a Linear keeps one copy of its weight (the packed one that
+// oneDNN's GEMM reads past a few rows) and decode still streams it at memory bandwidth.
+//
+// The layout (what `torch.ops.mkldnn._reorder_linear_weight` gives on AVX512-BF16 without AMX, checked in
+// Python against the weight before the plain copy is dropped: layers/linear.py `blocked_view`):
+// W[N/64][K/2][64][2], each block of 64 outputs holding, for each pair of inputs, the 64 outputs' two weights
+// side by side: what one vdpbf16ps multiplies with a broadcast pair of x. Each block is one contiguous stream,
+// read once for up to 4 input rows (16 accumulators of 16 outputs); float32 accumulation, one rounding to bf16
+// per output after the bias. Parallel over blocks of outputs.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kBlock = 64;  // outputs per block
+constexpr int kMaxRows = 4;     // input rows per pass over a block
+
+bool blocked_gemv_supported() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+#if defined(__AVX512BF16__)
+inline __m512 bf16_to_f32(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// kM rows of x against output blocks [begin, end).
+template <int kM>
+void blocked_rows(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* y,
+                  int64_t N, int64_t K, int64_t begin, int64_t end) {
+  const int64_t pairs = K / 2;
+  for (int64_t b = begin; b < end; ++b) {
+    const c10::BFloat16* wb = w + b * kBlock * K;
+    __m512 acc[kM][4];
+    for (int m = 0; m < kM; ++m)
+      for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; ++p) {
+      const c10::BFloat16* wp = wb + p * 2 * kBlock;  // one stream: the hardware prefetcher keeps ahead
+      __m512bh wv[4];
+      for (int j = 0; j < 4; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(wp + 32 * j);
+      for (int m = 0; m < kM; ++m) {
+        int32_t pair;
+        std::memcpy(&pair, x + m * K + 2 * p, sizeof(pair));
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+        for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, wv[j]);
+      }
+    }
+    for (int j = 0; j < 4; ++j) {
+      const int64_t n = b * kBlock + 16 * j;
+      const __m512 bv = bias ? bf16_to_f32(bias + n) : _mm512_setzero_ps();
+      for (int m = 0; m < kM; ++m)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * N + n),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][j], bv)));
+    }
+  }
+}
+#endif  // __AVX512BF16__
+
+// y[M, N] = x[M, K] @ W^T (+ bias), W given as its blocked view [N/64, K/2, 64, 2] (bf16).
+torch::Tensor blocked_gemv_bf16(torch::Tensor x, torch::Tensor blocks, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(blocked_gemv_supported(), "blocked_gemv_bf16 needs AVX512-BF16");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && blocks.scalar_type() == at::kBFloat16, "bf16 x and weight");
+  TORCH_CHECK(blocks.dim() == 4 && blocks.size(2) == kBlock && blocks.size(3) == 2 && blocks.is_contiguous(),
+              "weight: a contiguous [N/64, K/2, 64, 2] view");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == blocks.size(1) * 2, "x: [M, K] with K = 2 * blocks.size(1)");
+  auto xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), nblocks = blocks.size(0), N = nblocks * kBlock;
+  auto y = torch::empty({M, N}, x.options());
+  torch::Tensor bc;
+  const c10::BFloat16* bp = nullptr;
+  if (bias.has_value()) {
+    bc = bias->contiguous();
+    TORCH_CHECK(bc.scalar_type() == at::kBFloat16 && bc.numel() == N, "bias: bf16 [N]");
+    bp = bc.data_ptr<c10::BFloat16>();
+  }
+#if defined(__AVX512BF16__)
+  const c10::BFloat16* xp = xc.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* wp = blocks.data_ptr<c10::BFloat16>();
+  c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
+  // About 512 KB of weights a thread at least: smaller pieces cost more in waking threads than they gain.
+  const int64_t grain = std::max<int64_t>(1, (512 << 10) / (kBlock * K * 2));
+  at::parallel_for(0, nblocks, grain, [&](int64_t begin, int64_t end) {
+    int64_t m = 0;
+    for (; m + kMaxRows <= M; m += kMaxRows) blocked_rows<4>(xp + m * K, wp, bp, yp + m * N, N, K, begin, end);
+    if (M - m == 3) blocked_rows<3>(xp + m * K, wp, bp, yp + m * N, N, K, begin, end);
+    if (M - m == 2) blocked_rows<2>(xp + m * K, wp, bp, yp + m * N, N, K, begin, end);
+    if (M - m == 1) blocked_rows<1>(xp + m * K, wp, bp, yp + m * N, N, K, begin, end);
+  });
+#endif
+  return y;
+}
+
+}  // namespace
+
+void register_blocked_ops(pybind11::module& m) {
+  m.def("blocked_gemv_supported", &blocked_gemv_supported, "whether blocked_gemv_bf16 was built (AVX512-BF16)");
+  m.def("blocked_gemv_bf16", &blocked_gemv_bf16,
+        "few-row bf16 x @ W.T (+ bias), W as the [N/64, K/2, 64, 2] view of oneDNN's packed copy",
+        py::arg("x"), py::arg("blocks"), py::arg("bias") = py::none());
+}

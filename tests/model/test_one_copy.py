@@ -1,0 +1,137 @@
+"""One copy of each weight (issue 43): a bf16 model holds its Linear weights once (oneDNN's packed copy, which
+the few-row kernel reads too, where this CPU's layout allows), loads streamed tensor by tensor without keeping
+the file mapped, and its process's resident memory after load stays within weights + KV + 10% + a little."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sobrio.layers.linear import Linear, one_copy_layout
+from sobrio.loader.hf import iter_safetensors_weights, safetensors_elements
+from sobrio.models.weights import resident_bytes
+
+needs_blocked = pytest.mark.skipif(not one_copy_layout(),
+                                   reason="oneDNN's packed layout here is not the one the few-row kernel reads")
+
+
+def write_checkpoint(folder, tied: bool, **shape):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("llama", num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
+                                  tie_word_embeddings=tied, **shape)
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A random Llama in bf16 safetensors (~100 MB), big enough that a second copy shows in resident memory."""
+    return write_checkpoint(tmp_path_factory.mktemp("one-copy"), False, hidden_size=512, intermediate_size=2048,
+                            num_hidden_layers=4, vocab_size=32000)
+
+
+def build(folder, dtype=torch.bfloat16):
+    from sobrio.loader.load import load_model_files
+    from sobrio.models.registry import build_model
+
+    files = load_model_files(str(folder), tokenizer=False)
+    return build_model(files.config, 256, files.iter_weights(), dtype, "auto")
+
+
+@needs_blocked
+def test_a_bf16_model_holds_each_weight_once(checkpoint):
+    model = build(checkpoint)
+    floats, _ = safetensors_elements(checkpoint)
+    assert resident_bytes(model) <= floats * 2 * 1.01  # plain weights beside oneDNN's copies: about 2x
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert len(linears) == 4 * 4 + 1  # qkv, o, gate_up, down per layer; the untied head
+    for linear in linears:
+        assert "weight" not in linear._parameters and linear.blocks is not None
+        assert linear.blocks.untyped_storage().data_ptr() == torch.ops.mkldnn.data_ptr(linear.packed)
+    checkpoint_weights = dict(iter_safetensors_weights(checkpoint))
+    assert torch.equal(model.lm_head.weight, checkpoint_weights["lm_head.weight"])  # unpacked on demand, exactly
+    down = checkpoint_weights["model.layers.1.mlp.down_proj.weight"]
+    assert torch.equal(model.model.layers[1].mlp.down_proj.weight, down)
+
+
+@needs_blocked
+def test_a_tied_embedding_reads_the_heads_packed_copy(tmp_path):
+    from sobrio.layers.linear import BlockedEmbedding
+
+    folder = write_checkpoint(tmp_path, True, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                              vocab_size=4096)
+    model = build(folder)
+    floats, _ = safetensors_elements(folder)
+    assert resident_bytes(model) <= floats * 2 * 1.05  # the embedding once (beside a packed head: 1.8x)
+    embedding = dict(iter_safetensors_weights(folder))["model.embed_tokens.weight"]
+    assert isinstance(model.model.embed_tokens, BlockedEmbedding)
+    ids = torch.tensor([[0, 63, 64, 4095], [7, 7, 1000, 2]])
+    assert torch.equal(model.model.embed_tokens(ids), embedding[ids])
+    hidden = torch.randn(6, 128).bfloat16()
+    for rows in (hidden[:1], hidden):  # the few-row kernel, then oneDNN
+        torch.testing.assert_close(model.compute_logits(rows), rows.float() @ embedding.float().T, rtol=1e-2, atol=5e-2)
+
+
+@needs_blocked
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16])
+def test_the_packed_copy_alone_computes_the_linear(rows):
+    """The few-row kernel on oneDNN's blocked layout, and oneDNN past it, against float32's product."""
+    weight, bias = torch.randn(192, 96).bfloat16(), torch.randn(192).bfloat16()
+    layer = Linear(96, 192, bias=True, dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        layer.bias.copy_(bias)
+    layer.prepack()
+    assert layer.blocks is not None
+    x = torch.randn(rows, 96).bfloat16()
+    expected = F.linear(x.float(), weight.float(), bias.float())
+    torch.testing.assert_close(layer(x).float(), expected, rtol=1e-2, atol=2e-2)
+
+
+def test_a_layout_the_kernel_cannot_read_keeps_the_plain_weight():
+    """100 outputs: not whole blocks of 64, so oneDNN pads its copy; the plain weight stays and serves."""
+    layer = Linear(96, 100, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(100, 96))
+    layer.bfloat16().prepack()
+    assert layer.blocks is None and "weight" in layer._parameters
+
+
+PROBE = textwrap.dedent("""
+    import json, sys, torch
+    from sobrio.memory import process_resident
+    from sobrio.engine.model_runner import kv_cache_spec
+    from sobrio.kv.cache import KVCache
+    from sobrio.layers.cpu_ops import cpu_ops
+    from sobrio.loader.load import load_model_files
+    from sobrio.models.registry import build_model
+    from sobrio.models.weights import resident_bytes
+    cpu_ops()  # the operators' library is the runtime's, loaded before the baseline
+    files = load_model_files(sys.argv[1], tokenizer=False)
+    before = process_resident()
+    model = build_model(files.config, 256, files.iter_weights(), torch.bfloat16, "auto")
+    spec = kv_cache_spec(files.config, torch.bfloat16, 16)
+    cache = KVCache.allocate(spec, spec.num_blocks_for(32 << 20))
+    peak = int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) * 1024
+    maps = open("/proc/self/maps").read()
+    print(json.dumps({"before": before, "after": process_resident(), "peak": peak, "kv": cache.nbytes(),
+                      "weights": resident_bytes(model), "mapped": ".safetensors" in maps}))
+""")
+
+
+@needs_blocked
+def test_resident_memory_after_load_is_weights_and_kv(checkpoint):
+    """In a fresh process: what loading adds is the weights once and the KV cache, within 10% and 16 MB (the
+    plain weights beside the packed ones added about 60 MB here); no safetensors file stays mapped."""
+    out = subprocess.run([sys.executable, "-c", PROBE, str(checkpoint)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    floats, _ = safetensors_elements(checkpoint)
+    assert got["weights"] <= floats * 2 * 1.01
+    assert got["after"] - got["before"] <= 1.1 * (got["weights"] + got["kv"]) + (16 << 20), got
+    assert not got["mapped"]

@@ -184,6 +184,8 @@ def main() -> None:
     parser.add_argument("--data", default=str(DEFAULT), help="labelled JSONL (default: the shared train.jsonl)")
     parser.add_argument("--seeds", type=int, default=0, help="more random subject-to-fold draws for the spread "
                         "(default: 0)")
+    parser.add_argument("--subject-bootstrap", type=int, default=0, help="resamples of whole MMLU subjects for "
+                        "a CI on the kNN routers' difference with the shipped router (default: 0)")
     parser.add_argument("--quick", action="store_true", help="leave out the boosted trees (minutes each)")
     args = parser.parse_args()
     bench = Bench(args.data)
@@ -196,6 +198,8 @@ def main() -> None:
               f"{time.perf_counter() - start:5.0f}", flush=True)
     if args.seeds:
         _spread(bench, table, args.seeds)
+    if args.subject_bootstrap:
+        _subject_bootstrap(bench, table, args.subject_bootstrap)
 
 
 def _spread(bench: Bench, table: dict, seeds: int) -> None:
@@ -210,6 +214,29 @@ def _spread(bench: Bench, table: dict, seeds: int) -> None:
         print(f"{name[:50]:50s} " + "  ".join(f"{m:.3f} ({s:.3f})" for m, s in spread))
         print(f"{'  minus shipped':50s} " + "  ".join(f"{m:+.3f} ({s:.3f}) [{lo:+.3f}, {hi:+.3f}]" for m, s, lo, hi in
                                                     zip(diff.mean(0), diff.std(0, ddof=1), diff.min(0), diff.max(0))))
+
+
+def _subject_bootstrap(bench: Bench, table: dict, resamples: int) -> None:
+    """95% intervals of (router - shipped) MMLU APGR and CPT(50%) over resamples of whole MMLU subjects,
+    on the shipped folds' out-of-fold scores."""
+    names = [SHIPPED, "kNN k=200, within-subject s - w", "rank(length) + rank(ridge form) + rank(kNN k=200)"]
+    scores = {}
+    for name in names:
+        scores[name] = np.zeros(len(bench.s))
+        for test in bench.folds(None):
+            scores[name][test] = table[name](~test, test)[1]
+    subjects = np.asarray(bench.subjects)
+    rows = {g: np.flatnonzero(subjects == g) for g in sorted(set(subjects[bench.mmlu]))}
+    rng, diffs = np.random.default_rng(0), []
+    for _ in range(resamples):
+        pick = np.concatenate([rows[g] for g in rng.choice(list(rows), len(rows))])
+        m = [metrics(scores[n][pick], bench.s[pick], bench.w[pick]) for n in names]
+        diffs.append([m[i][k] - m[0][k] for i in (1, 2) for k in ("apgr", "cpt50")])
+    low, mean, high = np.percentile(diffs, 2.5, 0), np.mean(diffs, 0), np.percentile(diffs, 97.5, 0)
+    print(f"\n{resamples} resamples of the {len(rows)} MMLU subjects, minus shipped: mean [95% interval]")
+    for i, name in enumerate(names[1:]):
+        print(f"{name[:50]:50s} APGR {mean[2 * i]:+.3f} [{low[2 * i]:+.3f}, {high[2 * i]:+.3f}]  CPT50 "
+              f"{mean[2 * i + 1]:+.3f} [{low[2 * i + 1]:+.3f}, {high[2 * i + 1]:+.3f}]")
 
 
 def _row(bench: Bench, fit, seed) -> list[float]:

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from sobrio.loader.gguf_glm4 import GLM4_LAYER_NAMES, glm4_config, glm4_tokenizer
 from sobrio.loader.gguf_moe import ROUTER, expert_weights, moe_config
 from sobrio.loader.resolve import cache_dir
 
@@ -40,6 +41,8 @@ _GEMMA3_LAYER_NAMES = {
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 _PHI3_LAYER_NAMES = {**_LLAMA_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+_GLM4_LAYER_NAMES = {**_LAYER_NAMES, **GLM4_LAYER_NAMES}
+_TABLES = {"phi3": _PHI3_LAYER_NAMES, "glm4": _GLM4_LAYER_NAMES}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -58,15 +61,34 @@ def gguf_tokenizer(gguf_path: Path):
     folder = _prepared_path(gguf_path)
     if (folder / "tokenizer_config.json").is_file():  # the folder appears whole (renamed into place)
         return AutoTokenizer.from_pretrained(folder)
+    return _file_tokenizer(gguf_path, check_architecture(gguf_path))
+
+
+def _file_tokenizer(gguf_path: Path, arch: str):
+    """The tokenizer from the GGUF's metadata: transformers' reader, or sobrio's for GLM-4, which it does not map."""
+    from transformers import AutoTokenizer
+
+    if arch == "glm4":
+        return glm4_tokenizer(gguf_path)
     return AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
 
 
+def _file_config(gguf_path: Path, arch: str):
+    """The config from the GGUF's metadata: transformers' reading completed, or sobrio's for GLM-4."""
+    from transformers import AutoConfig
+
+    if arch == "glm4":
+        return complete_config(glm4_config(gguf_path), gguf_path)
+    config = complete_config(AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name), gguf_path)
+    return moe_config(gguf_path, config)
+
+
 # general.architecture values whose GGUF files sobrio reads (docs/models.md's GGUF column)
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", "glm4")
 
 
-def check_architecture(gguf_path: Path) -> None:
-    """Refuse a GGUF of an architecture sobrio does not read, naming it, before transformers fails on it."""
+def check_architecture(gguf_path: Path) -> str:
+    """The GGUF's architecture; one sobrio does not read is refused, named, before transformers fails on it."""
     from gguf import GGUFReader
 
     from sobrio.errors import InvalidRequestError
@@ -75,6 +97,7 @@ def check_architecture(gguf_path: Path) -> None:
     if arch not in GGUF_ARCHITECTURES:
         raise InvalidRequestError(f"{gguf_path.name}: GGUF architecture {arch!r} (general.architecture) is not "
                                   f"supported; supported: {', '.join(GGUF_ARCHITECTURES)}", "model")
+    return arch
 
 
 def prepared_folder(gguf_path: Path, prepare: bool = True) -> Path | None:
@@ -86,16 +109,13 @@ def prepared_folder(gguf_path: Path, prepare: bool = True) -> Path | None:
     if not prepare:
         return None
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoTokenizer
 
-    check_architecture(gguf_path)
+    arch = check_architecture(gguf_path)
     tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")  # two processes may prepare at once
     tmp.mkdir(parents=True, exist_ok=True)
-    config = complete_config(AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name), gguf_path)
-    config = moe_config(gguf_path, config)
+    config = _file_config(gguf_path, arch)
     config.save_pretrained(tmp)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    tokenizer.save_pretrained(tmp)
+    _file_tokenizer(gguf_path, arch).save_pretrained(tmp)
     save_file(dict(iter_gguf_weights(gguf_path, config)), str(tmp / "model.safetensors"))
     _move_into_place(tmp, folder)
     return folder
@@ -170,7 +190,7 @@ def _hf_name(gguf_name: str, model_type: str) -> str | None:
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
     if match:
         table = _GEMMA3_LAYER_NAMES if model_type.startswith("gemma") else \
-            _PHI3_LAYER_NAMES if model_type == "phi3" else _LLAMA_LAYER_NAMES
+            _TABLES.get(model_type, _LLAMA_LAYER_NAMES)
         part = table.get(match.group(2))
         return f"model.layers.{match.group(1)}.{part}.{suffix}" if part else None
     part = _GLOBAL_NAMES.get(base)

@@ -46,7 +46,7 @@ FAMILIES = (
            "alternate layers (`layer_types`)"),
     Family("Gemma 3 (text)", ("gemma3_text",), ("Gemma3ForCausalLM",), GemmaForCausalLM, ("gemma3",),
            "5 of 6 layers (`layer_types`)"),
-    Family("GLM-4", ("glm4",), ("Glm4ForCausalLM",), Glm4ForCausalLM, (), "no", tensor_parallel=False),
+    Family("GLM-4", ("glm4",), ("Glm4ForCausalLM",), Glm4ForCausalLM, ("glm4",), "no", tensor_parallel=False),
     Family("Mixtral (mixture of experts)", ("mixtral",), ("MixtralForCausalLM",), MoeForCausalLM, ("llama",),
            "every layer (`sliding_window`)", tensor_parallel=False, experts=True),
     Family("Qwen3-MoE", ("qwen3_moe",), ("Qwen3MoeForCausalLM",), MoeForCausalLM, ("qwen3moe",),

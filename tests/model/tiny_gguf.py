@@ -18,7 +18,12 @@ _GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_
 _GEMMA = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
           "post_feedforward_layernorm": "post_ffw_norm"}
 _PHI3 = {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
-ARCHITECTURES = {"qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "phi3": "phi3"}  # model_type -> arch
+# GLM-4: gate/up stay fused in ffn_up (gate rows first) and q/k unpermuted (its rotary is interleaved already),
+# as llama.cpp's convert_hf_to_gguf.py writes them; the two post-norms are Gemma 2's names
+_GLM4 = {"mlp.gate_up_proj": "ffn_up", "post_self_attn_layernorm": "post_attention_norm",
+         "post_mlp_layernorm": "post_ffw_norm"}
+ARCHITECTURES = {"qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "phi3": "phi3", "glm4": "glm4"}
+_ARCH_LAYER = {"gemma2": _GEMMA, "phi3": _PHI3, "glm4": _GLM4}
 
 
 def write_gguf(folder: Path, path: Path) -> Path:
@@ -31,7 +36,7 @@ def write_gguf(folder: Path, path: Path) -> Path:
     arch = ARCHITECTURES[config["model_type"]]
     writer = GGUFWriter(str(path), arch)
     _write_metadata(writer, config)
-    layer_names = {**_LAYER, **(_GEMMA if arch == "gemma2" else _PHI3 if arch == "phi3" else {})}
+    layer_names = {**_LAYER, **_ARCH_LAYER.get(arch, {})}
     for name, tensor in sorted(load_file(str(folder / "model.safetensors")).items()):
         if arch == "gemma2" and name.endswith("norm.weight"):
             tensor = tensor + 1  # llama.cpp stores Gemma's (1 + w)

@@ -298,8 +298,8 @@ def test_a_bad_config_file_exits_2_naming_the_key(tmp_path, capsys, text, messag
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flags", [["--enable-lora"], ["--pipeline-parallel-size", "2"],
-                                   ["--lora-modules", "a=/x", "b=/y"], ["--reasoning-parser", "deepseek_r1"],
+@pytest.mark.parametrize("flags", [["--enable-sleep-mode"], ["--pipeline-parallel-size", "2"],
+                                   ["--reasoning-parser", "deepseek_r1"],
                                    ["--no-enable-chunked-prefill"]])
 def test_a_flag_for_a_missing_feature_exits_2_saying_so(flags, capsys):
     assert cli.main(["serve", "smollm2-135m", *flags]) == 2

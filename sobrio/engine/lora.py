@@ -18,14 +18,17 @@ logger = logging.getLogger(__name__)
 def runner_adapters(config: SobrioConfig, model: torch.nn.Module, hf_config, dtype: torch.dtype
                     ) -> "RunnerAdapters | None":
     """The model's adapters under --enable-lora (None without). Refused where a step would compute tokens
-    the adapter does not see: speculative drafts (a draft model, EAGLE head or early exit knows no adapter)
-    and tensor-parallel shards (adapters are not split)."""
+    the adapter does not see: model drafts (a draft model, EAGLE head or early exit knows no adapter; n-gram
+    drafts come from the text and are verified by the adapted model) and tensor-parallel shards (adapters
+    are not split)."""
     lora = config.lora_config
     if not lora.enable_lora:
         return None
-    if config.speculative_config.enabled:
-        raise ConfigError("--enable-lora with --speculative-config: the drafts would come from a model without the "
-                          "request's adapter; sobrio does not support the two together yet", "--enable-lora")
+    method = config.speculative_config.get("method") if config.speculative_config.enabled else None
+    if method not in (None, "ngram"):
+        raise ConfigError(f"--enable-lora with --speculative-config method {method!r}: its drafts would come from a "
+                          "model without the request's adapter; with LoRA only ngram (prompt lookup) speculates, "
+                          "the verifying forward applies the adapter", "--enable-lora")
     if config.parallel_config.tensor_parallel_size > 1:
         raise ConfigError("--enable-lora with --tensor-parallel-size > 1: adapters are not sharded yet",
                           "--enable-lora")

@@ -286,6 +286,8 @@ class ModelRunner:
         positions = torch.arange(n)
         meta = self._metadata([list(range(-(-n // self.block_size)))], torch.zeros(n, dtype=torch.long), positions,
                               [0, n], [n])
+        if self.lora is not None:
+            self.lora.prepare([None], [n])  # the base model's, not the last step's adapters
         return self.model(torch.tensor(token_ids), positions, meta)
 
     @torch.inference_mode()

@@ -6,6 +6,7 @@ prefix-cache blocks; PEFT features sobrio lacks are refused by name."""
 import pytest
 
 from sobrio import LLM, SamplingParams
+from sobrio.errors import ConfigError
 from sobrio.loader.lora import LoRARequest
 from tests.conftest import engine_kwargs
 from tests.model.lora_adapters import ATTENTION, MLP, merged_greedy, write_adapter
@@ -58,3 +59,17 @@ def test_two_adapters_never_share_prefix_cache_blocks(family):
     cached = [llm.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False, lora_request=lora)[0].num_cached_tokens
               for lora in (a, b, None, a, b)]
     assert cached == [0, 0, 0, 32, 32]
+
+
+def test_ngram_speculation_keeps_the_adapters_output_and_model_drafts_are_refused(family):
+    base, adapters, llm = family
+    lora = LoRARequest("attn", 1, str(adapters["attn"]))
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    spec = _engine(base, speculative_config=ngram)
+    repetitive = PROMPTS[1] * 4
+    for engine in (llm, spec):
+        engine.outs = engine.generate({"prompt_token_ids": repetitive}, GREEDY, use_tqdm=False, lora_request=lora)
+    assert spec.outs[0].outputs[0].token_ids == llm.outs[0].outputs[0].token_ids
+    spec.engine.core.close()
+    with pytest.raises(ConfigError, match="layer_skip"):
+        _engine(base, speculative_config={"method": "layer_skip", "num_speculative_tokens": 2})

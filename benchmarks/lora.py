@@ -43,18 +43,19 @@ def bf16_checkpoint(model: str, out: Path) -> Path:
 
 
 def make_adapters(base: Path, out: Path, count: int, rank: int) -> list[Path]:
+    """`count` PEFT adapters over `base`, one PEFT model with its LoRA weights drawn again for each."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
+    peft = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS))
+    lora = [(name, param) for name, param in peft.named_parameters() if "lora_" in name]
     paths = []
     for i in range(count):
         torch.manual_seed(i)
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-        peft = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS))
         with torch.no_grad():
-            for name, param in peft.named_parameters():
-                if "lora_B" in name:
-                    param.normal_(0.0, 0.01)
+            for name, param in lora:
+                param.normal_(0.0, 0.01 if "lora_B" in name else 0.05)
         peft.save_pretrained(out / f"a{i}")
         paths.append(out / f"a{i}")
     return paths

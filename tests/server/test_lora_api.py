@@ -5,8 +5,9 @@ naming it."""
 
 import httpx
 import pytest
-from openai import NotFoundError, OpenAI
+from openai import NotFoundError, OpenAI, PermissionDeniedError
 
+from sobrio.gateway.tenants import Limits, TenantStore
 from tests.model.lora_adapters import ATTENTION, MLP, merged_greedy, write_adapter
 from tests.model.tiny_checkpoints import hf_greedy, prompt, tokenizer, write_checkpoint
 from tests.server.conftest import serving
@@ -25,10 +26,17 @@ def folders(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def srv(folders):
+def srv(folders, tmp_path_factory):
+    """The operator's key, and a tenant limited to the adapter "attn" (its key in `srv.tenant_key`)."""
+    db = tmp_path_factory.mktemp("lora-db") / "gateway.db"
+    store = TenantStore(db)
+    store.create_tenant("sql-team", Limits(allowed_models=("attn",)))
+    tenant_key = store.create_key("sql-team")[1]
+    store.close()
     with serving(str(folders["base"]), "--served-model-name", "tiny", "--dtype", "float32", "--kv-cache-memory",
-                 str(32 << 20), "--max-model-len", "256", "--api-key", KEY, "--enable-lora", "--max-loras", "2",
-                 "--lora-modules", f"attn={folders['attn']}") as server:
+                 str(32 << 20), "--max-model-len", "256", "--api-key", KEY, "--db", str(db), "--enable-lora",
+                 "--max-loras", "2", "--lora-modules", f"attn={folders['attn']}") as server:
+        server.tenant_key = tenant_key
         yield server
 
 
@@ -71,3 +79,15 @@ def test_the_operator_loads_and_unloads_adapters(srv, folders):
     assert refused.status_code == 400 and "use_dora" in refused.json()["error"]["message"]
     missing = _post(srv, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(folders["base"] / "nope")})
     assert missing.status_code == 400
+
+
+def test_a_tenant_limited_to_an_adapter_and_its_ledger_rows_name_it(srv):
+    tenant = OpenAI(base_url=f"{srv.base_url}/v1", api_key=srv.tenant_key, max_retries=0)
+    _text(tenant, "attn")
+    with pytest.raises(PermissionDeniedError):
+        _text(tenant, "tiny")
+    assert [m.id for m in tenant.models.list().data] == ["attn"]
+    assert _post(srv, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/x"}, key=srv.tenant_key
+                 ).status_code == 403
+    rows = httpx.get(f"{srv.base_url}/v1/usage", headers={"Authorization": f"Bearer {srv.tenant_key}"}).json()
+    assert {row["served_model"] for row in rows["data"] if row["served_model"]} == {"attn"}

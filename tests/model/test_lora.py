@@ -22,23 +22,36 @@ def _engine(folder, **kw):
                                             max_model_len=256, enable_lora=True, max_loras=3, **kw))
 
 
-@pytest.fixture(scope="module", params=[("llama", {}), ("qwen3", {})], ids=["llama", "qwen3"])
-def family(request, tmp_path_factory):
-    model_type, fields = request.param
-    root = tmp_path_factory.mktemp(model_type)
+def _family(root, model_type: str, fields: dict):
     base = write_checkpoint(root / "base", model_type, fields)
     adapters = {"attn": write_adapter(base, root / "attn", ATTENTION, seed=1),
                 "mlp": write_adapter(base, root / "mlp", MLP, seed=2, rank=4, rslora=True)}
     return base, adapters, _engine(base)
 
 
-def test_greedy_equals_transformers_with_the_adapter_merged(family):
-    base, adapters, llm = family
-    for i, (name, path) in enumerate(adapters.items()):
-        lora = LoRARequest(name, i + 1, str(path))
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    """Llama: every test. Qwen3 (q/k norms): the equality with transformers + PEFT."""
+    built = _family(tmp_path_factory.mktemp("llama"), "llama", {})
+    yield built
+    built[2].engine.core.close()
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    built = _family(tmp_path_factory.mktemp("qwen3"), "qwen3", {})
+    yield built
+    built[2].engine.core.close()
+
+
+@pytest.mark.parametrize("name", ["family", "qwen3"], ids=["llama", "qwen3"])
+def test_greedy_equals_transformers_with_the_adapter_merged(name, request):
+    base, adapters, llm = request.getfixturevalue(name)
+    for i, (target, path) in enumerate(adapters.items()):
+        lora = LoRARequest(target, i + 1, str(path))
         for p in PROMPTS:
             got = llm.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False, lora_request=lora)[0]
-            assert got.outputs[0].token_ids == merged_greedy(base, path, p, MAX_TOKENS), f"{name}, {len(p)} tokens"
+            assert got.outputs[0].token_ids == merged_greedy(base, path, p, MAX_TOKENS), f"{target}, {len(p)} tokens"
 
 
 def test_a_batch_of_two_adapters_and_the_base_equals_each_alone(family):

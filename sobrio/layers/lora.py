@@ -1,8 +1,9 @@
 """LoRA on top of any Linear (bf16, int8, int4, GGUF): the base module's output plus each adapter's (x @ A) @ B.
 
-A step's tokens are grouped by adapter once (`LoRAStep.groups`: adapter id -> the token rows that use it),
-so every wrapped module runs one matmul pair per active adapter on its rows, whatever the number of
-requests: no Python loop over requests in the forward. A packed module (q/k/v, gate/up) holds each adapter's
+A step's tokens are grouped by adapter once (`LoRAStep`: one adapter's rows as a slice or index, several
+adapters' as a padded [adapters, rows] table), so every wrapped module runs one matmul pair for one adapter
+and one batched pair (`torch.bmm`) for several, whatever the number of requests: no Python loop over
+requests or adapters in the forward. A packed module (q/k/v, gate/up) holds each adapter's
 A matrices stacked and its B matrices block-diagonal, so it too is one pair per adapter. Tokens of the base
 model run the base module alone.
 """
@@ -11,10 +12,16 @@ import torch
 
 
 class LoRAStep:
-    """The current step's token groups, shared by every wrapped module of one model."""
+    """The current step's token groups, shared by every wrapped module of one model. With several adapters
+    active, their rows are laid out as a padded [adapters, rows] table, so a module computes every adapter's
+    product in two batched matmuls (`torch.bmm`) whatever the number of adapters or requests."""
 
     def __init__(self) -> None:
         self.groups: list[tuple[int, torch.Tensor | slice]] = []
+        self.ids: tuple[int, ...] = ()  # the active adapters, in the table's order
+        self.gather: torch.Tensor | None = None  # [adapters * rows]: the token row of each slot (padding: 0)
+        self.valid: torch.Tensor | None = None  # the slots that hold a token (None: all of them)
+        self.dest: torch.Tensor | None = None  # the token row of each valid slot
 
     def set(self, adapter_of_request: list[int | None], lengths: list[int]) -> None:
         """`adapter_of_request[i]`: the id of request i's adapter (None: the base model), `lengths[i]` its
@@ -26,6 +33,21 @@ class LoRAStep:
                 rows.setdefault(adapter, []).append((start, start + n))
             start += n
         self.groups = [(adapter, _rows(spans)) for adapter, spans in rows.items()]
+        self.ids = tuple(rows)
+        self.gather = self.valid = self.dest = None
+        if len(self.groups) > 1:
+            self._table([torch.cat([torch.arange(s, e) for s, e in spans]) for spans in rows.values()])
+
+    def _table(self, members: list[torch.Tensor]) -> None:
+        width = max(len(m) for m in members)
+        table = torch.zeros(len(members), width, dtype=torch.long)
+        mask = torch.zeros(len(members), width, dtype=torch.bool)
+        for i, m in enumerate(members):
+            table[i, :len(m)] = m
+            mask[i, :len(m)] = True
+        self.gather = table.view(-1)
+        self.dest = torch.cat(members)
+        self.valid = None if bool(mask.all()) else mask.view(-1).nonzero().squeeze(1)
 
 
 def _rows(spans: list[tuple[int, int]]) -> torch.Tensor | slice:
@@ -53,6 +75,8 @@ class LoRALinear(torch.nn.Module):
         self.out_features = sum(width for _, width in slices)
         self.step = step
         self.adapters: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (A [R, in], B [out, R])
+        self._stack_key: tuple[int, ...] | None = None
+        self._stack: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))
 
     def add_adapter(self, adapter_id: int, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """`pairs[target] = (A [r, in], B [out, r])` (B scaled); slices the adapter does not target stay zero."""
@@ -69,21 +93,44 @@ class LoRALinear(torch.nn.Module):
                 col += r
             row += width
         self.adapters[adapter_id] = (a, b)
+        self._stack_key = None
 
     def remove_adapter(self, adapter_id: int) -> None:
         self.adapters.pop(adapter_id, None)
+        self._stack_key = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        for adapter_id, rows in self.step.groups:
+        step = self.step
+        if len(step.groups) == 1:
+            adapter_id, rows = step.groups[0]
             ab = self.adapters.get(adapter_id)
-            if ab is None:
-                continue
-            if isinstance(rows, slice):
+            if ab is not None and isinstance(rows, slice):
                 y[rows] += (x[rows] @ ab[0].T) @ ab[1].T
-            else:
+            elif ab is not None:
                 y.index_add_(0, rows, (x.index_select(0, rows) @ ab[0].T) @ ab[1].T)
+        elif step.groups:
+            a_t, b_t = self._stacked(step.ids, x.dtype)
+            xs = x.index_select(0, step.gather).view(len(step.ids), -1, x.shape[1])
+            delta = torch.bmm(torch.bmm(xs, a_t), b_t).view(-1, y.shape[1])
+            y.index_add_(0, step.dest, delta if step.valid is None else delta.index_select(0, step.valid))
         return y
+
+    def _stacked(self, ids: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """A^T [adapters, in, R] and B^T [adapters, R, out] of these adapters (R: their largest rank; an
+        adapter without this module, or of a smaller rank, padded with zeros), kept while the set is the same."""
+        if self._stack_key == ids:
+            return self._stack
+        pairs = [self.adapters.get(i) for i in ids]
+        rank = max((p[0].shape[0] for p in pairs if p is not None), default=1)
+        a_t = torch.zeros(len(ids), self.in_features, rank, dtype=dtype)
+        b_t = torch.zeros(len(ids), rank, self.out_features, dtype=dtype)
+        for j, p in enumerate(pairs):
+            if p is not None:
+                a_t[j, :, :p[0].shape[0]] = p[0].T
+                b_t[j, :p[0].shape[0]] = p[1].T
+        self._stack_key, self._stack = ids, (a_t, b_t)
+        return self._stack
 
 
 def attach_lora(layers: torch.nn.ModuleList, shapes: dict[str, tuple[int, int]], step: LoRAStep

@@ -1,11 +1,13 @@
 """The offline API, shaped like vLLM's: LLM(model=...).generate(prompts, params) / .chat(messages)."""
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 
 from sobrio.config import ModelConfig, SobrioConfig
 from sobrio.engine.llm_engine import LLMEngine
 from sobrio.engine.outputs import RequestOutput
+from sobrio.errors import InvalidRequestError
 from sobrio.sample.params import SamplingParams
 
 Prompt = str | list[int] | dict
@@ -37,13 +39,18 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request=None) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order.
 
         A prompt is text, token ids, or a dict with "prompt" or "prompt_token_ids" and optionally "cache_salt".
+        `lora_request`: a `LoRARequest` (vLLM's) for every prompt, or a list of one (or None) per prompt.
         """
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params or self.get_default_sampling_params(), len(prompts))
+        adapters = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(adapters) != len(prompts):
+            raise InvalidRequestError(f"{len(adapters)} LoRA requests for {len(prompts)} prompts")
+        params = [p if a is None else dataclasses.replace(p, lora_request=a) for p, a in zip(params, adapters)]
         request_ids: dict[str, int] = {}  # request id -> number of sequences it returns
         for prompt, p in zip(prompts, params):
             request_id = str(next(self._ids))

@@ -16,7 +16,8 @@
 - `KVTransferConfig` (kv_transfer.py): `--kv-transfer-config`, disaggregated prefill and decode.
 - `SpeculativeConfig` (speculative.py): `--speculative-config`, vLLM's JSON object (method, draft tokens,
   prompt-lookup n-gram sizes, disable_by_batch_size), checked once.
-- `UnsupportedConfig` (unsupported.py): vLLM flags for features sobrio lacks (`--enable-lora`,
+- `LoRAConfig` (lora.py): `--enable-lora`, `--lora-modules`, `--max-loras`, `--max-lora-rank`, `--max-cpu-loras`.
+- `UnsupportedConfig` (unsupported.py): vLLM flags for features sobrio lacks (`--enable-sleep-mode`,
   `--kv-transfer-config`, ...): recognized, and refused with "sobrio does not support ... yet"
   unless left at their default. Checked by `SobrioConfig.from_kwargs`; never part of a config.
 - `SobrioConfig` (sobrio.py, vLLM's `VllmConfig`): one engine's concerns together. It is what crosses

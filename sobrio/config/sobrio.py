@@ -6,6 +6,7 @@ from typing import Any
 
 from sobrio.config.cache import CacheConfig
 from sobrio.config.kv_transfer import KVTransferConfig
+from sobrio.config.lora import LoRAConfig
 from sobrio.config.model import ModelConfig
 from sobrio.config.parallel import ParallelConfig
 from sobrio.config.scheduler import SchedulerConfig
@@ -26,6 +27,7 @@ class SobrioConfig:
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     kv_transfer_config: KVTransferConfig = field(default_factory=KVTransferConfig)
+    lora_config: LoRAConfig = field(default_factory=LoRAConfig)
 
     @classmethod
     def concerns(cls) -> dict[str, type]:
@@ -36,7 +38,7 @@ class SobrioConfig:
     def from_kwargs(cls, **kwargs: Any) -> "SobrioConfig":
         """vLLM's flat form (`LLM(model, max_num_seqs=8, block_size=16)`): each keyword goes to the concern
         that declares it; an unknown one raises ConfigError naming it (and the nearest known name), and one for
-        a feature sobrio lacks (`enable_lora=True`) says so; those left at their default are dropped."""
+        a feature sobrio lacks (`enable_sleep_mode=True`) says so; those left at their default are dropped."""
         refused = {f.name for f in fields(UnsupportedConfig)}
         UnsupportedConfig(**{k: v for k, v in kwargs.items() if k in refused})
         kwargs = {k: v for k, v in kwargs.items() if k not in refused}

@@ -1,7 +1,7 @@
 """vLLM flags for features sobrio lacks. They parse, so a vLLM script fails with "sobrio does not support --X yet"
 (exit 2) instead of argparse's "unrecognized arguments"; a value equal to the default (a no-op) is accepted.
 
-`SobrioConfig.from_kwargs` checks them too, so `LLM(model, enable_lora=True)` says the same. The config
+`SobrioConfig.from_kwargs` checks them too, so `LLM(model, enable_sleep_mode=True)` says the same. The config
 holds nothing once checked: it never crosses to an engine core.
 """
 
@@ -16,8 +16,6 @@ class UnsupportedConfig(Checked):
 
     load_format: str = unsupported("auto", "weight formats other than safetensors and GGUF (auto)")
     revision: str | None = unsupported(None, "model revisions (models resolve offline, from local files)")
-    enable_lora: bool = unsupported(False, "LoRA adapters")
-    lora_modules: list[str] | None = unsupported(None, "LoRA adapters", nargs="+")
     enable_expert_parallel: bool = unsupported(False, "expert parallelism (a mixture of experts runs all its "
                                                       "experts in one process)")
     kv_events_config: str | None = unsupported(None, "KV-cache events")

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from sobrio.config import SobrioConfig
+from sobrio.engine.adapters import AdapterRegistry
 from sobrio.engine.core import EngineCore, EngineCoreOutput, EngineCoreRequest, TokenLogprob
 from sobrio.engine.detokenize import IncrementalDetokenizer
 from sobrio.engine.input import InputProcessor
@@ -69,6 +70,8 @@ class LLMEngine:
         self.model_name = files.source.name
         self.tokenizer = files.tokenizer
         self.hf_config = files.config
+        self.adapters = AdapterRegistry(config.lora_config, files.config)
+        self.adapters.register_modules()
         self.core = core if core is not None else EngineCore(config, files)
         self.max_model_len = self.core.max_model_len
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, self.hf_config.vocab_size,
@@ -108,6 +111,8 @@ class LLMEngine:
             raise InvalidRequestError("sampling params must be a SamplingParams")
         self._check_priority(priority)
         self.input_processor.validate_params(params, cache_salt)
+        if params.lora_request is not None:
+            self.adapters.check(params.lora_request)
         if params.structured_outputs is not None:  # a bad schema, regex or grammar: refused before queuing
             self.grammar_gate.check(params.structured_outputs, self.eos_token_ids)
         ids = self.input_processor.tokenize(prompt_token_ids if prompt_token_ids is not None else prompt)

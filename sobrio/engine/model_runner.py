@@ -15,6 +15,7 @@ from sobrio.config.speculative import OPTION
 from sobrio.distributed.parallel_model import parallelize
 from sobrio.distributed.sharding import TPRank, local_config, shard_weights
 from sobrio.engine.footprint import log_breakdown, weight_estimate
+from sobrio.engine.lora import runner_adapters
 from sobrio.engine.scheduler import SchedulerOutput
 from sobrio.errors import ConfigError, InvalidRequestError
 from sobrio.kv.cache import KV_CACHE_DTYPES, KVCache, KVCacheSpec, kv_budget
@@ -62,6 +63,7 @@ class StepInputs:
     sample_rows: list[int] = field(default_factory=list)
     # (request id, first hidden row, first prompt position, the prompt tokens it scores, top n)
     prompt_scores: list[tuple[str, int, int, list[int], int]] = field(default_factory=list)
+    adapters: list = field(default_factory=list)  # each request's LoRARequest or None (--enable-lora only)
 
 
 class ModelRunner:
@@ -103,6 +105,7 @@ class ModelRunner:
         self.max_model_len = min(model.max_model_len or model_max, self.num_blocks * self.block_size)
         self.model = self._build(files, model.quantization, model.batch_invariant)
         assert [a.layer_idx for a in self.model.attention_layers()] == list(range(self.kv_spec.num_layers))
+        self.lora = runner_adapters(config, self.model, files.config, self.dtype)
         self.kv_cache = KVCache.allocate(self.kv_spec, self.num_blocks)
         self.draft_model = self.draft_kv_cache = self.eagle = None
         if draft is not None:
@@ -166,6 +169,7 @@ class ModelRunner:
             step.context_lens.append(end)
             step.query_start_loc.append(step.query_start_loc[-1] + num_new)
             step.block_tables.append(req.block_table)
+            step.adapters.append(req.sampling_params.lora_request)
             if end >= req.num_tokens:
                 step.sample_rows += range(step.query_start_loc[-1] - 1 - len(drafts), step.query_start_loc[-1])
             if req.prompt_logprobs is not None:
@@ -288,6 +292,8 @@ class ModelRunner:
         positions = torch.arange(n)
         meta = self._metadata([list(range(-(-n // self.block_size)))], torch.zeros(n, dtype=torch.long), positions,
                               [0, n], [n])
+        if self.lora is not None:
+            self.lora.prepare([None], [n])  # the base model's, not the last step's adapters
         return self.model(torch.tensor(token_ids), positions, meta)
 
     @torch.inference_mode()
@@ -311,6 +317,8 @@ class ModelRunner:
         lengths = torch.tensor(step.query_start_loc[1:]) - torch.tensor(step.query_start_loc[:-1])
         meta = self._metadata(step.block_tables, torch.repeat_interleave(torch.arange(len(lengths)), lengths),
                               positions, step.query_start_loc, step.context_lens)
+        if self.lora is not None:
+            self.lora.prepare(step.adapters, lengths.tolist())
         hidden = self.model(torch.tensor(step.input_ids), positions, meta)
         for request_id, row, begin, targets, top_n in step.prompt_scores:
             rows = hidden[row:row + len(targets)]

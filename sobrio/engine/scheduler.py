@@ -179,6 +179,11 @@ class Scheduler:
         while (self.waiting and budget > 0 and slots.prefills > 0 and slots.tokens > 0
                and len(self.running) < max_num_seqs):
             req = self.waiting[0]
+            if self._adapter_waits(req):  # --max-loras adapters run already: it waits for one to finish
+                deferred.append(self.waiting.popleft())
+                if len(deferred) >= max_num_seqs:
+                    break
+                continue
             if not req.block_table and not req.wants_prompt_logprobs:
                 self.kv.apply_prefix_hits(req)
             remaining = req.num_tokens - req.num_computed_tokens
@@ -204,6 +209,14 @@ class Scheduler:
             budget -= num_new
             in_prefill.update(self.kv.uncomputed_hashes(req))
         self.waiting.extendleft(reversed(deferred))
+
+    def _adapter_waits(self, req: Request) -> bool:
+        """Whether admitting it would put more LoRA adapters than --max-loras in the running batch."""
+        adapter = req.sampling_params.lora_request
+        if adapter is None:
+            return False
+        active = {r.sampling_params.lora_request for r in self.running} - {None}
+        return adapter not in active and len(active) >= self.config.lora_config.max_loras
 
     def _next_block_in(self, req: Request, hashes: set[bytes]) -> bool:
         """Whether the first block this request would compute is one a running request is computing now:

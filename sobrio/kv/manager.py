@@ -53,7 +53,7 @@ class KVCacheManager:
         the tokens have not changed since (a held-back request is looked up again every step)."""
         if len(req.prompt_block_hashes) == num_blocks:
             return req.prompt_block_hashes
-        tokens, hashes, parent = req.all_token_ids, [], None
+        tokens, hashes, parent = req.all_token_ids, [], hash_root(req)
         for j in range(num_blocks):
             parent = hash_block(parent, tokens[j * self.block_size:(j + 1) * self.block_size], req.cache_salt)
             hashes.append(parent)
@@ -95,7 +95,7 @@ class KVCacheManager:
         tokens = req.all_token_ids
         while len(req.block_hashes) < num_full:
             j = len(req.block_hashes)
-            parent = req.block_hashes[-1] if req.block_hashes else None
+            parent = req.block_hashes[-1] if req.block_hashes else hash_root(req)
             block_hash = hash_block(parent, tokens[j * self.block_size:(j + 1) * self.block_size], req.cache_salt)
             self.pool.register(req.block_table[j], block_hash, req.cache_salt)
             if self.offload is not None and req.kv_offload:
@@ -127,3 +127,10 @@ class KVCacheManager:
         req.block_table = []
         req.block_hashes = []
         req.num_freed_blocks = 0
+
+
+def hash_root(req) -> bytes | None:
+    """The parent of a request's first block hash: its LoRA adapter's, so two adapters (or an adapter and the
+    base model) never share a block; None for the base model."""
+    adapter = req.sampling_params.lora_request
+    return None if adapter is None else adapter.hash_root

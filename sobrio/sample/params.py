@@ -8,6 +8,7 @@ finite, token ids non-negative (the vocabulary bound is checked where the vocabu
 import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from sobrio.errors import InvalidRequestError
 
@@ -98,6 +99,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None  # JSON schema, regex, choice or grammar
+    # the LoRA adapter it runs with (a loader.lora.LoRARequest, set by the front from the model name; None:
+    # the base model): it crosses to the engine core with the parameters, and keys the prefix cache
+    lora_request: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -53,7 +53,7 @@ from sobrio.gateway.router_savings import RouterInfo
 from sobrio.gateway.tenants import TenantStore, check_model_allowed
 from sobrio.loader.resolve import ALIASES, DEFAULT_MODELS, check_model_name, is_installed, resolve_model
 from sobrio.sample.params import SamplingParams
-from sobrio.server import responses_api, routes_tokenize, tools
+from sobrio.server import lora_routes, responses_api, routes_tokenize, tools
 from sobrio.server.budgets import remote_worst_case, worst_case_tokens
 from sobrio.server.disconnect import unless_disconnected
 from sobrio.server.edge import edge_stack, install_openapi
@@ -61,6 +61,7 @@ from sobrio.server.embeddings import install_embedding_routes, select_engine, st
 from sobrio.server.errors import error_response, log_unexpected
 from sobrio.server.limits import check_fanout, check_prompt_tokens
 from sobrio.server.limits import protocol_class as guarded_protocol_class
+from sobrio.server.lora_routes import AdapterEngine, adapter_cards, find_adapter
 from sobrio.server.metrics import ServerMetrics
 from sobrio.server.protocol import ChatCompletionRequest, CompletionRequest, ignored_fields, log_ignored, new_id, now
 from sobrio.server.responses import ChoiceState, chat_chunk, completion_chunk, final_response, note_usage, usage_of
@@ -171,7 +172,10 @@ class OpenAIServer:
         if model in self.backends.models and model not in self.engines:
             raise InvalidRequestError(f"model {model!r} is served by remote backends, which only "
                                       "/v1/chat/completions and /v1/completions reach", param="model")
-        if model in self.aliases:
+        adapter = find_adapter(self.engines, model) if model not in self.engines else None
+        if adapter is not None:  # a LoRA adapter's name: its base model's engine, the adapter on every request
+            name, engine = model, AdapterEngine(select_engine(self.engines, adapter[0], task)[1], adapter[1])
+        elif model in self.aliases:
             name, engine = model, select_engine(self.engines, self.aliases[model], task)[1]
         else:
             name, engine = select_engine(self.engines, model, task)
@@ -346,6 +350,7 @@ def create_app(engines: dict[str, EngineClient], limits: LimitsConfig | None = N
                  "max_model_len": server.engines[main].max_model_len} for name, main in names]
         data += [{"id": name, "object": "model", "created": now(), "owned_by": "sobrio", "root": name}
                  for name in server.backends.models if name not in server.engines]
+        data += adapter_cards(server.engines, now())
         allowed = getattr(getattr(request.state, "tenant", None), "limits", None)
         if allowed is not None and allowed.allowed_models is not None:
             data = [m for m in data if {m["id"], m["root"]} & set(allowed.allowed_models)]
@@ -412,6 +417,7 @@ def create_app(engines: dict[str, EngineClient], limits: LimitsConfig | None = N
             return error_response(401, "invalid or missing API key", "invalid_request_error", code="invalid_api_key")
         return HTMLResponse(render_dashboard(dashboard_data(server.ledger, server.store, server.router_info)))
 
+    lora_routes.register(app, server)  # /v1/load_lora_adapter, /v1/unload_lora_adapter
     routes_tokenize.register(app, server)  # /tokenize, /detokenize, /v1/models/{id}, /ping
     agent_routes.register(app, server)  # /v1/agents/runs
     responses_api.register(app, server, _collect_unless_disconnected, sobrio_error_response)  # /v1/responses

@@ -23,6 +23,7 @@ from sobrio.config import (
     StructuredOutputsConfig,
 )
 from sobrio.config.fields import default_of, is_flag
+from sobrio.config.lora import LoRAConfig
 from sobrio.engine_args import add_config_args, add_engine_args, config_from_args, engine_flag_fields, engine_kwargs
 from sobrio.errors import ConfigError, SobrioError
 
@@ -36,7 +37,8 @@ FLAGS = ["--dtype", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-l
          "--enable-chunked-prefill", "--kv-offload-ram", "--kv-offload-disk", "--kv-offload-dir",
          "--kv-offload-key-file",
          "--structured-outputs-fast-forward", "--structured-outputs-compile-timeout", "--speculative-config",
-         "--distributed-executor-backend", "--kv-transfer-config"]
+         "--distributed-executor-backend", "--kv-transfer-config",
+         "--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank", "--max-cpu-loras"]
 SERVE_FLAGS = ["--model", "--served-model-name", "--host", "--port", "--api-key", "--log-level",
                "--default-max-tokens", "--shutdown-timeout", "--engine-process", "--engine-restarts",
                "--max-body-bytes", "--max-prompts-per-request", "--max-seqs-per-request", "--max-request-tokens",
@@ -45,7 +47,7 @@ SERVE_FLAGS = ["--model", "--served-model-name", "--host", "--port", "--api-key"
                "--ssl-certfile", "--ssl-ca-certs", "--ssl-cert-reqs", "--uvicorn-log-level", "--disable-log-requests",
                "--enable-log-requests", "--disable-log-stats"]
 CONCERNS = [ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, StructuredOutputsConfig, ServerConfig,
-            LimitsConfig, CorsConfig]
+            LimitsConfig, CorsConfig, LoRAConfig]
 
 
 def parse(argv: list[str], with_model: bool = True) -> argparse.Namespace:
@@ -298,8 +300,8 @@ def test_a_bad_config_file_exits_2_naming_the_key(tmp_path, capsys, text, messag
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flags", [["--enable-lora"], ["--pipeline-parallel-size", "2"],
-                                   ["--lora-modules", "a=/x", "b=/y"], ["--reasoning-parser", "deepseek_r1"],
+@pytest.mark.parametrize("flags", [["--enable-sleep-mode"], ["--pipeline-parallel-size", "2"],
+                                   ["--reasoning-parser", "deepseek_r1"],
                                    ["--no-enable-chunked-prefill"]])
 def test_a_flag_for_a_missing_feature_exits_2_saying_so(flags, capsys):
     assert cli.main(["serve", "smollm2-135m", *flags]) == 2

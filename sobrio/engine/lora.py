@@ -1,0 +1,75 @@
+"""The model runner's adapters: the base model's modules wrapped once, adapters read from disk when a step
+first needs them and kept in memory up to `--max-cpu-loras` (least recently used evicted)."""
+
+import logging
+from collections import OrderedDict
+
+import torch
+
+from sobrio.config import SobrioConfig
+from sobrio.errors import ConfigError
+from sobrio.layers.lora import LoRAStep, attach_lora
+from sobrio.loader.lora import LoRARequest, read_adapter, target_shapes
+from sobrio.timing import log_step
+
+logger = logging.getLogger(__name__)
+
+
+def runner_adapters(config: SobrioConfig, model: torch.nn.Module, hf_config, dtype: torch.dtype
+                    ) -> "RunnerAdapters | None":
+    """The model's adapters under --enable-lora (None without). Refused where a step would compute tokens
+    the adapter does not see: model drafts (a draft model, EAGLE head or early exit knows no adapter; n-gram
+    drafts come from the text and are verified by the adapted model) and tensor-parallel shards (adapters
+    are not split)."""
+    lora = config.lora_config
+    if not lora.enable_lora:
+        return None
+    method = config.speculative_config.get("method") if config.speculative_config.enabled else None
+    if method not in (None, "ngram"):
+        raise ConfigError(f"--enable-lora with --speculative-config method {method!r}: its drafts would come from a "
+                          "model without the request's adapter; with LoRA only ngram (prompt lookup) speculates, "
+                          "the verifying forward applies the adapter", "--enable-lora")
+    if config.parallel_config.tensor_parallel_size > 1:
+        raise ConfigError("--enable-lora with --tensor-parallel-size > 1: adapters are not sharded yet",
+                          "--enable-lora")
+    return RunnerAdapters(model, hf_config, dtype, lora.max_lora_rank, lora.resident)
+
+
+class RunnerAdapters:
+    """Owns the LoRA state of one model: which adapters are resident, and the current step's groups."""
+
+    def __init__(self, model: torch.nn.Module, hf_config, dtype: torch.dtype, max_rank: int, max_resident: int):
+        self.decoder = model.model
+        self.fused_decode = self.decoder.fused_decode  # off in a step with an adapter: it has no LoRA products
+        self.shapes = target_shapes(hf_config)
+        self.step = LoRAStep()
+        self.layers = attach_lora(self.decoder.layers, self.shapes, self.step)
+        self.dtype, self.max_rank, self.max_resident = dtype, max_rank, max_resident
+        self.resident: OrderedDict[int, str] = OrderedDict()  # id -> name, least recently used first
+
+    def prepare(self, adapters: list[LoRARequest | None], lengths: list[int]) -> None:
+        """Before a step's forward: each request's adapter resident, the tokens grouped by adapter."""
+        for adapter in dict.fromkeys(a for a in adapters if a is not None):
+            self._ensure(adapter)
+        self.step.set([None if a is None else a.lora_int_id for a in adapters], lengths)
+        self.decoder.fused_decode = None if self.step.groups else self.fused_decode
+
+    def _ensure(self, adapter: LoRARequest) -> None:
+        if adapter.lora_int_id in self.resident:
+            self.resident.move_to_end(adapter.lora_int_id)
+            return
+        with log_step(logger, "loading LoRA adapter %s", adapter.lora_name):
+            weights = read_adapter(adapter.lora_path, self.max_rank, len(self.layers), self.shapes, self.dtype)
+        for i, targets in enumerate(self.layers):
+            for module in dict.fromkeys(targets.values()):
+                module.add_adapter(adapter.lora_int_id, {name: ab for (layer, name), ab in weights.items()
+                                                         if layer == i and name in targets})
+        self.resident[adapter.lora_int_id] = adapter.lora_name
+        while len(self.resident) > self.max_resident:
+            self._evict(next(iter(self.resident)))
+
+    def _evict(self, adapter_id: int) -> None:
+        self.resident.pop(adapter_id)
+        for targets in self.layers:
+            for module in targets.values():
+                module.remove_adapter(adapter_id)

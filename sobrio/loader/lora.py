@@ -1,0 +1,144 @@
+"""PEFT LoRA adapter folders: `adapter_config.json` + `adapter_model.safetensors`, checked against a base model.
+
+What sobrio computes: plain LoRA (rank r, `lora_alpha`, rsLoRA's alpha / sqrt(r) scaling) on q/k/v/o_proj and
+gate/up/down_proj of every layer. Every other PEFT feature (DoRA, modules_to_save, biases, other targets,
+per-module rank or alpha patterns, a subset of layers) is refused by name when the adapter is registered, so
+an adapter is never served half-applied.
+"""
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from sobrio.errors import InvalidRequestError
+
+ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+TARGETS = ATTENTION_TARGETS + MLP_TARGETS
+# PEFT fields whose non-default value changes the computation: (name, the values that mean "off")
+_REFUSED_FIELDS = (("use_dora", (False, None)), ("modules_to_save", (None, [])), ("bias", ("none", None)),
+                   ("lora_bias", (False, None)), ("rank_pattern", ({}, None)), ("alpha_pattern", ({}, None)),
+                   ("layers_to_transform", (None, [])), ("fan_in_fan_out", (False, None)),
+                   ("trainable_token_indices", (None, {}, [])), ("target_parameters", (None, [])),
+                   ("layer_replication", (None, [])))
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """An adapter a request runs with (vLLM's name): `lora_int_id` is unique per registration, so an adapter
+    re-registered under the same name never shares KV blocks or loaded weights with its predecessor."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+    @property
+    def hash_root(self) -> bytes:
+        """The parent hash of its first prefix-cache block: blocks of two adapters never coincide."""
+        return f"lora:{self.lora_int_id}:{self.lora_name}".encode()
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    rank: int
+    scaling: float
+    targets: tuple[str, ...]
+    base_model_name: str | None
+
+
+def read_adapter_config(path: str | Path, max_rank: int) -> AdapterConfig:
+    """The adapter's rank, scaling and targets; InvalidRequestError naming the PEFT field sobrio lacks."""
+    folder = Path(path)
+    cfg_file, weights = folder / "adapter_config.json", folder / "adapter_model.safetensors"
+    if not cfg_file.is_file() or not weights.is_file():
+        raise InvalidRequestError(f"LoRA adapter {str(path)!r}: expected a PEFT folder with adapter_config.json "
+                                  "and adapter_model.safetensors", param="lora_path")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise InvalidRequestError(f"LoRA adapter {str(path)!r}: unreadable adapter_config.json ({exc})",
+                                  param="lora_path") from None
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise _refuse(path, f"peft_type {cfg.get('peft_type')!r} (only LORA)")
+    for name, off in _REFUSED_FIELDS:
+        if cfg.get(name, off[0]) not in off:
+            raise _refuse(path, f"{name}={cfg[name]!r}")
+    targets = cfg.get("target_modules") or []
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    other = [t for t in targets if t not in TARGETS]
+    if other or not targets:
+        raise _refuse(path, f"target_modules {other or targets!r} (sobrio applies LoRA to {', '.join(TARGETS)})")
+    rank, alpha = cfg.get("r"), cfg.get("lora_alpha", 8)
+    if not isinstance(rank, int) or rank <= 0 or not isinstance(alpha, (int, float)):
+        raise _refuse(path, f"r={rank!r}, lora_alpha={alpha!r}")
+    if rank > max_rank:
+        raise InvalidRequestError(f"LoRA adapter {str(path)!r} has rank {rank}, more than --max-lora-rank "
+                                  f"{max_rank}", param="lora_path")
+    scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
+    return AdapterConfig(rank, scaling, tuple(targets), cfg.get("base_model_name_or_path"))
+
+
+def _refuse(path, what: str) -> InvalidRequestError:
+    return InvalidRequestError(f"LoRA adapter {str(path)!r}: sobrio does not support {what}", param="lora_path")
+
+
+AdapterWeights = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # (layer, target) -> (A [r, in], B [out, r])
+
+
+def target_shapes(hf_config) -> dict[str, tuple[int, int]]:
+    """(out_features, in_features) of each PEFT target in the base model's layers; a mixture-of-experts
+    model has no dense gate/up/down to adapt."""
+    c = hf_config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    q, kv, hidden = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim, c.hidden_size
+    shapes = {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q)}
+    if not (getattr(c, "num_experts", 0) or getattr(c, "num_local_experts", 0)):
+        inter = c.intermediate_size
+        shapes |= {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
+    return shapes
+
+
+def read_adapter(path: str | Path, max_rank: int, num_layers: int, shapes: dict[str, tuple[int, int]],
+                 dtype: torch.dtype) -> AdapterWeights:
+    """Every (A, B) of the adapter, B already multiplied by the scaling, checked against the base model:
+    `shapes[target] = (out_features, in_features)` of its modules. Every targeted module of every layer
+    must have its pair, and no tensor may be left unused."""
+    cfg = read_adapter_config(path, max_rank)
+    missing = [t for t in cfg.targets if t not in shapes]
+    if missing:
+        raise _refuse(path, f"target_modules {missing!r} on this model (its layers have no such dense module)")
+    weights: AdapterWeights = {}
+    with safe_open(str(Path(path) / "adapter_model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        for layer in range(num_layers):
+            for target in cfg.targets:
+                a, b = _pair(f, names, layer, target)
+                if a is None:
+                    raise _refuse(path, f"an adapter without {target} in layer {layer}")
+                out_f, in_f = shapes[target]
+                if a.shape != (cfg.rank, in_f) or b.shape != (out_f, cfg.rank):
+                    raise InvalidRequestError(f"LoRA adapter {str(path)!r}: {target} of layer {layer} has A "
+                                              f"{tuple(a.shape)} and B {tuple(b.shape)}, the base model needs "
+                                              f"({cfg.rank}, {in_f}) and ({out_f}, {cfg.rank}): another base "
+                                              "model", param="lora_path")
+                weights[layer, target] = (a.to(dtype).contiguous(), (b.float() * cfg.scaling).to(dtype).contiguous())
+    if names:
+        raise _refuse(path, f"tensors sobrio would not use ({sorted(names)[0]!r}, ...)")
+    return weights
+
+
+def _pair(f, names: set[str], layer: int, target: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """lora_A and lora_B of one module, under PEFT's names (any prefix up to `layers.{i}.`); taken from `names`."""
+    block = "self_attn" if target in ATTENTION_TARGETS else "mlp"
+    suffix = f"layers.{layer}.{block}.{target}."
+    found = {}
+    for name in [n for n in names if suffix in n]:
+        kind = name.rsplit(suffix, 1)[1]
+        if kind in ("lora_A.weight", "lora_B.weight"):
+            found[kind[5]] = f.get_tensor(name)
+            names.discard(name)
+    return found.get("A"), found.get("B")

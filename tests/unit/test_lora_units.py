@@ -1,0 +1,71 @@
+"""LoRA pieces without an engine: PEFT config fields sobrio lacks refused by name, rank over --max-lora-rank,
+--lora-modules' two forms, a LoRALinear over a quantized base equal to the base plus (x @ A) @ B on exactly
+its adapter's rows, and the step's token groups."""
+
+import json
+
+import pytest
+import torch
+
+from sobrio.config.lora import LoRAConfig
+from sobrio.errors import ConfigError, InvalidRequestError
+from sobrio.layers.lora import LoRALinear, LoRAStep
+from sobrio.layers.quantization import quantized_linear
+from sobrio.loader.lora import read_adapter_config
+
+BASE_CONFIG = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"],
+               "bias": "none", "use_dora": False, "modules_to_save": None, "use_rslora": False}
+
+
+def _folder(tmp_path, **fields):
+    (tmp_path / "adapter_config.json").write_text(json.dumps({**BASE_CONFIG, **fields}))
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"")
+    return tmp_path
+
+
+@pytest.mark.parametrize("fields, named", [
+    ({"use_dora": True}, "use_dora"), ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+    ({"bias": "lora_only"}, "bias"), ({"target_modules": ["q_proj", "embed_tokens"]}, "embed_tokens"),
+    ({"rank_pattern": {"q_proj": 4}}, "rank_pattern"), ({"layers_to_transform": [0]}, "layers_to_transform"),
+    ({"peft_type": "IA3"}, "IA3"), ({"r": 64}, "--max-lora-rank")])
+def test_what_sobrio_does_not_compute_is_refused_by_name(tmp_path, fields, named):
+    with pytest.raises(InvalidRequestError, match=named):
+        read_adapter_config(_folder(tmp_path, **fields), max_rank=16)
+
+
+def test_alpha_and_rslora_scaling(tmp_path):
+    assert read_adapter_config(_folder(tmp_path), 16).scaling == 2.0
+    assert read_adapter_config(_folder(tmp_path, use_rslora=True), 16).scaling == 16 / 8 ** 0.5
+
+
+def test_lora_modules_in_both_forms():
+    config = LoRAConfig(enable_lora=True, lora_modules=["sql=/a", '{"name": "rev", "path": "/b", '
+                                                                  '"base_model_name": "base"}'])
+    assert config.modules() == [("sql", "/a", None), ("rev", "/b", "base")]
+    with pytest.raises(ConfigError, match="--lora-modules"):
+        LoRAConfig(enable_lora=True, lora_modules=["no-path"])
+    with pytest.raises(ConfigError, match="--enable-lora"):
+        LoRAConfig(lora_modules=["a=/b"])
+
+
+def test_a_quantized_base_plus_each_adapter_on_its_rows_only():
+    torch.manual_seed(0)
+    weight = torch.randn(48, 64)
+    base = quantized_linear(weight, None, "int8-weight-only", "o_proj")
+    step = LoRAStep()
+    module = LoRALinear(base, [("q_proj", 32), ("k_proj", 16)], 64, step)
+    pairs = {1: {"q_proj": (torch.randn(4, 64), torch.randn(32, 4))}, 2: {"k_proj": (torch.randn(2, 64),
+                                                                                     torch.randn(16, 2))}}
+    for adapter_id, p in pairs.items():
+        module.add_adapter(adapter_id, p)
+    x = torch.randn(10, 64)
+    step.set([1, None, 2, 1], [3, 2, 1, 4])  # adapter 1 on rows 0-2 and 6-9, adapter 2 on row 5
+    got, plain = module(x), base(x)
+    want = plain.clone()
+    a, b = pairs[1]["q_proj"]
+    rows = [0, 1, 2, 6, 7, 8, 9]
+    want[rows, :32] += (x[rows] @ a.T) @ b.T
+    a, b = pairs[2]["k_proj"]
+    want[5, 32:] += (x[5] @ a.T) @ b.T
+    torch.testing.assert_close(got, want)
+    assert isinstance(step.groups[1][1], slice) and not isinstance(step.groups[0][1], slice)

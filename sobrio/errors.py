@@ -1,5 +1,7 @@
 """Typed errors. The HTTP edge maps them to OpenAI error bodies; messages never quote user text."""
 
+import traceback
+
 
 class SobrioError(Exception):
     """Base of every error sobrio raises on purpose."""
@@ -47,3 +49,13 @@ class ConfigError(SobrioError, ValueError):
     def __init__(self, message: str, option: str | None = None):
         super().__init__(message)
         self.option = option
+
+
+def where(exc: BaseException) -> str:
+    """The innermost frame of an exception as `file:line in function`, without its message: what a log may
+    say of an error on the request path (a message, or a traceback's, may quote request data)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return "?"
+    frame = frames[-1]
+    return f"{frame.filename}:{frame.lineno} in {frame.name}"

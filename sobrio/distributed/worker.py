@@ -16,6 +16,7 @@ import sys
 from dataclasses import dataclass
 
 from sobrio.config import SobrioConfig
+from sobrio.errors import where
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +68,8 @@ def main() -> None:
                         format=f"%(asctime)s %(levelname)s %(name)s[tp{args.rank}]: %(message)s")
     try:
         run_worker(args)
-    except Exception:
-        logger.exception("tensor-parallel rank %d failed", args.rank)
+    except Exception as exc:  # type and place only: a message may quote the batch's tokens
+        logger.error("tensor-parallel rank %d failed: %s at %s", args.rank, type(exc).__name__, where(exc))
         os._exit(1)
 
 

@@ -302,7 +302,8 @@ class AsyncLLM(_ClientBase):
                 try:
                     outputs = self.engine.step()
                 except Exception as exc:  # the core isolates one request's failure; this is anything else
-                    logger.exception("engine step failed: %s", type(exc).__name__)
+                    # type and place only: an exception's message (and a traceback's) may quote request data
+                    logger.error("engine step failed: %s at %s", type(exc).__name__, where(exc))
                     self._fail_all(EngineStepError(f"engine step failed: {type(exc).__name__}"))
                     continue
             self._deliver_all(outputs)

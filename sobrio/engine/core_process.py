@@ -29,6 +29,7 @@ from sobrio.config import SobrioConfig
 from sobrio.engine.core import EngineCoreRequest
 from sobrio.engine.cpu_share import open_governor, spin_count_for_start
 from sobrio.engine.executor import ExecutorDeadError
+from sobrio.engine.orphan import exit_with_parent
 from sobrio.errors import SobrioError
 
 logger = logging.getLogger(__name__)
@@ -52,15 +53,18 @@ def decode(frame: bytes):
 # ---- the child process ----
 
 def run_engine_core(config: SobrioConfig, input_addr: str, output_addr: str, log_level: int,
-                    watch_parent: bool = True) -> None:
+                    watch_parent: bool = True, parent_pid: int | None = None) -> None:
     """Entry point of the engine-core process: load, report ready, then step while there is work.
-    `watch_parent`: exit when the process that started this one is gone (a Ray actor: Ray does that)."""
+    `watch_parent`: exit when the process that started this one (`parent_pid`, given by that process: one
+    that died while this one imported is no longer its parent) is gone (a Ray actor: Ray does that)."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s")
+    parent = (parent_pid or os.getppid()) if watch_parent else None
+    if parent is not None:  # also while loading: a core must not outlive its API process
+        exit_with_parent(parent, cleanup=lambda: _remove_socket_folder(input_addr))
     ctx = zmq.Context()
     inputs, outputs = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     inputs.connect(input_addr)
     outputs.connect(output_addr)
-    parent = os.getppid() if watch_parent else None
     try:
         core = _start_core(config)
     except Exception as exc:  # a start-up error: say what it was, then exit
@@ -77,7 +81,11 @@ def run_engine_core(config: SobrioConfig, input_addr: str, output_addr: str, log
     finally:
         core.close()
     ctx.destroy(linger=0)
-    # An API process killed outright cannot remove its socket folder; the core that outlives it does.
+    _remove_socket_folder(input_addr)
+
+
+def _remove_socket_folder(input_addr: str) -> None:
+    """An API process killed outright cannot remove its socket folder; the core that outlives it does."""
     if input_addr.startswith("ipc://"):
         shutil.rmtree(os.path.dirname(input_addr.removeprefix("ipc://")), ignore_errors=True)
 
@@ -263,7 +271,7 @@ class CoreProcess:
         spawn = multiprocessing.get_context("spawn")
         process = spawn.Process(target=run_engine_core, name=f"sobrio-core-{self.config.model_config.model}",
                                 daemon=True, args=(self.config, input_addr, output_addr,
-                                                   logging.getLogger().getEffectiveLevel()))
+                                                   logging.getLogger().getEffectiveLevel(), True, os.getpid()))
         with engine_core_environ():
             process.start()
         return process

@@ -26,7 +26,7 @@ import torch
 
 from sobrio.config import SobrioConfig
 from sobrio.engine.async_llm import EngineStepError, EngineUnavailableError
-from sobrio.engine.guard import CallbackGuard
+from sobrio.engine.guard import CallbackGuard, where
 from sobrio.engine.input import InputProcessor, check_text
 from sobrio.errors import ConfigError, EngineOverloadedError, InvalidRequestError
 
@@ -305,8 +305,8 @@ class EmbeddingEngine:
                     self._running = 0  # before answering: a client that reads /metrics next sees it idle
                 if batch:
                     self._deliver(batch, vectors)
-        except BaseException:  # noqa: BLE001 - a bug in the loop itself: say so, and stop taking requests
-            logger.exception("embedding worker for %s died", self.model_name)
+        except BaseException as exc:  # noqa: BLE001 - a bug in the loop itself: say so, and stop taking requests
+            logger.error("embedding worker for %s died: %s at %s", self.model_name, type(exc).__name__, where(exc))
             with self._cond:
                 self.healthy = False
                 pending, self._pending = list(self._pending), deque()

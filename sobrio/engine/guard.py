@@ -8,9 +8,10 @@ text), counts every one, and lets the request go on.
 """
 
 import logging
-import traceback
 from collections import Counter
 from collections.abc import Callable
+
+from sobrio.errors import where
 
 logger = logging.getLogger(__name__)
 
@@ -38,12 +39,3 @@ class CallbackGuard:
     @property
     def total(self) -> int:
         return sum(self.errors.values())
-
-
-def where(exc: BaseException) -> str:
-    """The innermost frame of an exception as `file:line in function`, without its message."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    if not frames:
-        return "?"
-    frame = frames[-1]
-    return f"{frame.filename}:{frame.lineno} in {frame.name}"

@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from sobrio.errors import where
 from sobrio.kv.cache import KVCache
 from sobrio.kv.sealing import TenantKeys, seal, tenant_digest, unseal
 
@@ -289,8 +290,8 @@ def _work(offload_ref, jobs: queue.Queue) -> None:
             if kind == "stop" or offload is None:
                 return
             offload.run_job(kind, payload)
-        except Exception:  # noqa: BLE001 - the tiers must never take the engine down
-            logger.exception("KV offload: %s job failed", kind)
+        except Exception as exc:  # noqa: BLE001 - the tiers must never take the engine down
+            logger.error("KV offload: %s job failed: %s at %s", kind, type(exc).__name__, where(exc))
         finally:
             offload = None
             jobs.task_done()

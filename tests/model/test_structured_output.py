@@ -200,3 +200,34 @@ def test_bitmask_applies_to_its_rows_only():
     assert allowed[2].nonzero().flatten().tolist() == [0, 2, *range(32, 64)]  # past 64: no word, not allowed
     assert allowed[0].nonzero().flatten().tolist() == [63]
     assert allowed[1].all()  # an unconstrained row keeps the whole vocabulary
+
+
+def test_finished_requests_leave_no_grammar_state_and_the_cache_stays_bounded(smollm2):
+    """Engine-core memory under a load of ever new schemas: every request's matcher and mask go at finish or
+    abort (also one aborted while its grammar compiles), and the compiled grammars kept never pass the bound."""
+    tokenizer = smollm2.get_tokenizer()
+    compiler = GrammarCompiler(lambda: tokenizer, cache_size=3)
+    manager = StructuredOutputManager(compiler)
+    reqs = []
+    for i in range(8):  # 8 new schemas, one twice
+        name = f"field{i % 7}"
+        schema = {"type": "object", "properties": {name: {"type": "integer"}}, "required": [name]}
+        reqs.append(SimpleNamespace(request_id=f"r{i}", eos_token_ids=frozenset({tokenizer.eos_token_id}),
+                                    sampling_params=SamplingParams(structured_outputs=StructuredOutputsParams(
+                                        json=schema))))
+        manager.submit(reqs[-1])
+    manager.free("r7")  # aborted while it waits for its compile
+    while manager.has_pending():
+        manager.wait(30)
+        ready, failed = manager.ready()
+        assert not failed
+    for req in reqs[:7]:  # each runs a few tokens (masks computed ahead and in a batch), then finishes
+        assert manager.is_constrained(req.request_id)
+        manager.forced_token(req)
+    manager.allowed_tokens(reqs[:7])
+    for req in reqs[:7]:
+        manager.free(req.request_id)
+    assert manager.table_sizes() == {"structured_pending": 0, "structured_matchers": 0}
+    assert not manager.next_masks and len(compiler._cache) <= 3
+    assert compiler.hits + compiler.misses >= 7
+    manager.shutdown()

@@ -122,3 +122,28 @@ def test_an_engine_thread_death_turns_health_503_then_recovers():
         assert wait_until(lambda: client.healthy, 1)
     finally:
         client.shutdown()
+
+
+def test_a_failed_step_logs_its_type_and_place_never_its_message(in_process, caplog):
+    """An exception's message (and its traceback's) may quote the request: the log names the type and the
+    frame only, and the engine serves on."""
+    from sobrio.engine.async_llm import EngineStepError
+
+    step = in_process.engine.step
+
+    def fails_once():
+        in_process.engine.step = step
+        raise RuntimeError("SECRET-USER-TEXT in an exception message")
+
+    in_process.engine.step = fails_once
+    caplog.set_level("DEBUG", logger="sobrio")
+    try:
+        with pytest.raises(EngineStepError):
+            asyncio.run(asyncio.wait_for(_finish(in_process, "s1", "Private words"), 60))
+    finally:
+        in_process.engine.step = step
+    logged = [r for r in caplog.records if "engine step failed" in r.getMessage()]
+    assert logged and "RuntimeError" in logged[0].getMessage() and "fails_once" in logged[0].getMessage()
+    assert "SECRET" not in caplog.text and not any(r.exc_info for r in caplog.records)
+    out = asyncio.run(asyncio.wait_for(_finish(in_process, "s2", "Again", 4), 60))
+    assert len(out.outputs[0].token_ids) == 4

@@ -126,12 +126,14 @@ PROBE = textwrap.dedent("""
 
 @needs_blocked
 def test_resident_memory_after_load_is_weights_and_kv(checkpoint):
-    """In a fresh process: what loading adds is the weights once and the KV cache, within 10% and 16 MB (the
-    plain weights beside the packed ones added about 60 MB here); no safetensors file stays mapped."""
+    """In a fresh process: what loading adds is the weights once and the KV cache, within 10% and 48 MB; a second
+    copy of the weights adds their 91 MB and fails it. The fixed part varies with the environment: 137 MB were
+    added in one virtual environment and 155 MB in a fresh clone's, same packages and commit; no safetensors file
+    stays mapped."""
     out = subprocess.run([sys.executable, "-c", PROBE, str(checkpoint)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     floats, _ = safetensors_elements(checkpoint)
     assert got["weights"] <= floats * 2 * 1.01
-    assert got["after"] - got["before"] <= 1.1 * (got["weights"] + got["kv"]) + (16 << 20), got
+    assert got["after"] - got["before"] <= 1.1 * (got["weights"] + got["kv"]) + (48 << 20), got
     assert not got["mapped"]

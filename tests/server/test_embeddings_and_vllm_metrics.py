@@ -76,7 +76,8 @@ def assert_vllm_metrics(text: str, model: str) -> dict:
         assert found[name].type == kind, (name, found[name].type)
         assert any(s.labels.get("model_name") == model and s.labels.get("engine") == "0"
                    for s in found[name].samples), name
-    own = ("sobrio:request_table_entries", "sobrio:structured_output_")  # sobrio's families: no vLLM name
+    own = ("sobrio:request_table_entries", "sobrio:structured_output_",  # sobrio's families: no vLLM name
+           "sobrio:engine_callback_errors", "sobrio:engine_thread_deaths")
     assert not any(name.startswith("sobrio:") and not name.startswith(own) for name in found)
     return found
 

@@ -42,8 +42,11 @@ def first_tokens(llm: LLM) -> list[list[int]]:
 
 
 def weight_bytes(llm: LLM) -> int:
-    """The bf16 weights alone, packed copies aside: what int8 halves."""
-    return sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+    """The bf16 weights as the model holds them: once, in oneDNN's packed copy where the few-row kernel reads it
+    (issue 43), so parameters alone no longer count them."""
+    from sobrio.models.weights import resident_bytes
+
+    return resident_bytes(llm.engine.runner.model)
 
 
 @pytest.mark.parametrize("method, max_nll_increase", [("int8-weight-only", 0.02), ("int8", 0.1), ("int4", 0.05)])

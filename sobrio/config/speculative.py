@@ -40,15 +40,9 @@ class SpeculativeConfig(Checked):
     """Speculative decoding (vLLM's `SpeculativeConfig`, passed whole as one JSON object)."""
 
     speculative_config: dict | None = flag(
-        None, 'speculative decoding as JSON, vLLM\'s keys: {"method": "ngram", "num_speculative_tokens": 4, '
-              '"prompt_lookup_min": 2, "prompt_lookup_max": 5, "disable_by_batch_size": 8}; method "draft_model" '
-              'with "model" (a smaller model of the same tokenizer; "quantization" optional); method "medusa" '
-              'or "eagle" with "model": a folder from `sobrio train-draft` (eagle: "quantization" int8, '
-              'int8-weight-only or int4 rounds the head, default none); sobrio\'s: method "layer_skip" with '
-              '"exit_layer" '
-              '(default: half the layers) drafts with the model\'s own first layers, and "min_acceptance_rate" '
-              '(0.1) stops a request\'s drafts when fewer are accepted; "min_draft_confidence" (eagle, 0.2) ends a '
-              'step\'s drafts where the head\'s joint probability of them falls below it',
+        None, 'speculative decoding as JSON, vLLM\'s keys: {"method": "ngram", "num_speculative_tokens": 4}; '
+              'methods ngram, draft_model, eagle, medusa, layer_skip, and the keys each takes, in '
+              'docs/speculative.md',
         type=json_object_flag(OPTION))
 
     def __post_init__(self) -> None:

@@ -57,3 +57,9 @@ def test_every_relative_link_in_the_readme_and_docs_points_to_a_file():
               if is_broken(page, target)]
     assert not broken, broken
     assert len(relative_links(ROOT / "README.md")) >= 8  # the front page links to its feature pages
+
+
+def test_the_readme_keeps_the_test_command_ci_runs():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert "make test" in readme and "make test" in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert len(readme.encode()) <= 12 * 1024, "the README is a front page: move reference text to docs/"

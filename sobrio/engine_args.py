@@ -5,7 +5,8 @@ argument group per class; `config_from_args(args, ConfigClass)` builds the confi
 are every concern of `SobrioConfig` and the vLLM flags sobrio refuses (`UnsupportedConfig`); `sobrio serve`
 adds `ServerConfig`'s. `apply_config_file` reads `--config FILE` (YAML) into the parser's defaults, so the
 command line wins over the file. Shared by `sobrio generate | chat` (cli.py) and `sobrio serve`
-(server/app.py); it imports only the config, so both can use it.
+(server/app.py); it imports only the config, so both can use it. `python -m sobrio.flags_doc` writes
+docs/flags.md from the same parser.
 """
 
 import argparse

@@ -1,12 +1,11 @@
 """The OpenMP thread policy, set when `sobrio` is imported, before anything imports torch.
 
-Unbounded busy-waiting (the ACTIVE policy) makes a decoder layer up to 50x slower on a busy 2-core
+Unbounded busy-waiting (the ACTIVE policy) makes a decoder layer many times slower on a busy 2-core
 machine; never waiting (PASSIVE) pays a thread wake-up at each of the ~300 small parallel regions of a
-decode step (~60 us each in this VM). GNU OpenMP's spin count bounds the wait: 100,000 spins keep a
-thread awake across gaps of 0.5 ms but not 2 ms (Intel Xeon, 2 vCPUs), and took the batch-32 step
-71 -> 46 ms, batch-1 19.8 -> 15 ms (`benchmarks/step_overhead.py`). The engine-core process of
-`sobrio serve` spins longer (`ENGINE_CORE_SPINCOUNT`, set for it by `engine.core_process`). An explicit
-OMP_WAIT_POLICY or GOMP_SPINCOUNT wins everywhere.
+decode step. GNU OpenMP's spin count bounds the wait: `SPINCOUNT` spins keep a thread awake across the
+short gaps of a step but not the long ones (the measurements: docs/benchmarks.md, "The CPU fast path").
+The engine-core process of `sobrio serve` spins longer (`ENGINE_CORE_SPINCOUNT`, set for it by
+`engine.core_process`). An explicit OMP_WAIT_POLICY or GOMP_SPINCOUNT wins everywhere.
 """
 
 import os

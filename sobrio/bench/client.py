@@ -1,9 +1,8 @@
 """One streamed request to any OpenAI-compatible server, timed chunk by chunk.
 
 aiohttp, as vLLM's `bench serve`: the client shares the server's cores here, and httpx's per-chunk cost
-(anyio timeouts, httpcore's events) was ~85 us of CPU a token: on 2 cores, the client's CPU over a batch-32
-run 1.4 -> 0.4 s with aiohttp, and the same vLLM server 705 -> 730 tok/s. A client's cost must not be read
-as the server's.
+(anyio timeouts, httpcore's events) took measurable CPU from the servers (figures: docs/benchmarks.md,
+"The bench client"). A client's cost must not be read as the server's.
 """
 
 import json

@@ -42,12 +42,9 @@ class ModelConfig(Checked):
                                                          '\'{"temperature": 0.6}\'', type=json_object)
     dtype: str = flag("auto", "weights and activations (auto: bfloat16 where the CPU has fast bf16, else float32)",
                       choices=DTYPES)
-    quantization: str | None = flag(None, "quantize the weights at load, the embedding and LM head too: int8 "
-                                          "(W8A8: int8 weights per output channel, int8 activations per token "
-                                          "computed on the fly), int8-weight-only (activations in --dtype) or int4 "
-                                          "(weight-only, groups of 32, embedding and LM head int8); awq, gptq or "
-                                          "gguf: the checkpoint's own 4-bit weights (loaded as they are whether or "
-                                          "not the flag is given; a flag naming another method is an error)",
+    quantization: str | None = flag(None, "quantize the weights at load, embedding and LM head too: int8 (W8A8), "
+                                          "int8-weight-only or int4 (weight-only, groups of 32); awq, gptq, gguf: "
+                                          "the checkpoint's own codes, kept as they are (docs/quantization.md)",
                                     choices=QUANTIZATION_METHODS + CHECKPOINT_QUANTIZATION)
     max_model_len: int | None = flag(None, "context length (default: the model's, capped by the KV cache)")
     max_logprobs: int = flag(20, "most logprobs (top_logprobs, prompt_logprobs) a request may ask for; more is "

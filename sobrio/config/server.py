@@ -28,7 +28,7 @@ def str_list(value: str) -> list[str]:
 @dataclass(frozen=True)
 class LimitsConfig(Checked):
     """Bounds on what one client can make the server hold. Roomy for any real request to these models, small
-    enough that one client cannot pin the server (see README, "Limits")."""
+    enough that one client cannot pin the server (docs/server.md, "Limits")."""
 
     # a 128k-token context as text (non-ASCII escaped as \uXXXX too) fits
     max_body_bytes: int = flag(4 << 20, "largest request body, counted while it is read, chunked or not (413)")

@@ -1,22 +1,15 @@
 """Speculative decoding: vLLM's `--speculative-config` JSON (`LLM(speculative_config={...})`), checked once.
 
-`{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}` proposes the
-tokens that followed the latest earlier occurrence of the sequence's last n tokens (prompt lookup);
-`{"method": "medusa", "model": FOLDER, "num_speculative_tokens": 3}` drafts with heads `sobrio train-draft`
-trained for the model (spec/medusa.py); `{"method": "eagle", "model": FOLDER, "num_speculative_tokens": 3}`
-drafts with an EAGLE head (one decoder layer on the target's own features, spec/eagle.py) from `sobrio
-train-draft --method eagle`; `{"method": "layer_skip", "exit_layer": 15, "num_speculative_tokens": 3}`
-drafts with the model itself cut after its first `exit_layer` layers (LayerSkip's self-speculation: no second
-model, the draft's KV is the model's own for those layers); `{"method": "draft_model", "model": NAME,
-"num_speculative_tokens": 3}` drafts with a smaller model of the same tokenizer (vLLM's key `quantization`
-quantizes it at load, and an EAGLE head's own matrices too), which keeps its own KV cache in the target's
-block ids (spec/model_draft.py).
-`disable_by_batch_size` turns speculation off for a step with more requests running than that (vLLM's key);
-`min_acceptance_rate` (sobrio's) stops it for a request whose drafts are rarely accepted;
-`min_draft_confidence` (sobrio's, EAGLE only; EAGLE-2's dynamic draft length; default 0.2, 0 for always k)
-ends a step's drafts where the head's joint probability of them falls below it, so k is a ceiling rather than
-a fixed count: on SmolLM2 with k = 3 it took one request at a time from 1.06x to 1.28x the plain engine
-(`benchmarks/spec_offline.py`), its drafts now stopping where they would mostly be rejected.
+`method` is one of `METHODS`: ngram (prompt lookup), medusa and eagle (heads `sobrio train-draft` trained for
+the model, in `model`), layer_skip (the model itself cut after `exit_layer` layers: no second model) and
+draft_model (a smaller model of the same tokenizer, `model`, with its own KV cache in the target's block ids;
+vLLM's key `quantization` quantizes it at load, and an EAGLE head's own matrices too). `DEFAULTS` fills the
+keys a config leaves out; an unknown key is refused with the known ones. `disable_by_batch_size` turns
+speculation off for a step with more requests running than that (vLLM's key); `min_acceptance_rate`
+(sobrio's) stops it for a request whose drafts are rarely accepted; `min_draft_confidence` (sobrio's, EAGLE
+only; EAGLE-2's dynamic draft length, 0 for always k) ends a step's drafts where the head's joint probability
+of them falls below it, so k is a ceiling rather than a fixed count. Each method, key and measurement:
+docs/speculative.md.
 """
 
 from dataclasses import dataclass
@@ -40,15 +33,9 @@ class SpeculativeConfig(Checked):
     """Speculative decoding (vLLM's `SpeculativeConfig`, passed whole as one JSON object)."""
 
     speculative_config: dict | None = flag(
-        None, 'speculative decoding as JSON, vLLM\'s keys: {"method": "ngram", "num_speculative_tokens": 4, '
-              '"prompt_lookup_min": 2, "prompt_lookup_max": 5, "disable_by_batch_size": 8}; method "draft_model" '
-              'with "model" (a smaller model of the same tokenizer; "quantization" optional); method "medusa" '
-              'or "eagle" with "model": a folder from `sobrio train-draft` (eagle: "quantization" int8, '
-              'int8-weight-only or int4 rounds the head, default none); sobrio\'s: method "layer_skip" with '
-              '"exit_layer" '
-              '(default: half the layers) drafts with the model\'s own first layers, and "min_acceptance_rate" '
-              '(0.1) stops a request\'s drafts when fewer are accepted; "min_draft_confidence" (eagle, 0.2) ends a '
-              'step\'s drafts where the head\'s joint probability of them falls below it',
+        None, 'speculative decoding as JSON, vLLM\'s keys: {"method": "ngram", "num_speculative_tokens": 4}; '
+              'methods ngram, draft_model, eagle, medusa, layer_skip, and the keys each takes, in '
+              'docs/speculative.md',
         type=json_object_flag(OPTION))
 
     def __post_init__(self) -> None:

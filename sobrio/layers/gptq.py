@@ -3,19 +3,9 @@
 in proportion to how the layer's inputs correlate (the Hessian H = 2 X^T X / T of the layer's squared output
 error, from the calibration text), so the layer's outputs move less than with each weight on its nearest
 code. The grids are sobrio's own int4 groups (layers/int4.py `fit_grids`); the result is the codes,
-scales and zeros of `Int4Codes`, for any kernel.
-
-Measured (2026-12-04, Intel Xeon with AMX, `sobrio bench perplexity --model M --quantization none,int4`,
-Gemma with `--prompt-chunk 512`): Gemma 3 270M (its Q4_K_M file's weights; none 20.6912) int4 24.1583
-(+16.76%) on min-max grids -> 22.2801 (+7.68%) with `fit_grids`' least-squares grids, AWQ scoring them, and
-GPTQ on the whole calibration text (2,168 SmolLM2 / 2,022 Gemma tokens). Diagnosis (throwaway patches, same
-command): least-squares grids without GPTQ 22.89; GPTQ on 512 tokens instead of the whole text 22.79 (on
-older grids); act-order (columns by decreasing H diagonal, grids fixed up front) no better; 5,460 tokens
-(the draft prompts added) 22.39 and damping 0.1 22.41, both no better. With one Linear kind kept float the
-rest lose 0.4-0.6 each (qkv, gate_up, down; o_proj nothing: its Q4_K weights are on our grid again): the
-loss is spread, 4 bits are not 5 (most of this file is Q5_0). SmolLM2's Q4_1 weights are on our grid
-already: -0.02% (+0.14% before). Cost at load: SmolLM2 int4 4.5 -> 21 s, Gemma 10.9 -> 29 s (AWQ's search
-on the new grids ~9 s, statistics 2 s, GPTQ ~9 s for SmolLM2's 120 Linears).
+scales and zeros of `Int4Codes`, for any kernel. What it gained (Gemma 3 270M int4 from +16.76% to +7.68%
+perplexity), what was tried and found no better (act-order, more tokens, more damping) and its load-time
+cost: docs/quantization.md.
 """
 
 import logging

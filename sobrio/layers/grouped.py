@@ -1,31 +1,18 @@
 """Group-wise int8 weights: int8 codes with a float32 scale and (optionally) offset per group of inputs,
 w = code * scale + offset. This is how `--quantization gguf` keeps a GGUF's 8-, 6- and 5-bit blocks
 (Q8_0, Q6_K, Q5_0, Q5_1, Q5_K): their codes are rearranged into int8 at load, never widened to bf16, so a
-weight costs one byte (Q8_0 stores 1.06, Q6_K 0.82, Q5_0 0.69) and the scales stay exactly the file's.
-Where the CPU has AVX512-VNNI, `linear` and `embedding` hand the codes to layers/vnni.py instead (int8 dot
-products, 3-4x this module's kernel on SmolLM2's Q8_0 head at 1 to 32 rows); this module's kernels serve
-the CPUs without it (AVX-512, or AVX2 with FMA: there `int8-weight-only` takes them too, layers/quantization.py).
-(Its 4-bit blocks take PyTorch's int4 kernel: `loader/gguf_blocks.py`. This kernel on Q4_1's own nibbles,
-scales and minimums in float32, read 0.75 bytes a weight against the int4 kernel's 0.625 and was 1.3x
-slower over a SmolLM2 step's 120 matrices; tried and removed, 2026-12-01.)
+weight costs one byte and the scales stay exactly the file's. Where the CPU has AVX512-VNNI, `linear` and
+`embedding` hand the codes to layers/vnni.py instead (int8 dot products, several times this kernel); this
+module's kernels serve the CPUs without it (AVX-512, or AVX2 with FMA: there `int8-weight-only` takes them
+too, layers/quantization.py). GGUF's 4-bit blocks take PyTorch's int4 kernel (`loader/gguf_blocks.py`).
 
-Kernels by the step's row count: up to `GEMV_MAX_ROWS` rows the C++ `grouped_linear` (the codes read
-from memory once, widened to float32 in registers, in L2-sized blocks of channels that every group of 4
-rows passes over; the activations are not rounded to int8), past them the codes dequantized into x's dtype
-`DEQUANT_CHUNK` output channels at a time for the matmul (compute-bound there, so the conversion is paid
-once for all rows). Without the C++ operators every row count dequantizes. SmolLM2's tied LM head as Q8_0
-(`benchmarks/grouped_kernels.py`, 2 threads, 2026-12-01; ms, bf16 = F.linear on the dequantized matrix):
-
-    rows                     1      4     16     32     64
-    bf16 F.linear         5.46   5.56   6.44   7.72   9.88
-    grouped C++           3.00   3.36   8.70  15.94  29.01
-    grouped dequant+mm   19.43  20.23  20.87  22.45  24.63
-    int8pack, per row     3.09   3.46  13.00  24.21  43.13   (the int8 modes' head, for comparison)
-
-The kernel interleaves 4 output channels (one chain of dependent FMAs per channel waited on their latency:
-2.6 ms at one row before, against 3.3 for int8pack, both then measured under load) and converts x by hand
-(a few aten calls per matmul cost more than a small matrix's product). Past ~16 rows bf16 is faster than
-any of them: the codes save memory, not time, at large batches.
+Kernels by the step's row count: up to `GEMV_MAX_ROWS` rows the C++ `grouped_linear` (the codes read from
+memory once, widened to float32 in registers, in L2-sized blocks of channels that every group of 4 rows
+passes over; 4 output channels interleaved to hide FMA latency), past them the codes dequantized into x's
+dtype `DEQUANT_CHUNK` output channels at a time for the matmul (compute-bound there, so the conversion is
+paid once for all rows). Without the C++ operators every row count dequantizes. Past ~16 rows bf16 is
+faster than either: the codes save memory, not time, at large batches (`benchmarks/grouped_kernels.py`;
+the figures are in docs/quantization.md).
 """
 
 from dataclasses import dataclass, field

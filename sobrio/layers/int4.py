@@ -7,53 +7,21 @@ exactly what the kernel multiplies by:
 
     w[n, k] ~ (q[n, k] - 8) * scale[g, n] + zero[g, n],    q in [0, 15], g = k // group_size
 
-`zero` is the float value of the middle code 8 (a float zero point); an integer zero point z, as AWQ and
-GPTQ checkpoints store it (w ~ (q - z) * scale), is zero = (8 - z) * scale. Scales and zeros are rounded
-to bf16 before the codes are chosen. Each group's grid is a least-squares fit (`fit_grids`), not the
-min-max one: a weight past the grid's ends is clamped to them, and the group's squared error is smaller.
+`zero` is the float value of the middle code 8; an integer zero point z, as AWQ and GPTQ checkpoints store
+it (w ~ (q - z) * scale), is zero = (8 - z) * scale. Scales and zeros are rounded to bf16 before the codes
+are chosen (a checkpoint's too: each moves a weight by at most 1/16 of its group's step). Each group's grid
+is a least-squares fit (`fit_grids`), not the min-max one. `Int4Linear` is the module over a packed weight,
+built from a float weight (`from_float`) or from a checkpoint's `Int4Codes` (loader/awq_gptq.py).
 
-`Int4Linear` is the module over a packed weight: `--quantization int4` builds it from a float weight
-(`Int4Linear.from_float`), a checkpoint that holds int4 weights (AWQ, GPTQ: loader/awq_gptq.py) from its
-`Int4Codes` (codes, scales and zeros before packing, the portable form; `Int4Codes.linear` packs them on
-the machine that loads them). A checkpoint's fp16 scales and (8 - z) * scale zeros are rounded to bf16
-there, as the kernel takes them: each by at most 1/256 of itself, which moves a weight by at most 1/16 of
-its group's step.
-
-The PyTorch 2.13 CPU ops (schemas from `torch.ops.aten.<op>.default._schema`):
-- `_convert_weight_to_int4pack_for_cpu(Tensor self, int innerKTiles) -> Tensor`: self int32 [N, K] of
-  codes 0..15 -> uint8 [N, K / 2] in the kernel's blocked layout; needs N % 16 == 0 and K even
-  (`innerKTiles` is unused on CPU). The layout depends on the CPU: blocks of 64 output channels on
-  AVX512 (32 otherwise), each [K, block / 2] bytes, k-major; on AVX512 and AVX2 the low nibbles hold the
-  block's first half of channels and the high nibbles its second half, and a tail block (N % block
-  channels) holds pairs (low nibble the even channel), as every block does without AVX.
-  `_dequantize_packed` reads it in place, in the layout found on this machine by packing a probe.
-- `_weight_int4pack_mm_for_cpu(Tensor self, Tensor mat2, int qGroupSize, Tensor qScaleAndZeros) -> Tensor`:
-  self [M, K] contiguous bf16, fp16 or fp32; mat2 the packed uint8 [N, K / 2]; qGroupSize 32..256 dividing
-  K; qScaleAndZeros [K / qGroupSize, N, 2] (scale, zero) in self's dtype -> [M, N] in self's dtype. It
-  dequantizes in fp32 registers, (q - 8) * scale + zero, and accumulates in fp32 four rows at a time; the
-  AVX512 code is bf16 only (fp32 takes a scalar loop).
-
-Measured on SmolLM2-135M's shapes (30 layers of qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536,
-then the 49152x576 LM head; 135 M weights), group size 64, `benchmarks/int4_kernels.py --threads 1`, one
-thread of a Xeon with AMX (2026-12-01, other work running), ms per step's matmuls and ratio to bf16
-`F.linear` (> 1: faster):
-
-    rows   bf16 F.linear   int4pack (packed kernel)   dequant + mm (bf16 F.linear per 1024 channels)
-       1       35.2             9.7   3.64x                152.1   0.23x
-       8       39.7            27.8   1.43x                160.0   0.25x
-      32       43.4            98.7   0.44x                166.1   0.26x
-      64       54.6           192.2   0.28x                179.3   0.30x
-     256      111.7           754.4   0.15x                220.9   0.51x
-
-(48 rows: 148.8 vs 181.1; 96 rows: 301.1 vs 208.1.) The packed kernel reads 4-bit weights once per
-step: 3.6x bf16 at one row, but it is fp32 FMAs four rows at a time, so it grows linearly with the rows and
-loses to bf16 from about 16. Dequantizing costs ~1 ns a weight (~140 ms a step) and then runs at AMX speed,
-so it wins past about 60 rows: `int4_linear` takes the packed kernel below `DEQUANT_MIN_ROWS` (64) rows
-in bf16 and dequantizes from there. With `--threads 2` the crossover moves to 64-96 rows (the packed kernel
-splits its channel blocks over threads; the chunked dequantization mostly does not). In fp32 (and fp16) the
-packed kernel is a scalar loop (222 ms a step at one row, 1677 at 8, against 170 and 178 dequantized, and
-40 and 103 for fp32 F.linear): fp32 always dequantizes. Past ~16 rows int4 weight-only is slower than bf16
-either way: it is the mode for small batches on a bandwidth-bound step.
+PyTorch 2.13's CPU ops: `_convert_weight_to_int4pack_for_cpu` packs int32 codes [N, K] (N % 16 == 0, K even)
+into uint8 [N, K / 2] in a CPU-dependent blocked layout (blocks of 64 channels on AVX512, 32 otherwise;
+`_dequantize_packed` finds it by packing a probe); `_weight_int4pack_mm_for_cpu` dequantizes in fp32
+registers and accumulates four rows at a time, bf16 only on AVX512 (fp32 takes a scalar loop). It reads the
+4-bit weight once, so it wins at few rows, but its cost grows with the rows; dequantizing once and running
+aten's matmul overtakes it past some tens: `int4_linear` takes the packed kernel below `DEQUANT_MIN_ROWS` rows
+in bf16 and dequantizes from there; fp32 always dequantizes. Past ~16 rows int4 is slower than bf16 either
+way: it is the mode for small batches. The timings behind these thresholds (`benchmarks/int4_kernels.py`)
+are in docs/quantization.md.
 """
 
 import functools

@@ -1,17 +1,16 @@
 """Linear layers for the CPU: few-row bf16 matmuls (decode at small batch) take the C++ GEMV, larger ones
 oneDNN with the weight pre-packed in its blocked layout.
 
-aten's bf16 matmul on a CPU without AMX reads a 1-row activation against the weight at about a third of
-memory bandwidth; the GEMV streams each weight row once through AVX512-BF16 dot products. Past
-`GEMV_MAX_ROWS` rows a blocked GEMM wins, and oneDNN's with a pre-packed weight is 1.1-1.4x aten's
-(which re-lays the weight out on every call). Same results as aten: both are oneDNN underneath.
+aten's bf16 matmul on a CPU without AMX reads a 1-row activation against the weight well below memory
+bandwidth; the GEMV streams each weight row once through AVX512-BF16 dot products. Past `GEMV_MAX_ROWS`
+rows a blocked GEMM wins, and oneDNN's with a pre-packed weight beats aten's (which re-lays the weight out
+on every call). Same results as aten: both are oneDNN underneath.
 
 One copy of each weight: where oneDNN's packed copy has the blocked layout the C++ `blocked_gemv_bf16` reads
 (AVX512-BF16 without AMX: [N/64, K/2, 64, 2], checked against the weight itself at `prepack`), the few-row
-matmuls read that copy too and the plain weight is dropped, so a bf16 model holds its weights once (it held
-them twice: 2.4 GB more for Llama-3.2-1B). `Linear.weight` then unpacks a copy for the rare readers (adapters,
-tools); the model's matmuls never do. A tied embedding reads its rows from the LM head's packed copy
-(`BlockedEmbedding`), so the head keeps oneDNN's GEMM past 4 rows without a second copy of the matrix.
+matmuls read that copy too and the plain weight is dropped, so a bf16 model holds its weights once.
+`Linear.weight` then unpacks a copy for the rare readers (adapters, tools); the model's matmuls never do. A
+tied embedding reads its rows from the LM head's packed copy (`BlockedEmbedding`).
 
 Neither is batch-invariant: a row's result depends on how many rows came with it (GEMV or GEMM, and
 oneDNN's and MKL's blockings differ by M, in fp32 too). With `batch_invariant` every matmul takes the C++
@@ -19,16 +18,11 @@ oneDNN's and MKL's blockings differ by M, in fp32 too). With `batch_invariant` e
 itself, so on a CPU without AMX batch-invariant decode at batch <= 4 costs nothing.
 
 On Intel AMX, up to `AMX_MAX_ROWS` rows (the decode batches) take the C++ AMX kernel instead, on a copy of
-the weight packed in its tile layout and prefetched ahead: a step's matmuls then stream the weights
-1.2x as fast as oneDNN's and the GEMV's at 1 to 64 rows (`benchmarks/linear_kernels.py --threads 1`),
-and a batch-32 decode step of SmolLM2-135M spends 15-20% less CPU time. Past that, prompt chunks are
-compute-bound and oneDNN's blocking wins. Its results equal aten's to rounding.
-
-On a CPU with AVX2 and no AVX-512 (AMD Zen 2/3), where `--dtype auto` is float32, MKL's float32 matmul reads
-a weight that is not in cache at 13 GB/s for one row and 6 GB/s for 2 to 16, of 38 GB/s the machine reads.
-There up to `FP32_KERNEL_MAX_ROWS` rows take the same C++ kernel in 8-lane form: 2x for one row, 3-4.6x
-for 2 to 8 (which is what speculative decoding verifies), 1.2-1.9x up to 48, where MKL's blocking catches up
-(`benchmarks/linear_kernels.py --dtype float32`). Unmeasured on AVX-512 CPUs, so float32 keeps aten there.
+the weight packed in its tile layout and prefetched ahead; past that, prompt chunks are compute-bound and
+oneDNN's blocking wins. On a CPU with AVX2 and no AVX-512 (AMD Zen 2/3), where `--dtype auto` is float32,
+MKL reads an uncached weight far below memory bandwidth at few rows, so up to `FP32_KERNEL_MAX_ROWS` rows
+take the same C++ kernel in 8-lane form (unmeasured on AVX-512 CPUs, so float32 keeps aten there). The
+measurements (`benchmarks/linear_kernels.py`) are in docs/benchmarks.md, "The CPU fast path".
 """
 
 import ctypes

@@ -3,102 +3,25 @@ with one symmetric scale, so the weights take half the bytes of bf16. `int8` (W8
 activations, per token, on the fly, for int8 x int8 matmuls; `int8-weight-only` keeps them in the model's
 dtype. The embedding is int8 rows with a scale each, and the tied LM head is that same matrix.
 
-The kernels are PyTorch's, chosen by the step's row count from `benchmarks/quant_kernels.py` (SmolLM2-135M's
-121 matmuls a step: 30 x (qkv 576->960, o 576->576, gate_up 576->3072, down 1536->576) and the 576->49152
-LM head; ms per step on one thread of this Xeon with AMX, bf16 = `layers.linear.linear` with its oneDNN
-and AMX packed copies, as the engine runs today):
+The kernel is chosen by the CPU and the step's row count, because no single one wins everywhere:
+- `int8` with AMX-INT8 (`amx_int8_fits`: N a multiple of 32, K of 64): sobrio's own kernel
+  (csrc/amx_linear.cpp, `amx_int8_mm`), activations rounded per token inside it; the tied head's
+  `AMX_OUTLIER_CHANNELS` largest inputs and each down_proj's inputs (groups of `AMX_ACT_GROUP`) rounded
+  apart (`Outliers.of_amx`). The layer keeps the tile copy only; the embedding reads its rows from it.
+- `int8` elsewhere: oneDNN's int8 linear on its packed copy, the fastest int8 kernel PyTorch ships at each
+  row count; the tied head keeps the embedding's plain matrix, on which `aten._weight_int8pack_mm` serves up
+  to `INT8PACK_MAX_ROWS` rows and `torch._int_mm` past them (also wherever oneDNN is missing).
+- `int8-weight-only`: `aten._weight_int8pack_mm` below `DEQUANT_MIN_ROWS` rows, then the weight converted to
+  bf16 for aten's matmul (compute-bound there, it pays for the conversion).
+- AVX512-VNNI without AMX-INT8 (AMD Zen 4): both modes take `vnni_linear` (layers/vnni.py,
+  `vnni_int8_preferred`), activations rounded per group of 32 inputs (8 bits in `int8`, 16 in weight-only).
 
-    rows   bf16   int8pack_mm  dequant+mm   int_mm W8A8  oneDNN W8A8  ao dynamic
-       1   24.9   21.6  1.15x   89.5 0.28x   30.2 0.82x   20.5 1.21x   14.6 1.71x
-       4   24.8   29.5  0.84x   94.4 0.26x   31.1 0.80x   21.3 1.16x   20.3 1.22x
-       8   25.1   49.6  0.51x   93.4 0.27x   33.0 0.76x   22.7 1.11x   24.5 1.02x
-      24   26.4  107.3  0.25x  106.2 0.25x   44.5 0.59x   32.7 0.81x   32.9 0.80x
-      32   25.5  131.3  0.19x   78.5 0.32x   47.0 0.54x   34.9 0.73x   37.5 0.68x
-      64   35.7  233.8  0.15x   92.8 0.38x   64.5 0.55x   50.6 0.71x   60.8 0.59x
-     256   76.4  849.7  0.09x  191.4 0.40x  230.5 0.33x  166.0 0.46x  253.6 0.30x
-
-Where the CPU has AVX512-VNNI but no AMX-INT8 (AMD EPYC Zen 4), both int8 modes instead take `vnni_linear`
-(layers/vnni.py; `vnni_int8_preferred`): the int8 weight per channel packed for int8 dot products, the
-activations rounded per group of 32 inputs, to 8 bits in `int8`, to 16 in `int8-weight-only`; one packed
-copy serves the embedding and the tied LM head (no outlier channels needed: a group's step is its own).
-There, 2 threads (`benchmarks/step_overhead.py --quantization int8`; bf16 13.0 and 47.0 ms): a batch-1
-SmolLM2 step 19.7 -> 8.9 ms, a batch-32 one 50 -> 41 ms; perplexity (`sobrio bench perplexity`, bf16
-22.6763): int8 22.7365 (+0.27%), int8-weight-only 22.6608 (-0.07%); Gemma 3 270M (this path forced on the
-AMX host, 2026-12-03: bf16 20.6907) int8 20.8841 (+0.93%), int8-weight-only 20.7776 (+0.42%). The rest of
-this docstring is the AMX host's story.
-
-- `int8` with AMX-INT8 (`amx_int8_fits`: N a multiple of 32, K of 64, bf16 or float32 activations): sobrio's
-  own kernel (csrc/amx_linear.cpp, `amx_int8_mm`): the activations rounded per token inside it, the int8
-  weight in AMX tiles streamed once, int32 sums scaled per token and per channel. A step's matmuls
-  (`benchmarks/linear_kernels.py`, 2 threads, against the bf16 AMX kernel): 1 row 13.0 -> 7.1 ms, 32 rows
-  12.9 -> 8.6-9.2, 512 rows 94.1 -> 79.8, so the table below no longer decides `int8` here. The layer keeps the
-  tile copy only; the tied LM head packs the embedding's matrix and the embedding then reads its rows from
-  that copy (`amx_int8_rows`), one copy.
-- `int8` elsewhere: oneDNN's int8 linear on its packed copy of the weight (`onednn::qlinear_pointwise`, the
-  per-token activation scales applied to its output) at every row count: the fastest int8 kernel PyTorch
-  ships at each. The layer keeps that copy only. The tied LM head keeps the embedding's plain matrix (no
-  second copy), on which `aten._weight_int8pack_mm` wins up to `INT8PACK_MAX_ROWS` rows and `torch._int_mm`
-  (W8A8) past them; those two also serve wherever oneDNN is missing.
-- `int8-weight-only`: `aten._weight_int8pack_mm` below `DEQUANT_MIN_ROWS` rows, then the weight converted
-  to bf16 for aten's matmul (the scales on the output): compute-bound there, it pays for the conversion.
-- torch.ao's dynamic linear (fbgemm) is the fastest at 1-4 rows, but its activation scale is per tensor
-  (per token only at one row), its packed weight would be a second copy, and PyTorch deprecates it.
-
-On this AMX host no int8 kernel PyTorch ships beats the bf16 AMX kernel past about 8 rows: with them int8
-saved memory (SmolLM2's resident weights 807 -> 136 MB, bf16's packed copies counted) and was a little
-faster at 1-8 rows only (2 threads, 1 row: int8pack_mm 1.22x, oneDNN W8A8 1.08x); end to end (offline, 2
-threads, bf16 = 1) batch 1 about even, batch 32 0.64x (`int8`) and 0.34x (`int8-weight-only`). That is why
-`int8` takes sobrio's AMX-INT8 kernel there now (`benchmarks/step_overhead.py --quantization int8`, against
-no flag: batch 1 18.0 -> 12.8 ms a step, batch 32 about 1.12x).
-
-Quality. `int8` first calibrates (layers/smoothing.py, on the shipped calibration text only): SmoothQuant's
-scales (alpha 0.5) folded into the norms before qkv_proj and gate_up_proj and into up_proj's rows before
-down_proj; o_proj stays W8A8 unsmoothed (W8A8 alone it cost nothing measurable); the tied LM head, which
-smoothing cannot reach without changing the embedding, stays W8A8 with its `OUTLIER_CHANNELS` largest
-calibrated input channels computed in fp32 (`Outliers`, 6.3 MB more on SmolLM2): weight-only it would be as
-good but 2.5x slower at 32 rows. No layer is weight-only in `int8`. `sobrio bench perplexity --model
-smollm2-135m --quantization none,int8,int8-weight-only,int4` (2026-12-01, SmolLM2-135M bf16, the held-out
-text, windows of 512 every 256, prompts in chunks of 32):
-
-    mode               perplexity   vs none (before: no smoothing, head plain W8A8)
-    none                  22.6826
-    int8                  22.8727   +0.84%   (+3.51%)
-    int8-weight-only      22.7169   +0.15%
-    int4 (group 32)       22.6804   -0.01%   (AWQ: no change, see int4.py)
-
-int4 since 2026-12-04 (least-squares grids, AWQ scoring them, then GPTQ: int4.py, gptq.py; the VNNI kernel,
-`--prompt-chunk 512` for Gemma): SmolLM2 22.6785 -0.02% (the VNNI kernel had +0.14% on min-max grids);
-Gemma 3 270M 22.2801 against 20.6912, +7.68% (+16.76% before).
-
-Gemma 3 270M (the quicker proxy of smoothing.py: windows of 512 not overlapping, BOS first; bf16 23.74):
-weight-only +0.6%, W8A8 unsmoothed +4.1%, smoothed +2.3% (alpha 0.65: +1.7%); its down_proj (GELU-tanh's
-outputs) is what is left: weight-only there, +0.9%, at a cost to the batch-32 step (dequant + mm), not taken.
-
-On AMX-INT8 (`amx_int8_mm`) the tied head's 64 largest calibrated input channels are rounded as a group of
-their own, in the kernel's pass (`Outliers.of_amx`: one more tile of K), and each down_proj's inputs are
-rounded per token and group of `AMX_ACT_GROUP` = 64 (one tile of K: its int32 sums leave the tiles and are
-added in fp32 times the group's scale, the Zen 4 path's idea). What W8A8 costs where (Gemma 3, a throwaway
-patch of `quantize`: every layer weight-only but one kind W8A8, against all weight-only): down_proj +0.82%
-(with its 64 outliers apart), o_proj and gate_up_proj +0.18% each, qkv_proj and the head nothing measurable;
-grouping those too gained nothing. `sobrio bench perplexity --quantization none,int8,int8-weight-only`
-(2026-12-03):
-
-    model          bf16      int8 (down_proj: 64 outliers apart -> groups of 64)   int8-weight-only
-    SmolLM2-135M   22.6826   22.8929 +0.93%  ->  22.7898 +0.47%                   22.7169 +0.15%
-    Gemma 3 270M   20.6907   20.9551 +1.28%  ->  20.8728 +0.88%  (groups of 128: +0.95%)  20.7721 +0.39%
-
-A block of 16 rows or fewer skips its second row tile (padding), in both int8 kernels. A
-step's matmuls as the engine runs them (`benchmarks/linear_kernels.py --rows 1 32 512`, 2 threads,
-2026-12-03; bf16 AMX kernel -> AMX int8): 1 row 12.3 -> 5.9 ms, 32 rows 12.2 -> 8.9, 512 rows 92.9 -> 82.5;
-the down_proj groups cost about 1% of a batch-32 step (`benchmarks/step_overhead.py --quantization int8`
-before -> after: batch 1 10.7 -> 8.8 ms a step, batch 32 30.4 -> 30.3 ms). Tried, worse: alpha searched per
-layer by the W8A8 output error (SmolLM2 +0.96%, Gemma +2.39%); on down_proj, simulated by rounding its
-inputs in a forward pre-hook: 128 outlier channels apart +1.42%, 64 in float +1.19% (Gemma).
-
-`_weight_int8pack_mm` in bf16 or fp16 reads past the row when K is not a multiple of 16 (NaN or a crash,
-PyTorch 2.13): such weights take `dequant_mm` (weight-only) or `int8_mm` (W8A8) instead. None of these kernels
-is batch-invariant (the kernel changes with the row count): `--batch-invariant` is refused with a
-quantization (config/model.py).
+Quality: `int8` first calibrates SmoothQuant's scales (layers/smoothing.py) and keeps the tied head's
+`OUTLIER_CHANNELS` largest calibrated inputs in fp32 (`Outliers`): the head cannot be smoothed without
+changing the embedding. `_weight_int8pack_mm` in bf16 or fp16 reads past the row when K is not a multiple
+of 16 (PyTorch 2.13): such weights take `dequant_mm` or `int8_mm`. None of these kernels is batch-invariant:
+`--batch-invariant` is refused with a quantization (config/model.py). The measured kernel tables and
+perplexities behind these choices, with their commands and dates: docs/quantization.md.
 """
 
 import functools

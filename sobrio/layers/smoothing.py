@@ -13,28 +13,18 @@ run time:
 - down_proj: into up_proj's rows (act(gate) * up is linear in up).
 
 o_proj's input (attention's output) would take its 1 / s in v_proj's rows, which grouped-query attention
-shares between heads; it is left alone. The LM head's input comes from the final norm, but the head is
-the tied embedding on these models: a scale would change the embedding too.
+shares between heads; it is left alone (W8A8 there cost nothing measurable). The LM head's input comes from
+the final norm, but the head is the tied embedding on these models: a scale would change the embedding too.
 
 Calibration: the float model runs once over the first `CALIBRATION_TOKENS` tokens of the shipped
 calibration text (`sobrio/data`, never the held-out text, never a user's prompt), forward pre-hooks on
 the Linears recording each input's per-channel max |x| (SmoothQuant) or keeping the inputs (AWQ).
 
-SmoothQuant (Xiao et al. 2023): s_j = max|X_j|^alpha / max|W_j|^(1 - alpha), alpha `SMOOTH_ALPHA`.
-AWQ (Lin et al. 2024): `layers.int4.awq_search_scales`, per Linear, on its recorded inputs. Then GPTQ
-(layers/gptq.py) rounds each int4 Linear under its inputs' Hessian (`hessians`, the whole text).
-
-What W8A8 loses where, and what smoothing gives back (2026-12-01, SmolLM2-135M bf16, one thread, other
-work running; perplexity of the held-out text in windows of 512 tokens, not overlapping, each one
-prompt: a quicker proxy of `sobrio bench perplexity`, whose figures are in quantization.py). bf16 26.18,
-every Linear and the head int8 weight-only 26.27; one kind of layer W8A8 at a time (the rest
-weight-only): qkv_proj 26.59, o_proj 26.25, gate_up_proj 26.37, down_proj 26.40, the LM head 26.46;
-all W8A8, no smoothing: 27.09 (+3.5%). Smoothed (qkv, gate_up, down), the head weight-only, by alpha:
-0.35 26.66, 0.45 26.54, 0.5 26.36, 0.55 26.54, 0.65 26.41, 0.8 27.10: 0.5, the paper's default, is
-kept. The head, smoothed as above: W8A8 26.50, weight-only 26.36 (but 2.5x its time at 32 rows),
-W8A8 with its 8 / 32 / 64 largest input channels in float 26.42 / 26.37 / 26.35: 32 (`Outliers`).
-o_proj stays W8A8 unsmoothed (it costs nothing measurable). Calibration: 0.5 s (512 tokens, one prompt);
-AWQ's search 4 s more for SmolLM2's 90 layers (one thread, the machine shared).
+SmoothQuant (Xiao et al. 2023): s_j = max|X_j|^alpha / max|W_j|^(1 - alpha), alpha `SMOOTH_ALPHA` (0.5, the
+paper's default, measured best among 0.35-0.8). AWQ (Lin et al. 2024): `layers.int4.awq_search_scales`, per
+Linear, on its recorded inputs. Then GPTQ (layers/gptq.py) rounds each int4 Linear under its inputs'
+Hessian (`hessians`, the whole text). What W8A8 loses per layer kind and what smoothing gives back, by
+alpha: docs/quantization.md.
 """
 
 import logging

@@ -1,7 +1,7 @@
 """oneDNN's shape-keyed caches in a busy engine: resident memory and speed with their default capacity and smaller.
 
-    python benchmarks/onednn_cache.py                          # default (1024) against 256 and 64, 2 rounds
-    python benchmarks/onednn_cache.py --capacities 1024 128 --passes 4
+    python benchmarks/onednn_cache.py                          # default (1024) against 128, 2 rounds
+    python benchmarks/onednn_cache.py --capacities 1024 256 64 --passes 4
 
 A bf16 matmul of more than a few rows goes to oneDNN (`layers/linear.py`), which builds a primitive for each
 row count it meets and keeps it in two caches, oneDNN's (`ONEDNN_PRIMITIVE_CACHE_CAPACITY`) and ideep's
@@ -54,8 +54,8 @@ def run_child(capacity: int, passes: int, prompts: int) -> list[tuple[float, flo
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--capacities", type=int, nargs="+", default=[1024, 256, 64],
-                        help="cache capacities to compare, the first the baseline (default 1024 256 64)")
+    parser.add_argument("--capacities", type=int, nargs="+", default=[1024, 128],
+                        help="cache capacities to compare, the first the baseline (default 1024 128)")
     parser.add_argument("--rounds", type=int, default=2, help="runs of each setting, alternated (default 2)")
     parser.add_argument("--passes", type=int, default=3, help="batches of prompts per run (default 3)")
     parser.add_argument("--prompts", type=int, default=48, help="prompts per batch (default 48)")

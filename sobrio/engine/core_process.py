@@ -128,8 +128,8 @@ def engine_core_environ():
 # in them: two arenas, and `malloc_trim` every 30 s (`MemoryTrimmer`). oneDNN builds a primitive for each row
 # count a bf16 matmul meets (almost every step that mixes a prompt chunk with decodes has a new one) and keeps
 # it in two caches, its own and ideep's, 1024 entries each by default: they filled for over ten minutes
-# (+13.9% RSS after the first minute); 256 entries each fill within seconds.
-CORE_ENV = {"MALLOC_ARENA_MAX": "2", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "256", "LRU_CACHE_CAPACITY": "256"}
+# (+13.9% RSS after the first minute); 128 entries each fill within the first minute or two.
+CORE_ENV = {"MALLOC_ARENA_MAX": "2", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "128", "LRU_CACHE_CAPACITY": "128"}
 TRIM_EVERY_S = 30.0
 
 

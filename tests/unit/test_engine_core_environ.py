@@ -50,10 +50,10 @@ def test_a_core_on_a_shared_host_spins_short_and_bounds_its_allocator_and_caches
         monkeypatch.delenv(name, raising=False)
     with engine_core_environ():
         assert os.environ["GOMP_SPINCOUNT"] == openmp.SPINCOUNT and os.environ["MALLOC_ARENA_MAX"] == "2"
-        assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == os.environ["LRU_CACHE_CAPACITY"] == "256"
+        assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == os.environ["LRU_CACHE_CAPACITY"] == "128"
     assert not set(core_process.CORE_ENV) & set(os.environ)
     monkeypatch.setenv("MALLOC_ARENA_MAX", "8")
     monkeypatch.setenv("LRU_CACHE_CAPACITY", "1024")
     with engine_core_environ():
         assert os.environ["MALLOC_ARENA_MAX"] == "8" and os.environ["LRU_CACHE_CAPACITY"] == "1024"  # the user's
-        assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "256"
+        assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "128"

@@ -105,9 +105,10 @@ def _start_core(config: SobrioConfig):
 def engine_core_environ():
     """The environment a spawned engine-core process starts with: OpenMP threads that spin longer before
     they sleep (`openmp.ENGINE_CORE_SPINCOUNT`) on a host that looks free (no CPU quota below its cores, no
-    other process busy: `cpu_share`), the short spin otherwise, unless the user set the policy. This
-    process's own environment is back as it was afterwards."""
-    settings = {name: value for name, value in CORE_MALLOC_ENV.items() if name not in os.environ}  # the user's win
+    other process busy: `cpu_share`), the short spin otherwise, unless the user set the policy; and `CORE_ENV`'s
+    bounds on its allocator and caches, each unless the user set it. This process's own environment is back as
+    it was afterwards."""
+    settings = {name: value for name, value in CORE_ENV.items() if name not in os.environ}  # the user's win
     if not openmp.OMP_WAIT_SET_BY_USER:  # sobrio's own GOMP_SPINCOUNT (openmp.py) is replaced for the core
         settings["GOMP_SPINCOUNT"] = spin_count_for_start(openmp.ENGINE_CORE_SPINCOUNT, openmp.SPINCOUNT)
     before = {name: os.environ.get(name) for name in settings}
@@ -122,10 +123,13 @@ def engine_core_environ():
                 os.environ[name] = value
 
 
-# glibc gives each thread that allocates (OpenMP's, llguidance's mask threads, ZMQ's) an arena of its own,
-# and freed memory stays in them: the core's RSS rose all along a steady mixed load. Two arenas, and
-# `malloc_trim` every 30 s (`MemoryTrimmer`), keep it flat.
-CORE_MALLOC_ENV = {"MALLOC_ARENA_MAX": "2"}
+# What the core's memory settles at under a steady mixed load (docs/sharing-and-soak.md). glibc gives each
+# thread that allocates (OpenMP's, llguidance's mask threads, ZMQ's) an arena of its own, and freed memory stays
+# in them: two arenas, and `malloc_trim` every 30 s (`MemoryTrimmer`). oneDNN builds a primitive for each row
+# count a bf16 matmul meets (almost every step that mixes a prompt chunk with decodes has a new one) and keeps
+# it in two caches, its own and ideep's, 1024 entries each by default: they filled for over ten minutes
+# (+13.9% RSS after the first minute); 128 entries each fill within the first minute or two.
+CORE_ENV = {"MALLOC_ARENA_MAX": "2", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "128", "LRU_CACHE_CAPACITY": "128"}
 TRIM_EVERY_S = 30.0
 
 

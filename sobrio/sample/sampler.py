@@ -7,7 +7,6 @@ seed, so its tokens do not depend on what else is in the batch.
 from dataclasses import dataclass
 
 import torch
-from llguidance.torch import apply_token_bitmask_inplace
 
 from sobrio.layers.cpu_ops import cpu_ops
 from sobrio.sample.metadata import SamplingMetadata, TokenBitmask
@@ -50,7 +49,11 @@ def apply_logit_bias(logits: torch.Tensor, meta: SamplingMetadata) -> None:
 def apply_token_bitmask(logits: torch.Tensor, allowed: TokenBitmask) -> None:
     """-inf wherever a constrained row's bitmask forbids, in place: llguidance's kernel reads the packed bits
     (0.2 ms for 32 rows of a 49k vocabulary, where unpacking them to a bool mask and `masked_fill_` took 4 ms).
-    Only the constrained rows: the others keep every token of the model's vocabulary."""
+    Only the constrained rows: the others keep every token of the model's vocabulary. Imported here: the kernel is
+    `torch.compile`d, and importing it imports torch's compiler (over half of an engine core's imports, which a
+    restart after a core's death waits for) where no structured request may ever come."""
+    from llguidance.torch import apply_token_bitmask_inplace
+
     constrained = logits[allowed.rows]
     apply_token_bitmask_inplace(constrained, allowed.bits[:, :(logits.shape[-1] + 31) // 32])
     logits[allowed.rows] = constrained

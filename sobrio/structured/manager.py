@@ -19,7 +19,7 @@ import time
 
 import torch
 from llguidance import LLExecutor, LLMatcher
-from llguidance.torch import fill_next_token_bitmask, fill_next_token_bitmask_par
+from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par  # not .torch: no torch.compile
 
 from sobrio.config.structured import StructuredOutputsConfig
 from sobrio.engine.request import Request
@@ -133,7 +133,7 @@ class StructuredOutputManager:
         if todo:
             if self._executor is None:
                 self._executor = LLExecutor()
-            fill_next_token_bitmask_par(self._executor, todo, bitmask)
+            fill_next_token_bitmask_par(self._executor, todo, bitmask.numpy())  # its memory
         return bitmask
 
     def _allow_all(self, rows: int) -> torch.Tensor:
@@ -149,7 +149,7 @@ class StructuredOutputManager:
         row = self.next_masks.get(req.request_id)
         if row is None:
             row = self._allow_all(1)
-            fill_next_token_bitmask(matcher, row)
+            fill_next_token_bitmask(matcher, row.numpy())
             row = self.next_masks[req.request_id] = row[0]
         return None if matcher.is_error() else sole_token(row)
 

@@ -42,14 +42,18 @@ def test_a_policy_the_user_set_reaches_the_core_unchanged(monkeypatch):
     assert os.environ["GOMP_SPINCOUNT"] == "1234"
 
 
-def test_a_core_on_a_shared_host_spins_short_and_keeps_two_malloc_arenas(monkeypatch):
+def test_a_core_on_a_shared_host_spins_short_and_bounds_its_allocator_and_caches(monkeypatch):
     """What a core spawned inside the block inherits (the test above shows a spawn sees the environment)."""
     monkeypatch.setattr(openmp, "OMP_WAIT_SET_BY_USER", False)
     monkeypatch.setattr(cpu_share, "cpu_quota", lambda: 0.5)  # a container allowed half a core
-    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    for name in core_process.CORE_ENV:
+        monkeypatch.delenv(name, raising=False)
     with engine_core_environ():
         assert os.environ["GOMP_SPINCOUNT"] == openmp.SPINCOUNT and os.environ["MALLOC_ARENA_MAX"] == "2"
-    assert "MALLOC_ARENA_MAX" not in os.environ
+        assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == os.environ["LRU_CACHE_CAPACITY"] == "128"
+    assert not set(core_process.CORE_ENV) & set(os.environ)
     monkeypatch.setenv("MALLOC_ARENA_MAX", "8")
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "1024")
     with engine_core_environ():
-        assert os.environ["MALLOC_ARENA_MAX"] == "8"  # the user's
+        assert os.environ["MALLOC_ARENA_MAX"] == "8" and os.environ["LRU_CACHE_CAPACITY"] == "1024"  # the user's
+        assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "128"

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from llguidance.torch import apply_token_bitmask_inplace
 
-from sobrio.layers.cpu_ops import cpu_ops
+from sobrio.csrc import load as cpu_ops
 from sobrio.sample.metadata import SamplingMetadata, TokenBitmask
 
 

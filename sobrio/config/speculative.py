@@ -3,14 +3,14 @@
 `{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}` proposes the
 tokens that followed the latest earlier occurrence of the sequence's last n tokens (prompt lookup);
 `{"method": "medusa", "model": FOLDER, "num_speculative_tokens": 3}` drafts with heads `sobrio train-draft`
-trained for the model (speculative/medusa.py); `{"method": "eagle", "model": FOLDER, "num_speculative_tokens": 3}`
-drafts with an EAGLE head (one decoder layer on the target's own features, speculative/eagle.py) from `sobrio
+trained for the model (spec/medusa.py); `{"method": "eagle", "model": FOLDER, "num_speculative_tokens": 3}`
+drafts with an EAGLE head (one decoder layer on the target's own features, spec/eagle.py) from `sobrio
 train-draft --method eagle`; `{"method": "layer_skip", "exit_layer": 15, "num_speculative_tokens": 3}`
 drafts with the model itself cut after its first `exit_layer` layers (LayerSkip's self-speculation: no second
 model, the draft's KV is the model's own for those layers); `{"method": "draft_model", "model": NAME,
 "num_speculative_tokens": 3}` drafts with a smaller model of the same tokenizer (vLLM's key `quantization`
 quantizes it at load, and an EAGLE head's own matrices too), which keeps its own KV cache in the target's
-block ids (speculative/model_draft.py).
+block ids (spec/model_draft.py).
 `disable_by_batch_size` turns speculation off for a step with more requests running than that (vLLM's key);
 `min_acceptance_rate` (sobrio's) stops it for a request whose drafts are rarely accepted;
 `min_draft_confidence` (sobrio's, EAGLE only; EAGLE-2's dynamic draft length; default 0.2, 0 for always k)

@@ -42,8 +42,10 @@ test: $(STAMP)
 test-exhaustive: $(STAMP)
 	$(BIN)/python -m pytest -q -x -m exhaustive tests
 
+# ruff, and the layer contracts of .importlinter (also run by the suite: tests/unit/test_layers.py)
 lint: $(STAMP)
 	$(BIN)/ruff check sobrio tests benchmarks
+	$(BIN)/lint-imports --no-cache
 
 chat: $(STAMP)
 	$(BIN)/sobrio chat

@@ -19,9 +19,9 @@ from types import SimpleNamespace
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from sobrio.bench.datasets import load_tokenizer  # noqa: E402
-from sobrio.sample.params import SamplingParams, StructuredOutputsParams  # noqa: E402
 from sobrio.structured.backend import GrammarCompiler  # noqa: E402
 from sobrio.structured.manager import StructuredOutputManager  # noqa: E402
+from sobrio.types.params import SamplingParams, StructuredOutputsParams  # noqa: E402
 
 
 def rss_mb() -> float:

@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sobrio import LLM, SamplingParams  # noqa: E402
-from sobrio.distributed.kv_transfer import KVConnector  # noqa: E402
+from sobrio.distributed.kv_connector import KVConnector  # noqa: E402
 from sobrio.kv.offload import BlockCodec  # noqa: E402
 
 

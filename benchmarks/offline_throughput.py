@@ -60,7 +60,7 @@ def run_transformers(model, requests, batch_size: int) -> float:
 
 
 def model_dtype(args) -> torch.dtype:
-    from sobrio.engine.model_runner import resolve_dtype
+    from sobrio.models.sizing import resolve_dtype
 
     return resolve_dtype(args.dtype)
 

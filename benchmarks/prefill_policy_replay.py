@@ -15,9 +15,9 @@ import sys
 import numpy as np
 
 from sobrio.config import SobrioConfig
-from sobrio.engine.request import Request
 from sobrio.engine.scheduler import Scheduler, is_decode
-from sobrio.sample.params import SamplingParams
+from sobrio.types.params import SamplingParams
+from sobrio.types.request import Request
 
 # Step times (ms) measured on the 2-core Intel AMX host of issue 10's second session, 2 threads, min of 3
 # (a D-decode step, contexts ~200, plus one P-token prompt): rows D=1,16,32; columns P=0,64,128,256,448

@@ -7,7 +7,7 @@ from sobrio import openmp  # noqa: F401  (first: before anything imports torch)
 from sobrio.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from sobrio.errors import InvalidRequestError, SobrioError, UnknownModelError
 from sobrio.llm import LLM
-from sobrio.sample.params import SamplingParams, StructuredOutputsParams
+from sobrio.types.params import SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "LLM",

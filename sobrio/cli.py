@@ -173,7 +173,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
 
 def _add_train_draft(sub) -> None:
-    """`sobrio train-draft MODEL OUT` (spec/train.py)."""
+    """`sobrio train-draft MODEL OUT` (draft_training/train.py)."""
     train = sub.add_parser("train-draft", help="train draft heads for a model on its own answers to the shipped "
                                                "prompts, on the CPU: an EAGLE head or Medusa-style heads "
                                                "(--speculative-config eagle or medusa)")
@@ -203,7 +203,7 @@ def _add_train_draft(sub) -> None:
 def cmd_train_draft(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from sobrio.spec.train import train_draft
+    from sobrio.draft_training.train import train_draft
 
     for name, least in (("num_heads", 1), ("draft_vocab_size", 1), ("max_tokens", 1), ("epochs", 1),
                         ("num_prompts", 1), ("self_prompts", 0), ("samples", 0)):
@@ -211,7 +211,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         if value is not None and value < least:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= {least}, got {value}", f"--{name}")
     if args.method == "eagle":
-        from sobrio.spec.train_eagle import train_eagle
+        from sobrio.draft_training.eagle import train_eagle
 
         figures = train_eagle(args.model, Path(args.out), args.draft_vocab_size, args.max_tokens, args.epochs or 4,
                               args.lr or 1e-3, args.num_prompts, args.dtype, args.samples,

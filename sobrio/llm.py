@@ -8,7 +8,7 @@ from sobrio.config import ModelConfig, SobrioConfig
 from sobrio.engine.llm_engine import LLMEngine
 from sobrio.engine.outputs import RequestOutput
 from sobrio.errors import InvalidRequestError
-from sobrio.sample.params import SamplingParams
+from sobrio.types.params import SamplingParams
 
 Prompt = str | list[int] | dict
 

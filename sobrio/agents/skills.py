@@ -159,7 +159,7 @@ def _repository(spec: str):
 def _github_clone(spec: str) -> Path:
     from dulwich import porcelain
 
-    from sobrio.loader.resolve import cache_dir
+    from sobrio.paths import cache_dir
 
     target = cache_dir() / "skills" / spec.replace("/", "--")
     if not target.exists():

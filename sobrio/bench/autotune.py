@@ -12,8 +12,8 @@ import time
 
 import httpx
 
-from sobrio.bench.metrics import summarize
 from sobrio.bench.serve import add_serve_args, load_dataset, parse_slos, run_requests
+from sobrio.bench.summary import summarize
 
 
 def add_autotune_args(parser) -> None:

@@ -11,7 +11,7 @@ import time
 import aiohttp
 
 from sobrio.bench.datasets import SampleRequest
-from sobrio.bench.metrics import RequestResult
+from sobrio.bench.summary import RequestResult
 
 
 def request_body(sample: SampleRequest, model: str, endpoint: str, ignore_eos: bool) -> dict:

@@ -258,8 +258,8 @@ def format_table(rows: list[tuple[str, ...]]) -> str:
 
 def kv_table(hf_config, dtype: torch.dtype, budget: int) -> str:
     """Bytes per token, blocks and tokens of each KV-cache dtype in `budget` bytes: no model needed."""
-    from sobrio.engine.model_runner import kv_cache_spec
     from sobrio.kv.cache import KV_CACHE_DTYPES
+    from sobrio.models.sizing import kv_cache_spec
 
     rows = [("kv-cache-dtype", "bytes/token", "blocks", "tokens")]
     for name in MEMORY_KV_DTYPES:
@@ -299,8 +299,8 @@ def weights_table(files, dtype: torch.dtype, max_positions: int) -> str:
 def memory_report(model: str, kv_memory: int) -> str:
     """Both tables of one model, its weights built once per mode (seconds each), the rotary tables sized
     for the context this KV memory holds, as the engine sizes them."""
-    from sobrio.engine.model_runner import kv_cache_spec, resolve_dtype
     from sobrio.loader.load import load_model_files
+    from sobrio.models.sizing import kv_cache_spec, resolve_dtype
 
     files = load_model_files(model, tokenizer=False)
     dtype = resolve_dtype("auto")

@@ -11,7 +11,7 @@ import aiohttp
 from sobrio.bench import datasets
 from sobrio.bench.arrivals import arrival_gaps
 from sobrio.bench.client import request_body, send
-from sobrio.bench.metrics import RequestResult, summarize
+from sobrio.bench.summary import RequestResult, summarize
 from sobrio.errors import UnknownModelError
 
 

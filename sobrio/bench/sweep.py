@@ -5,8 +5,8 @@ import asyncio
 import copy
 import json
 
-from sobrio.bench.metrics import summarize
 from sobrio.bench.serve import add_serve_args, load_dataset, parse_slos, run_requests
+from sobrio.bench.summary import summarize
 
 
 def add_sweep_args(parser) -> None:

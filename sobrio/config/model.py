@@ -4,7 +4,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from sobrio.config.chat_template import load_chat_template
 from sobrio.config.fields import Checked, flag
+from sobrio.config.generation import check_overrides
 from sobrio.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -61,9 +63,6 @@ class ModelConfig(Checked):
                                           "code, never code shipped with a model")
 
     def __post_init__(self) -> None:
-        from sobrio.loader.generation import check_overrides
-        from sobrio.loader.templates import load_chat_template
-
         self._at_least(1, "max_model_len", optional=True)
         self._at_least(-1, "max_logprobs")
         self._require("dtype", self.dtype in DTYPES, f"one of {', '.join(DTYPES)}")

@@ -22,14 +22,14 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from sobrio.config import ServerConfig, SobrioConfig
-from sobrio.distributed.core_groups import open_cores
+from sobrio.engine.core_groups import open_cores
 from sobrio.engine.core_process import CoreProcess, EngineDeadError
 from sobrio.engine.guard import CallbackGuard, where
 from sobrio.engine.llm_engine import LLMEngine
 from sobrio.engine.outputs import RequestOutput
 from sobrio.errors import InvalidRequestError, SobrioError
 from sobrio.loader.load import load_model_files
-from sobrio.sample.params import SamplingParams
+from sobrio.types.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

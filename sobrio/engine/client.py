@@ -13,7 +13,7 @@ from typing import Protocol, runtime_checkable
 from sobrio.config import SobrioConfig
 from sobrio.engine.input import InputProcessor
 from sobrio.engine.outputs import RequestOutput
-from sobrio.sample.params import SamplingParams
+from sobrio.types.params import SamplingParams
 
 
 @runtime_checkable

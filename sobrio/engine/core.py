@@ -13,23 +13,24 @@ from dataclasses import dataclass, field
 import torch
 
 from sobrio.config import SobrioConfig
-from sobrio.distributed.kv_transfer import open_connector
-from sobrio.distributed.tp_executor import TensorParallelExecutor
-from sobrio.engine.energy import StepFlops, open_meter, split_by_flops
+from sobrio.distributed.kv_connector import open_connector
 from sobrio.engine.executor import Executor, ExecutorDeadError
-from sobrio.engine.request import Request, RequestStatus
 from sobrio.engine.sampling import build_sampling_metadata
-from sobrio.engine.scheduler import Scheduler, SchedulerOutput
+from sobrio.engine.scheduler import Scheduler
 from sobrio.engine.stats import StepTokenCounts
+from sobrio.engine.step_energy import StepFlops, open_meter, split_by_flops
+from sobrio.engine.tp_executor import TensorParallelExecutor
 from sobrio.kv.offload import BlockCodec, open_offload
 from sobrio.loader.load import LoadedModelFiles, load_tokenizer
 from sobrio.models.registry import kv_window
-from sobrio.sample.params import SamplingParams
 from sobrio.sample.rejection import verify
 from sobrio.sample.sampler import SampledToken, Sampler
-from sobrio.spec.speculator import ModelAccess, Speculator
+from sobrio.speculative.speculator import ModelAccess, Speculator
 from sobrio.structured.backend import GrammarCompiler
 from sobrio.structured.manager import StructuredOutputManager
+from sobrio.types.params import SamplingParams
+from sobrio.types.request import Request, RequestStatus
+from sobrio.types.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -74,9 +75,9 @@ class EngineCoreOutput:
     # prompt_logprobs: once, with the first token; entry k is for prompt token k + 1 (token 0 has none)
     prompt_logprobs: list[TokenLogprob] | None = None
     error: str | None = None  # "error" by the request's own fault (its grammar): what its client is told (400)
-    energy_j: float = 0.0  # the request's so far (engine/energy.py)
+    energy_j: float = 0.0  # the request's so far (engine/step_energy.py)
     energy_source: str | None = None
-    kv_transfer_params: dict | None = None  # a finished prefill's exported blocks (distributed/kv_transfer.py)
+    kv_transfer_params: dict | None = None  # a finished prefill's exported blocks (distributed/kv_connector.py)
 
     @property
     def finished(self) -> bool:
@@ -100,7 +101,7 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.executor.num_blocks, self._freeable_window(config))
         self.sampler = Sampler()
         self.step_tokens = StepTokenCounts()  # /metrics: iteration_tokens_total
-        self.meter, self.flops = open_meter(), StepFlops(self.executor.runner.hf_config)  # engine/energy.py
+        self.meter, self.flops = open_meter(), StepFlops(self.executor.runner.hf_config)  # engine/step_energy.py
         self.draft_energy = 0.0
         self.deferred: dict[str, _Deferred] = {}  # first request id -> siblings not yet scheduled
         runner, model = self.executor.runner, config.model_config

@@ -7,7 +7,7 @@ still turn out to be the start of a stop string is held back from streaming unti
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from sobrio.sample.params import SamplingParams
+from sobrio.types.params import SamplingParams
 
 
 class IncrementalDetokenizer:

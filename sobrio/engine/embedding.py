@@ -134,11 +134,11 @@ class EmbeddingEngine:
         """Load a sentence-transformers BERT folder (or alias): weights, tokenizer, pooling, then one warm-up."""
         from transformers import AutoConfig, AutoTokenizer
 
-        from sobrio.engine.model_runner import resolve_dtype
         from sobrio.loader.hf import iter_safetensors_weights
         from sobrio.loader.resolve import resolve_model
         from sobrio.loader.st import read_sentence_transformer_config
         from sobrio.models.bert import BertModel
+        from sobrio.models.sizing import resolve_dtype
 
         start = time.monotonic()
         mc = config.model_config

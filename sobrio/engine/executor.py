@@ -1,6 +1,6 @@
 """Executor: owns the model runner(s) and runs one scheduled step on them.
 
-In-process, one runner (`Executor`). The tensor-parallel executor (`distributed/tp_executor.py`, one
+In-process, one runner (`Executor`). The tensor-parallel executor (`engine/tp_executor.py`, one
 process per rank) implements the same members; the scheduler never learns how many processes run the model.
 `EngineCore` picks one by `--tensor-parallel-size`.
 """
@@ -9,10 +9,10 @@ import torch
 
 from sobrio.config import SobrioConfig
 from sobrio.engine.model_runner import ModelRunner
-from sobrio.engine.scheduler import SchedulerOutput
 from sobrio.errors import SobrioError
 from sobrio.loader.load import LoadedModelFiles
-from sobrio.spec.model_draft import load_draft_model
+from sobrio.speculative.model_draft import load_draft_model
+from sobrio.types.scheduler_output import SchedulerOutput
 
 
 class ExecutorDeadError(SobrioError):

@@ -1,7 +1,7 @@
 """Prompts to token ids, and every check a request must pass before it is queued."""
 
 from sobrio.errors import InvalidRequestError
-from sobrio.sample.params import SamplingParams
+from sobrio.types.params import SamplingParams
 
 
 def check_text(text: str, param: str) -> None:

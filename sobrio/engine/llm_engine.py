@@ -18,8 +18,8 @@ from sobrio.engine.input import InputProcessor
 from sobrio.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from sobrio.errors import ConfigError, EngineOverloadedError, InvalidRequestError
 from sobrio.loader.load import LoadedModelFiles, load_model_files
-from sobrio.sample.params import SamplingParams
 from sobrio.structured.edge import GrammarGate
+from sobrio.types.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

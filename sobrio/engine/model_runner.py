@@ -16,35 +16,17 @@ from sobrio.distributed.parallel_model import parallelize
 from sobrio.distributed.sharding import TPRank, local_config, shard_weights
 from sobrio.engine.footprint import log_breakdown, weight_estimate
 from sobrio.engine.lora import runner_adapters
-from sobrio.engine.scheduler import SchedulerOutput
 from sobrio.errors import ConfigError, InvalidRequestError
 from sobrio.kv.cache import KV_CACHE_DTYPES, KVCache, KVCacheSpec, kv_budget
 from sobrio.layers.attention import AttentionMetadata
 from sobrio.loader.load import LoadedModelFiles
 from sobrio.models.registry import build_model
-from sobrio.spec.eagle import EagleDraft, EagleFiles
+from sobrio.models.sizing import kv_cache_spec, resolve_dtype
+from sobrio.speculative.eagle import EagleDraft, EagleFiles
 from sobrio.timing import log_step
+from sobrio.types.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def cpu_has_fast_bf16() -> bool:
-    """AMX or AVX512-BF16: oneDNN runs bf16 matmuls several times faster than fp32 there."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
-def resolve_dtype(name: str) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
-    return _DTYPES[name]
-
 
 def quantization_in_use(model: ModelConfig, files: LoadedModelFiles) -> str | None:
     """`--quantization`, or the method of a checkpoint that is quantized without the flag (AWQ/GPTQ)."""
@@ -84,25 +66,8 @@ class ModelRunner:
         self.hf_config = files.config
         self.dtype = resolve_dtype(model.dtype)
         self.block_size = cache.block_size
-        model_max = _max_positions(files.config, draft)
-        if model.max_model_len is not None and model.max_model_len > model_max:
-            raise InvalidRequestError(f"max_model_len {model.max_model_len} exceeds the model's {model_max}")
-        cache_dtype = KV_CACHE_DTYPES[cache.kv_cache_dtype]
-        self.rank_config = files.config if tp is None else local_config(files.config, tp.shard)
-        self.kv_spec = kv_cache_spec(self.rank_config, self.dtype, self.block_size, cache_dtype)
-        widest = self.kv_spec if tp is None else kv_cache_spec(tp.widest_config(files.config), self.dtype,
-                                                               self.block_size, cache_dtype)
         eagle = _eagle_files(config, files)
-        draft_config = draft.config if draft is not None else (eagle.layer_config() if eagle is not None else None)
-        draft_spec = None if draft_config is None else kv_cache_spec(draft_config, self.dtype, self.block_size,
-                                                                     cache_dtype)
-        weights = weight_estimate(files, self.dtype, model.quantization, 1 if tp is None else tp.group.size)
-        budget = kv_budget(cache.kv_cache_memory, cache.kv_cache_memory_fraction, cache.kv_cache_memory_cap,
-                           weights)
-        if draft_spec is not None:
-            budget = budget * self.kv_spec.block_bytes // (self.kv_spec.block_bytes + draft_spec.block_bytes)
-        self.num_blocks = widest.num_blocks_for(budget)
-        self.max_model_len = min(model.max_model_len or model_max, self.num_blocks * self.block_size)
+        draft_spec = self._plan_kv(files, draft, eagle)
         self.model = self._build(files, model.quantization, model.batch_invariant)
         assert [a.layer_idx for a in self.model.attention_layers()] == list(range(self.kv_spec.num_layers))
         self.lora = runner_adapters(config, self.model, files.config, self.dtype)
@@ -131,6 +96,31 @@ class ModelRunner:
         with log_step(logger, "warming up %s", files.source.name):
             self.warm_up()
 
+    def _plan_kv(self, files: LoadedModelFiles, draft: LoadedModelFiles | None,
+                 eagle: EagleFiles | None) -> KVCacheSpec | None:
+        """This rank's KV shape, how many blocks the budget holds (the widest rank's blocks decide, the draft's
+        cache shares the budget in proportion) and the longest sequence; the draft's KV shape, if any."""
+        model, cache, tp = self.config.model_config, self.config.cache_config, self.tp
+        model_max = _max_positions(files.config, draft)
+        if model.max_model_len is not None and model.max_model_len > model_max:
+            raise InvalidRequestError(f"max_model_len {model.max_model_len} exceeds the model's {model_max}")
+        cache_dtype = KV_CACHE_DTYPES[cache.kv_cache_dtype]
+        self.rank_config = files.config if tp is None else local_config(files.config, tp.shard)
+        self.kv_spec = kv_cache_spec(self.rank_config, self.dtype, self.block_size, cache_dtype)
+        widest = self.kv_spec if tp is None else kv_cache_spec(tp.widest_config(files.config), self.dtype,
+                                                               self.block_size, cache_dtype)
+        draft_config = draft.config if draft is not None else (eagle.layer_config() if eagle is not None else None)
+        draft_spec = None if draft_config is None else kv_cache_spec(draft_config, self.dtype, self.block_size,
+                                                                     cache_dtype)
+        weights = weight_estimate(files, self.dtype, model.quantization, 1 if tp is None else tp.group.size)
+        budget = kv_budget(cache.kv_cache_memory, cache.kv_cache_memory_fraction, cache.kv_cache_memory_cap,
+                           weights)
+        if draft_spec is not None:
+            budget = budget * self.kv_spec.block_bytes // (self.kv_spec.block_bytes + draft_spec.block_bytes)
+        self.num_blocks = widest.num_blocks_for(budget)
+        self.max_model_len = min(model.max_model_len or model_max, self.num_blocks * self.block_size)
+        return draft_spec
+
     def _build(self, files: LoadedModelFiles, quantization: str | None, batch_invariant: bool):
         with log_step(logger, "loading the weights of %s", files.source.name):
             if self.tp is None or files.config is not self.hf_config:  # a draft model is not split
@@ -146,8 +136,8 @@ class ModelRunner:
         """One small prompt through the model, so the first request does not pay for loading the C++
         operators and for the kernels' first calls. It writes only KV block 0, which a request writes before
         it reads."""
-        from sobrio.engine.request import Request
-        from sobrio.sample.params import SamplingParams
+        from sobrio.types.params import SamplingParams
+        from sobrio.types.request import Request
 
         num_tokens = min(self.block_size, self.max_model_len)
         req = Request("warm-up", list(range(num_tokens)), SamplingParams(max_tokens=1), max_tokens=1)
@@ -385,14 +375,6 @@ def _max_positions(target, draft: LoadedModelFiles | None) -> int:
     """The longest context both the model and its draft model (if any) were built for."""
     configs = [target] if draft is None else [target, draft.config]
     return min(getattr(c, "max_position_embeddings", 2048) for c in configs)
-
-
-def kv_cache_spec(hf_config, dtype: torch.dtype, block_size: int,
-                  cache_dtype: torch.dtype | None = None) -> KVCacheSpec:
-    """The KV cache's shape for a Hugging Face config: the runner reads the model so `kv` need not."""
-    c = hf_config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return KVCacheSpec(c.num_hidden_layers, c.num_key_value_heads, head_dim, dtype, block_size, cache_dtype)
 
 
 def _token_slice(req, start: int, end: int) -> list[int]:

@@ -33,7 +33,7 @@ class RequestMetrics:
     num_preemptions: int = 0
     n: int = 1  # sequences of the request (its `n`), for /metrics
     max_tokens: int | None = None  # the request's max_tokens, for /metrics
-    energy_j: float = 0.0  # so far, its share of the engine steps it was in (engine/energy.py)
+    energy_j: float = 0.0  # so far, its share of the engine steps it was in (engine/step_energy.py)
     energy_source: str | None = None  # "rapl" or "cpu-model"
 
 

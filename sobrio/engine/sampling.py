@@ -1,7 +1,7 @@
 """Requests to the sampler's per-step metadata: the only place that reads SamplingParams for sampling."""
 
-from sobrio.engine.request import Request
 from sobrio.sample.metadata import SamplingMetadata
+from sobrio.types.request import Request
 
 
 def _banned(req: Request) -> list[int]:

@@ -14,25 +14,13 @@ import bisect
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from sobrio.config import SchedulerConfig, SobrioConfig
-from sobrio.engine.request import Request, RequestStatus
 from sobrio.kv.block_pool import BlockPool
 from sobrio.kv.manager import KVCacheManager
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens this step)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
-
-    def is_empty(self) -> bool:
-        return not self.scheduled
+from sobrio.types.request import Request, RequestStatus
+from sobrio.types.scheduler_output import SchedulerOutput
 
 
 def is_decode(req: Request) -> bool:

@@ -1,4 +1,4 @@
-"""Energy and CO2 of each request: the engine measures the joules (engine/energy.py); here they become grams
+"""Energy and CO2 of each request: the engine measures the joules (engine/step_energy.py); here they become grams
 of CO2 by the grid carbon intensity of the region that served the request.
 
 The intensities are `sobrio/data/grid_carbon_intensity.csv`: yearly averages per country in gCO2e/kWh,

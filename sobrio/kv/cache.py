@@ -147,6 +147,18 @@ class KVCache:
         """A quantized cache's key and value scales of layer i, `[num_slots, num_kv_heads]`; else None."""
         return None if self._scales is None else self._scales[i]
 
+    def write_quantized(self, i: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Quantize the step's new keys and values `[T, Hkv, D]` of layer i into their slots (int8/fp8 only)."""
+        (key_cache, value_cache), (key_scales, value_scales) = self._slots[i], self._scales[i]
+        write_quantized(key_cache, key_scales, slots, k)
+        write_quantized(value_cache, value_scales, slots, v)
+
+    def read_quantized(self, i: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's keys and values of `slots`, dequantized to `dtype` (int8/fp8 only)."""
+        (key_cache, value_cache), (key_scales, value_scales) = self._slots[i], self._scales[i]
+        return (read_quantized(key_cache, key_scales, slots, dtype),
+                read_quantized(value_cache, value_scales, slots, dtype))
+
     def nbytes(self) -> int:
         tensors = self.layers + (self.scale_layers or [])
         return sum(t.numel() * t.element_size() for t in tensors)

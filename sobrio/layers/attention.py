@@ -25,13 +25,22 @@ chunk attends over its fresh keys, as vLLM does: only what is read back from the
 """
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from sobrio.kv.cache import KVCache, read_quantized, write_quantized
-
 SHORT_QUERY = 16  # CppPagedAttention: sequences with at most this many query rows attend row by row
+
+
+class PagedKVCache(Protocol):
+    """What attention needs of the step's KV cache (`sobrio.kv.cache.KVCache` is the one the engine passes):
+    layers receive the cache through the metadata and never import kv/."""
+
+    def slots(self, i: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def scales(self, i: int) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+    def write_quantized(self, i: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
+    def read_quantized(self, i: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass
@@ -41,7 +50,7 @@ class AttentionMetadata:
     context_lens: list[int]  # [B] tokens in the cache for each sequence once this step is written
     block_tables: torch.Tensor  # [B, max_blocks] block ids (padded with 0)
     block_size: int
-    kv_cache: KVCache | None = None  # every layer's KV tensors; None only for a module used alone (tests)
+    kv_cache: PagedKVCache | None = None  # every layer's KV tensors; None only for a module used alone (tests)
     _cache: dict = field(default_factory=dict)  # per-step derived tensors, shared by all layers
 
     @property
@@ -178,9 +187,8 @@ class ReferenceAttention(torch.nn.Module):
         scales = self.scales(meta)
         if scales is not None and self.ops is not None and key_cache.dtype == torch.int8:
             self.ops.write_kv_int8(k, v, key_cache, value_cache, *scales, meta.slot_mapping)
-        elif scales is not None:
-            write_quantized(key_cache, scales[0], meta.slot_mapping, k)
-            write_quantized(value_cache, scales[1], meta.slot_mapping, v)
+        elif scales is not None:  # only the step's cache has scales
+            meta.kv_cache.write_quantized(self.layer_idx, meta.slot_mapping, k, v)
         elif self.ops is not None:  # one C++ call instead of two index_copy_ dispatches (~40 us each)
             self.ops.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
         else:
@@ -230,7 +238,7 @@ class ReferenceAttention(torch.nn.Module):
         scales = self.scales(meta)
         if scales is None:
             return key_cache.index_select(0, slots), value_cache.index_select(0, slots)
-        return read_quantized(key_cache, scales[0], slots, dtype), read_quantized(value_cache, scales[1], slots, dtype)
+        return meta.kv_cache.read_quantized(self.layer_idx, slots, dtype)
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         """[L, Hkv, D] -> [1, H, L, D]. SDPA's fast CPU kernel wants 4-D inputs with all heads: on this CPU,

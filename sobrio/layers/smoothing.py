@@ -34,7 +34,6 @@ from contextlib import contextmanager
 import torch
 
 from sobrio import data
-from sobrio.kv.cache import KVCache
 from sobrio.layers.attention import AttentionMetadata
 from sobrio.layers.int4 import awq_search_scales
 from sobrio.layers.linear import Linear
@@ -69,6 +68,26 @@ def calibration_ids(config, num_tokens: int = CALIBRATION_TOKENS) -> list[int] |
     return (prefix + tokenizer(data.read_text(data.CALIBRATION), add_special_tokens=False).input_ids)[:num_tokens]
 
 
+class _PromptCache:
+    """A float KV cache for one calibration prompt, as attention reads it (`PagedKVCache`, unquantized):
+    layers get their cache through the metadata, so calibration brings its own instead of kv/'s."""
+
+    def __init__(self, layers: list[torch.Tensor]):
+        self._slots = [(t[0].flatten(0, 1), t[1].flatten(0, 1)) for t in layers]
+        self.layers = layers
+
+    def slots(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._slots[i]
+
+    def scales(self, i: int) -> None:
+        return None
+
+    def write_quantized(self, i, slots, k, v) -> None:
+        raise AssertionError("the calibration cache is float")
+
+    read_quantized = write_quantized
+
+
 def run_prompt(model: torch.nn.Module, ids: list[int]) -> None:
     """The model's forward over `ids` as one prompt, on a KV cache of its own (freed on return) in the
     model's float dtype (the final norm's: a quantized embedding's weight is codes). A model built for fewer
@@ -79,7 +98,7 @@ def run_prompt(model: torch.nn.Module, ids: list[int]) -> None:
     dtype = model.model.norm.weight.dtype
     blocks = -(-len(ids) // CALIBRATION_BLOCK)
     shape = (2, blocks, CALIBRATION_BLOCK, attn[0].num_kv_heads, attn[0].head_dim)
-    cache = KVCache([torch.zeros(shape, dtype=dtype) for _ in attn])
+    cache = _PromptCache([torch.zeros(shape, dtype=dtype) for _ in attn])
     meta = AttentionMetadata(torch.arange(len(ids)), [0, len(ids)], [len(ids)], torch.arange(blocks)[None],
                              CALIBRATION_BLOCK, cache)
     with torch.inference_mode():

@@ -10,13 +10,10 @@ import logging
 import struct
 from pathlib import Path
 
-from sobrio.errors import ConfigError, InvalidRequestError
+from sobrio.config.generation import HF_KEYS, check_overrides, check_sampling
 
 logger = logging.getLogger(__name__)
 
-# generation_config.json key -> SamplingParams field (vLLM's list: get_diff_sampling_param)
-_HF_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-            "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 _GGUF_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
               "general.sampling.top_k": "top_k", "general.sampling.min_p": "min_p",
               "general.sampling.penalty_repeat": "repetition_penalty"}
@@ -33,31 +30,11 @@ def default_sampling(mode: str, folder: Path, gguf_path: Path | None, overrides:
     else:
         found = _from_hf(folder)
     found.update(check_overrides(overrides))
-    _check(found, "--generation-config")
+    check_sampling(found, "--generation-config")
     if found:
         logger.info("default sampling parameters from the model's generation config: %s (--generation-config "
                     "vllm ignores them)", ", ".join(f"{k}={v}" for k, v in sorted(found.items())))
     return found
-
-
-def check_overrides(overrides: dict | None) -> dict:
-    """`--override-generation-config`: known sampling fields with valid values, or a ConfigError."""
-    overrides = dict(overrides or {})
-    unknown = sorted(set(overrides) - set(_HF_KEYS.values()))
-    if unknown:
-        raise ConfigError(f"--override-generation-config: unknown sampling parameter {unknown[0]!r} (known: "
-                          f"{', '.join(_HF_KEYS.values())})", "--override-generation-config")
-    _check(overrides, "--override-generation-config")
-    return overrides
-
-
-def _check(values: dict, option: str) -> None:
-    from sobrio.sample.params import SamplingParams
-
-    try:
-        SamplingParams(**values)
-    except (InvalidRequestError, TypeError) as exc:
-        raise ConfigError(f"{option}: {exc}", option) from None
 
 
 def _from_hf(folder: Path) -> dict:
@@ -65,7 +42,7 @@ def _from_hf(folder: Path) -> dict:
     if not path.is_file():
         return {}
     raw = json.loads(path.read_text())
-    return {name: raw[key] for key, name in _HF_KEYS.items() if raw.get(key) is not None}
+    return {name: raw[key] for key, name in HF_KEYS.items() if raw.get(key) is not None}
 
 
 def gguf_sampling(gguf_path: Path) -> dict:

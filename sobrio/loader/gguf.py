@@ -18,7 +18,7 @@ import torch
 
 from sobrio.loader.gguf_glm4 import GLM4_LAYER_NAMES, glm4_config, glm4_tokenizer
 from sobrio.loader.gguf_moe import ROUTER, expert_weights, moe_config
-from sobrio.loader.resolve import cache_dir
+from sobrio.paths import cache_dir
 
 # GGUF tensor name (after `blk.N.`) -> Hugging Face name (after `model.layers.N.`), per architecture.
 _LAYER_NAMES = {

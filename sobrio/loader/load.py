@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sobrio.config import ModelConfig
+from sobrio.config.chat_template import load_chat_template
 from sobrio.loader.awq_gptq import (
     AwqGptqConfig,
     check_quantization_flag,
@@ -17,7 +18,6 @@ from sobrio.loader.generation import default_sampling
 from sobrio.loader.gguf import gguf_tokenizer, iter_gguf_weights, prepared_folder
 from sobrio.loader.hf import iter_safetensors_weights, safetensors_elements
 from sobrio.loader.resolve import ModelSource, resolve_model
-from sobrio.loader.templates import load_chat_template
 from sobrio.models.weights import WeightItem
 from sobrio.timing import log_step
 

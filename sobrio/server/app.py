@@ -52,7 +52,6 @@ from sobrio.gateway.router import Router, RouterWeights
 from sobrio.gateway.router_savings import RouterInfo
 from sobrio.gateway.tenants import TenantStore, check_model_allowed
 from sobrio.loader.resolve import ALIASES, DEFAULT_MODELS, check_model_name, is_installed, resolve_model
-from sobrio.sample.params import SamplingParams
 from sobrio.server import lora_routes, responses_api, routes_tokenize, tools
 from sobrio.server.budgets import remote_worst_case, worst_case_tokens
 from sobrio.server.disconnect import unless_disconnected
@@ -74,6 +73,7 @@ from sobrio.server.startup import (
     with_paths_as_given,
 )
 from sobrio.timing import log_step, start_together
+from sobrio.types.params import SamplingParams
 
 logger = logging.getLogger("sobrio.server")
 
@@ -708,7 +708,7 @@ def _start_engines(configs: list, engine_process: bool, max_restarts: int, on_fa
     if not engine_process:
         return [AsyncLLM.from_config(c) for c in configs]
     if any(c.parallel_config.distributed_executor_backend == "ray" for c in configs):
-        from sobrio.distributed.ray_workers import connect_ray
+        from sobrio.engine.ray_workers import connect_ray
 
         connect_ray()  # from this thread: Ray's local processes die with the thread that started them
     starters = [functools.partial(AsyncMPClient, c, max_restarts, on_fatal=on_fatal) for c in configs]

@@ -3,7 +3,7 @@
 
 import json
 
-from sobrio.sample.params import SamplingParams
+from sobrio.types.params import SamplingParams
 
 
 def worst_case_tokens(prompts: list[list[int]], params: list[SamplingParams], max_model_len: int) -> int:

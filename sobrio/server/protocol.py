@@ -14,8 +14,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sobrio.errors import InvalidRequestError
-from sobrio.sample import params as sampling
-from sobrio.sample.params import (
+from sobrio.server.tools import MAX_TOOLS, ToolCallIn, ToolChoice, ToolDefinition
+from sobrio.types import params as sampling
+from sobrio.types.params import (
     INT32_MAX,
     MAX_STOP_TOKEN_IDS,
     SEED_MAX,
@@ -23,7 +24,6 @@ from sobrio.sample.params import (
     SamplingParams,
     StructuredOutputsParams,
 )
-from sobrio.server.tools import MAX_TOOLS, ToolCallIn, ToolChoice, ToolDefinition
 
 logger = logging.getLogger("sobrio.server")
 

@@ -19,7 +19,7 @@ class Choice:
     role_sent: bool = False
     echo_sent: bool = False
     tool_parser: tools.ToolCallParser | None = None  # a stream's, when the answer may hold tool calls
-    energy_j: float = 0.0  # the sequence's so far (engine/energy.py)
+    energy_j: float = 0.0  # the sequence's so far (engine/step_energy.py)
 
 
 class ChoiceState:

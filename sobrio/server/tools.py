@@ -34,7 +34,7 @@ from llguidance import LLMatcher
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sobrio.errors import InvalidRequestError
-from sobrio.sample.params import SamplingParams, StructuredOutputsParams
+from sobrio.types.params import SamplingParams, StructuredOutputsParams
 
 MAX_TOOLS = 128  # OpenAI's
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -219,7 +219,7 @@ def _answer_schema(text: str) -> str:
 def prompt(messages: list[dict], tools: list[ToolDefinition] | None, p: ToolPlan | None,
            template: str | None) -> tuple[list[dict], list[dict] | None]:
     """The messages for the chat template, and the `tools` to give it (None: it is not given any)."""
-    from sobrio.loader.templates import template_describes_tools
+    from sobrio.config.chat_template import template_describes_tools
 
     if template_describes_tools(template):
         definitions = [t.model_dump(exclude_none=True) for t in tools] if p is not None else None

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 
-from sobrio.engine.stats import Histogram
 from sobrio.errors import InvalidRequestError
-from sobrio.sample.params import StructuredOutputsParams
+from sobrio.types.params import StructuredOutputsParams
+from sobrio.types.stats import Histogram
 
 logger = logging.getLogger(__name__)
 

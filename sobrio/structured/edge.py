@@ -17,8 +17,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 from sobrio.errors import InvalidRequestError
-from sobrio.sample.params import StructuredOutputsParams
 from sobrio.structured.backend import GrammarCompiler, failure_message
+from sobrio.types.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 

@@ -22,10 +22,10 @@ from llguidance import LLExecutor, LLMatcher
 from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par  # not .torch: no torch.compile
 
 from sobrio.config.structured import StructuredOutputsConfig
-from sobrio.engine.request import Request
 from sobrio.errors import InvalidRequestError
 from sobrio.sample.metadata import TokenBitmask
 from sobrio.structured.backend import CompileJob, GrammarCompiler, failure_message
+from sobrio.types.request import Request
 
 logger = logging.getLogger(__name__)
 

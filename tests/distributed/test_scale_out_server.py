@@ -128,7 +128,7 @@ def test_tensor_parallel_server_answers_as_one_engine_and_restarts_the_group(exp
                  if line.startswith("sobrio:tensor_parallel_collective_calls_total{") and "all_reduce" in line]
         assert calls and float(calls[0].rsplit(" ", 1)[1]) > 0
         [core] = core_pids(srv.proc.pid)
-        [rank1] = [p for p, cmd in children(core).items() if b"sobrio.distributed.worker" in cmd]
+        [rank1] = [p for p, cmd in children(core).items() if b"sobrio.engine.tp_worker" in cmd]
 
         async def kill_rank_mid_run():
             task = asyncio.create_task(complete_all(srv.base_url, PROMPTS, max_tokens=300))

@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 
 from sobrio import LLM, SamplingParams
-from sobrio.kv.offload import HEADER
+from sobrio.kv.disk_tier import HEADER
 from sobrio.kv.sealing import MASTER_KEY_ENV
 from tests.conftest import free_memory
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from sobrio import LLM, SamplingParams
-from sobrio.kv.offload import DiskTier
+from sobrio.kv.disk_tier import DiskTier
 from sobrio.kv.sealing import MASTER_KEY_ENV
 from tests.conftest import free_memory
 
@@ -114,7 +114,7 @@ def test_a_read_only_directory_turns_the_disk_tier_off(tiny, written, tmp_path, 
     def read_only(*args, **kwargs):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS))
 
-    monkeypatch.setattr("sobrio.kv.offload.os.utime", read_only)
+    monkeypatch.setattr("sobrio.kv.disk_tier.os.utime", read_only)
     assert run(llm)[0] == written[0]
     disk = llm.engine.core.offload.disk
     assert disk.off is not None and stats(llm)["disk_errors"] <= 4  # one per reader thread at most

@@ -105,7 +105,7 @@ def test_a_layout_the_kernel_cannot_read_keeps_the_plain_weight():
 PROBE = textwrap.dedent("""
     import json, sys, torch
     from sobrio.memory import process_resident
-    from sobrio.engine.model_runner import kv_cache_spec
+    from sobrio.models.sizing import kv_cache_spec
     from sobrio.kv.cache import KVCache
     from sobrio.layers.cpu_ops import cpu_ops
     from sobrio.loader.load import load_model_files

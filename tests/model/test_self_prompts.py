@@ -1,4 +1,4 @@
-"""`sobrio train-draft`'s self-written prompts (spec/self_prompts.py): the user turn's frame from each real
+"""`sobrio train-draft`'s self-written prompts (draft_training/self_prompts.py): the user turn's frame from each real
 template, what the filter keeps, and a real model writing requests."""
 
 import copy
@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from sobrio.draft_training.self_prompts import MAX_WORDS, self_prompts, user_turn_frame
 from sobrio.errors import ConfigError
-from sobrio.spec.self_prompts import MAX_WORDS, self_prompts, user_turn_frame
 
 GEMMA_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' "
                   "else m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endfor %}"

@@ -9,7 +9,7 @@ import torch
 
 from sobrio import LLM, SamplingParams
 from sobrio.errors import ConfigError
-from sobrio.spec.medusa import DraftHeads, DraftHeadsConfig
+from sobrio.speculative.medusa import DraftHeads, DraftHeadsConfig
 from tests.conftest import engine_kwargs
 from tests.model.reference import hf_greedy, mixed_prompts
 from tests.unit.test_rejection import _chi_square_pvalue
@@ -41,8 +41,8 @@ def echo_eagle(tmp_path_factory, smollm2) -> Path:
     projections are zero, its draft vocabulary the whole vocabulary): its first draft is the target's own
     argmax at the newest computed position, i.e. the token just produced, exactly when the head reads that
     position's feature; later drafts repeat it. Sometimes right (repeats), and a check of the alignment."""
-    from sobrio.spec.eagle import layer_config
-    from sobrio.spec.train_eagle import EagleTrainee
+    from sobrio.draft_training.eagle import EagleTrainee
+    from sobrio.speculative.eagle import layer_config
 
     target = smollm2.engine.runner.model
     rows = target.lm_head_weight().float()

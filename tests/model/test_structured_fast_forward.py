@@ -16,10 +16,10 @@ import pytest
 
 from sobrio import SamplingParams, StructuredOutputsParams
 from sobrio.config import SobrioConfig
-from sobrio.engine.request import Request
 from sobrio.engine.scheduler import Scheduler, is_decode
 from sobrio.errors import InvalidRequestError
 from sobrio.structured.manager import sole_token
+from sobrio.types.request import Request
 from tests.unit.test_block_accounting import check_invariants
 
 # long fixed keys: most of an object's tokens are forced

@@ -20,7 +20,7 @@ import pytest
 
 from sobrio.gateway.ledger import COLUMNS
 from sobrio.gateway.tenants import Limits, TenantStore
-from sobrio.kv.offload import HEADER
+from sobrio.kv.disk_tier import HEADER
 from sobrio.kv.sealing import MASTER_KEY_ENV, tenant_digest
 from tests.server.conftest import SMALL, serving, wait_until
 

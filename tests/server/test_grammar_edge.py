@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sobrio.errors import InvalidRequestError
-from sobrio.sample.params import StructuredOutputsParams
 from sobrio.structured.edge import MAX_SPEC_CHARS, GrammarGate
+from sobrio.types.params import StructuredOutputsParams
 
 SMOL = "smollm2-135m"
 RECURSIVE = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},

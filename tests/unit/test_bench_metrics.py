@@ -5,7 +5,7 @@ import pytest
 
 from sobrio.bench.arrivals import arrival_gaps
 from sobrio.bench.datasets import random_dataset, shared_prefix_dataset
-from sobrio.bench.metrics import RequestResult, meets_slos, summarize
+from sobrio.bench.summary import RequestResult, meets_slos, summarize
 
 
 def _result(ttft, e2e, tokens, itl=(), prompt=10):

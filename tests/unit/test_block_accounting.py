@@ -6,9 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sobrio.config import SobrioConfig
-from sobrio.engine.request import Request, RequestStatus
 from sobrio.engine.scheduler import Scheduler
-from sobrio.sample.params import SamplingParams
+from sobrio.types.params import SamplingParams
+from sobrio.types.request import Request, RequestStatus
 
 
 def check_invariants(sched: Scheduler) -> None:

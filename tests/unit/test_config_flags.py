@@ -371,7 +371,7 @@ def test_a_busy_port_fails_before_any_model_loads(capsys, monkeypatch):
 
 
 def test_chat_template_is_a_file_or_inline_and_is_compiled_at_start(tmp_path):
-    from sobrio.loader.templates import load_chat_template
+    from sobrio.config.chat_template import load_chat_template
 
     path = tmp_path / "t.jinja"
     path.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
@@ -411,7 +411,7 @@ def test_generation_config_defaults_come_from_the_model_unless_vllm(tmp_path):
 def test_max_logprobs_caps_what_a_request_may_ask():
     from sobrio.engine.input import InputProcessor
     from sobrio.errors import InvalidRequestError
-    from sobrio.sample.params import SamplingParams
+    from sobrio.types.params import SamplingParams
 
     class Vocab:
         def get_vocab(self):
@@ -432,9 +432,9 @@ def test_unseeded_requests_get_seeds_from_the_engine_seed_and_their_number():
 
 
 def test_model_defaults_fill_only_the_fields_a_request_left_unset():
-    from sobrio.sample.params import SamplingParams
     from sobrio.server.app import with_model_defaults
     from sobrio.server.protocol import CompletionRequest
+    from sobrio.types.params import SamplingParams
 
     defaults = {"temperature": 0.6, "top_k": 20, "max_tokens": 64}
     unset = CompletionRequest(prompt="x")

@@ -1,13 +1,14 @@
-"""Draft heads (spec/medusa.py) and their training (spec/train.py) on synthetic data: the labels line up with
-the token k + 1 places ahead, training learns a rule the heads can express, and a saved folder loads back."""
+"""Draft heads (speculative/medusa.py) and their training (draft_training/train.py) on synthetic data: the
+labels line up with the token k + 1 places ahead, training learns a rule the heads can express, and a saved
+folder loads back."""
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from sobrio.draft_training.train import IGNORE, OUTSIDE, Answers, draft_vocabulary, top1_accuracy, train, training_pairs
 from sobrio.errors import ConfigError
-from sobrio.spec.medusa import DraftHeadProposer, DraftHeads, DraftHeadsConfig
-from sobrio.spec.train import IGNORE, OUTSIDE, Answers, draft_vocabulary, top1_accuracy, train, training_pairs
+from sobrio.speculative.medusa import DraftHeadProposer, DraftHeads, DraftHeadsConfig
 
 
 def test_labels_are_the_tokens_k_plus_one_ahead_in_the_draft_vocabulary():

@@ -1,4 +1,4 @@
-"""The EAGLE head (spec/eagle.py) without a served model: the serving form (sobrio's layer on a paged KV
+"""The EAGLE head (speculative/eagle.py) without a served model: the serving form (sobrio's layer on a paged KV
 cache, written a position at a time) equals the training form (transformers' layer over the whole sequence),
 its files load back, and the per-request feature trail keeps exactly the rows drafting needs."""
 
@@ -7,12 +7,13 @@ import types
 import pytest
 import torch
 
-from sobrio.engine.model_runner import ModelRunner, kv_cache_spec
+from sobrio.draft_training.eagle import EagleTrainee, batches, held_out_top1
+from sobrio.engine.model_runner import ModelRunner
 from sobrio.errors import ConfigError
 from sobrio.kv.cache import KVCache
 from sobrio.layers.attention import AttentionMetadata
-from sobrio.spec.eagle import EagleDraft, EagleFiles, FeatureTrail, layer_config
-from sobrio.spec.train_eagle import EagleTrainee, batches, held_out_top1
+from sobrio.models.sizing import kv_cache_spec
+from sobrio.speculative.eagle import EagleDraft, EagleFiles, FeatureTrail, layer_config
 
 D, VOCAB, DRAFT_VOCAB, BLOCK = 64, 90, 40, 16
 
@@ -158,7 +159,7 @@ def test_training_batches_line_up_each_input_with_the_next_feature_and_the_token
 def test_training_raises_the_first_drafts_accuracy_on_a_learnable_sequence():
     """Counting sequences (each token the previous one plus one) whose features name their next token, as a
     model's do: the head must learn the token after (held-out top-1 from ~0 to high)."""
-    from sobrio.spec.train_eagle import fit
+    from sobrio.draft_training.eagle import fit
 
     torch.manual_seed(0)
     config = layer_config(_target_config(), DRAFT_VOCAB)

@@ -1,10 +1,10 @@
-"""Energy per step and its split by FLOPs (engine/energy.py); grid carbon intensities (gateway/energy.py)."""
+"""Energy per step and its split by FLOPs (engine/step_energy.py); grid carbon intensities (gateway/energy.py)."""
 
 import types
 
 import pytest
 
-from sobrio.engine.energy import CpuModelMeter, RaplMeter, StepFlops, split_by_flops
+from sobrio.engine.step_energy import CpuModelMeter, RaplMeter, StepFlops, split_by_flops
 from sobrio.errors import ConfigError
 from sobrio.gateway.energy import carbon_intensities, grams_co2, region_code
 

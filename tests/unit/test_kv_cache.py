@@ -9,13 +9,13 @@ from hypothesis import strategies as st
 
 import sobrio.kv.cache as kv_cache_module
 from sobrio.config import CacheConfig, SobrioConfig
-from sobrio.engine.request import Request
 from sobrio.engine.scheduler import Scheduler
 from sobrio.errors import InvalidRequestError
 from sobrio.kv.block_pool import BlockPool
 from sobrio.kv.cache import KVCache, KVCacheSpec, kv_budget
 from sobrio.kv.prefix_cache import PrefixCache, hash_block
-from sobrio.sample.params import SamplingParams
+from sobrio.types.params import SamplingParams
+from sobrio.types.request import Request
 
 BLOCK = 8
 

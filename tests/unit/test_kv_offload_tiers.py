@@ -14,7 +14,8 @@ import torch
 
 from sobrio.errors import ConfigError
 from sobrio.kv.cache import KVCache, KVCacheSpec
-from sobrio.kv.offload import HEADER, BlockCodec, DiskTier, KVOffload, Stats
+from sobrio.kv.disk_tier import HEADER, DiskTier, Stats
+from sobrio.kv.offload import BlockCodec, KVOffload
 from sobrio.kv.sealing import MASTER_KEY_ENV, TenantKeys, read_master_key, seal, tenant_digest, unseal
 
 MASTER = bytes(range(32))
@@ -172,7 +173,7 @@ def test_a_read_only_directory_keeps_a_good_read_and_turns_the_tier_off(tmp_path
     def read_only(*args, **kwargs):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS))
 
-    monkeypatch.setattr("sobrio.kv.offload.os.utime", read_only)
+    monkeypatch.setattr("sobrio.kv.disk_tier.os.utime", read_only)
     assert disk.read(b"a" * 16, "A") == block(1)
     assert disk.off is not None and b"a" * 16 not in disk and disk.read(b"a" * 16, "A") is None
 

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from sobrio.config import SobrioConfig
-from sobrio.engine.request import Request
 from sobrio.engine.sampling import build_sampling_metadata
 from sobrio.engine.scheduler import Scheduler
 from sobrio.errors import ConfigError, InvalidRequestError
-from sobrio.sample.params import SamplingParams
 from sobrio.sample.sampler import Sampler
+from sobrio.types.params import SamplingParams
+from sobrio.types.request import Request
 
 
 def _scheduler(policy: str, num_blocks: int = 64, **kwargs) -> Scheduler:

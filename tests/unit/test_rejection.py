@@ -7,7 +7,7 @@ from scipy.stats import chisquare
 
 from sobrio.sample.metadata import SamplingMetadata
 from sobrio.sample.rejection import accept_greedy, accept_random, verify
-from sobrio.spec.ngram import NgramProposer
+from sobrio.speculative.ngram import NgramProposer
 
 
 def meta(rows: int, temperature: float, top_k: int = 0, logprobs: int | None = None, seed: int | None = None):

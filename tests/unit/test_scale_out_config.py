@@ -6,8 +6,8 @@ import pytest
 
 from sobrio import LLM
 from sobrio.distributed.balance import Balanced, chained_hashes, choose
-from sobrio.distributed.core_groups import merge_stats
-from sobrio.distributed.kv_transfer import KVConnector
+from sobrio.distributed.kv_connector import KVConnector
+from sobrio.engine.core_groups import merge_stats
 from sobrio.errors import ConfigError
 
 

@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sobrio.config import SchedulerConfig, SobrioConfig
-from sobrio.engine.request import Request, RequestStatus
 from sobrio.engine.scheduler import Scheduler, SchedulerOutput, is_decode
-from sobrio.sample.params import SamplingParams
+from sobrio.types.params import SamplingParams
+from sobrio.types.request import Request, RequestStatus
 from tests.unit.test_block_accounting import check_invariants, policies, policy_config
 
 

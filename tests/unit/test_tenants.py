@@ -205,8 +205,8 @@ def test_a_reservation_is_given_back_however_the_request_ends(store, ending):
 
 
 def test_worst_case_tokens_count_prompts_and_every_sequence():
-    from sobrio.sample.params import SamplingParams
     from sobrio.server.budgets import worst_case_tokens
+    from sobrio.types.params import SamplingParams
 
     two = SamplingParams(n=2, max_tokens=10)
     assert worst_case_tokens([[1] * 5, [2] * 7], [two, two], 100) == 5 + 20 + 7 + 20

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 import torch
 
 from sobrio.config.speculative import OPTION, SpeculativeConfig
-from sobrio.engine.request import Request
 from sobrio.errors import ConfigError
-from sobrio.spec.eagle import EagleProposer
-from sobrio.spec.medusa import DraftHeadProposer, DraftHeads
-from sobrio.spec.model_draft import Drafter, ModelDraftProposer, Reserve
-from sobrio.spec.ngram import NgramProposer
+from sobrio.speculative.eagle import EagleProposer
+from sobrio.speculative.medusa import DraftHeadProposer, DraftHeads
+from sobrio.speculative.model_draft import Drafter, ModelDraftProposer, Reserve
+from sobrio.speculative.ngram import NgramProposer
+from sobrio.types.request import Request
 
 PROBATION = 32  # draft tokens a request is judged on before `min_acceptance_rate` can stop it
 

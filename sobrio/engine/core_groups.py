@@ -22,8 +22,8 @@ from sobrio.distributed.balance import Balanced, chained_hashes, choose
 from sobrio.engine.core import EngineCoreOutput, EngineCoreRequest
 from sobrio.engine.core_process import CoreInfo, CoreProcess, EngineDeadError
 from sobrio.engine.model_runner import available_cpus
-from sobrio.sample.params import SamplingParams
 from sobrio.timing import start_together
+from sobrio.types.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -261,7 +261,7 @@ class DisaggregatedCores(CoreGroup):
 def core_class(config: SobrioConfig) -> type[CoreProcess]:
     """Where each core runs: a child process, or a Ray actor (`--distributed-executor-backend ray`)."""
     if config.parallel_config.distributed_executor_backend == "ray":
-        from sobrio.distributed.ray_cores import RayCoreProcess
+        from sobrio.engine.ray_cores import RayCoreProcess
 
         return RayCoreProcess
     return CoreProcess

@@ -9,7 +9,7 @@ Nothing is written anywhere but the trained head's folder, and only as its train
 """
 
 from sobrio.errors import ConfigError
-from sobrio.sample.params import SamplingParams
+from sobrio.types.params import SamplingParams
 
 MARK = "\u2063SOBRIO-USER-TURN\u2063"  # placeholder content; the template's text around it is the turn's frame
 MIN_WORDS, MAX_WORDS = 3, 80

@@ -1,7 +1,7 @@
 """A tensor-parallel rank other than 0: load this rank's share of the model, then run each step rank 0
 broadcasts until it sends None (or goes away: its connections close, the collective raises, we exit).
 
-Started as `python -c "from sobrio.distributed.worker import main; main()"` (a child of the engine-core
+Started as `python -c "from sobrio.engine.tp_worker import main; main()"` (a child of the engine-core
 process, which is itself a daemon and may not fork multiprocessing children), or inside a Ray actor
 (`ray_workers.py`). The start arguments come pickled on stdin; nothing of a request ever reaches a worker but
 token ids, positions and block tables.

@@ -6,8 +6,8 @@ server that made it (Ray's fate sharing), so the core does not watch a parent pr
 import logging
 
 from sobrio.config import SobrioConfig
-from sobrio.distributed.ray_workers import connect_ray
 from sobrio.engine.core_process import CoreProcess, run_engine_core
+from sobrio.engine.ray_workers import connect_ray
 
 
 class _CoreActor:

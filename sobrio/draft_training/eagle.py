@@ -1,7 +1,7 @@
-"""`sobrio train-draft --method eagle`: an EAGLE head (spec/eagle.py) for a served model, trained on the CPU.
+"""`sobrio train-draft --method eagle`: an EAGLE head (speculative/eagle.py) for a served model, trained on the CPU.
 
 The data: the target's own answers (greedy, and sampled ones for more of them) to the shipped prompts and to
-requests it wrote itself (spec/self_prompts.py: far more varied than the shipped ones), and its final hidden
+requests it wrote itself (draft_training/self_prompts.py: far more varied than the shipped ones), and its final hidden
 states over prompt + answer, both from sobrio's engine (the features it will serve with).
 At each position j of a sequence the head reads the target's feature f_j and the embedding of x_{j+1};
 through a causal decoder layer over the whole sequence (teacher forcing: every earlier position's true
@@ -18,15 +18,15 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from sobrio.spec.eagle import CONFIG, WEIGHTS, layer_config
-from sobrio.spec.train import Answers, one_cycle
+from sobrio.draft_training.train import Answers, one_cycle
+from sobrio.speculative.eagle import CONFIG, WEIGHTS, layer_config
 
 IGNORE = -100
 FEATURE_NOISE = 0.2  # uniform noise on the input features, times their mean absolute value (EAGLE: U(-0.1, 0.1))
 
 
 class EagleTrainee(torch.nn.Module):
-    """The head in transformers' layers (the serving form, spec/eagle.EagleDraft, loads the same names)."""
+    """The head in transformers' layers (the serving form, speculative/eagle.EagleDraft, loads the same names)."""
 
     def __init__(self, config, embed: torch.Tensor, embed_scale: float | None, head_rows: torch.Tensor):
         super().__init__()
@@ -104,7 +104,7 @@ def step_loss(head: EagleTrainee, batch, noise: float) -> tuple[torch.Tensor, to
 def answer_prompts(llm, prompts: list[str], max_tokens: int, samples: int) -> Answers:
     """Each prompt's greedy answer (what greedy serving verifies drafts against), then `samples` sampled ones
     (temperature 0.8: more of the target's own phrasing from the same prompts), grouped by prompt."""
-    from sobrio.sample.params import SamplingParams
+    from sobrio.types.params import SamplingParams
 
     chats = [[{"role": "user", "content": p}] for p in prompts]
     greedy = llm.chat(chats, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=True)
@@ -123,12 +123,12 @@ def train_eagle(model: str, out: Path, draft_vocab_size: int = 4096, max_tokens:
                 batch_size: int = 8, num_self_prompts: int = 1000) -> dict:
     """The whole recipe; returns the figures written to training.json. The target answers through sobrio's
     engine and its features come from the same engine (the ones the head reads when serving). Besides the
-    shipped prompts it answers `num_self_prompts` requests it wrote itself (spec/self_prompts.py); the
+    shipped prompts it answers `num_self_prompts` requests it wrote itself (draft_training/self_prompts.py); the
     held-out answers are the first shipped prompts' only."""
     from sobrio.data import DRAFT_PROMPTS, read_text
+    from sobrio.draft_training.self_prompts import self_prompts
+    from sobrio.draft_training.train import draft_vocabulary, plot_losses
     from sobrio.llm import LLM
-    from sobrio.spec.self_prompts import self_prompts
-    from sobrio.spec.train import draft_vocabulary, plot_losses
 
     started = time.monotonic()
     prompts = [p for p in read_text(DRAFT_PROMPTS).splitlines() if p.strip()][:num_prompts]

@@ -1,4 +1,4 @@
-"""`sobrio train-draft`: draft heads (spec/medusa.py) for a served model, trained on the CPU in minutes.
+"""`sobrio train-draft`: draft heads (speculative/medusa.py) for a served model, trained on the CPU in minutes.
 
 1. The target answers the shipped prompts (`sobrio/data/draft_prompts.txt`) greedily through sobrio's own
    engine: the heads learn what this model says, not what a dataset says (Medusa-2's self-distillation).
@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from sobrio.data import DRAFT_PROMPTS, read_text
-from sobrio.spec.medusa import DraftHeads, DraftHeadsConfig
+from sobrio.speculative.medusa import DraftHeads, DraftHeadsConfig
 
 logger = logging.getLogger(__name__)
 IGNORE = -100  # no label: past the sequence's end
@@ -37,7 +37,7 @@ class Answers:
 def generate_answers(model: str, prompts: list[str], max_tokens: int, dtype: str) -> tuple[Answers, int]:
     """The target's greedy answers through sobrio (chat template applied), and its vocabulary size."""
     from sobrio.llm import LLM
-    from sobrio.sample.params import SamplingParams
+    from sobrio.types.params import SamplingParams
 
     llm = LLM(model, dtype=dtype, max_model_len=1024)
     outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts],

@@ -23,9 +23,9 @@ from pathlib import Path
 
 from sobrio.config import ModelConfig
 from sobrio.config.speculative import OPTION
-from sobrio.engine.request import Request
 from sobrio.errors import ConfigError
 from sobrio.loader.load import LoadedModelFiles, load_model_files
+from sobrio.types.request import Request
 
 Drafter = Callable[[list[Request], list[int], int | None], list[list[int]]]  # Executor.draft
 Reserve = Callable[[Request, int], bool]  # KVCacheManager.allocate_slots

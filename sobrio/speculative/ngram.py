@@ -10,7 +10,7 @@ left off.
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from sobrio.engine.request import Request
+from sobrio.types.request import Request
 
 
 class NgramProposer:

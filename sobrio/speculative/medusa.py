@@ -5,7 +5,7 @@ vocabulary: the tokens the target itself produced most often on the training pro
 a small model the LM head is a fifth of the weights; 4,096 of SmolLM2's 49,152 rows cost each head 1/12 of
 that, and a token outside them is simply never drafted.
 
-The heads come from `sobrio train-draft` (spec/train.py): a folder with `draft_heads.safetensors` (the blocks,
+The heads come from `sobrio train-draft` (draft_training/train.py): a folder with `draft_heads.safetensors` (the blocks,
 the draft vocabulary's ids, its rows of the target's head and input embedding) and `config.json`.
 """
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from sobrio.sample.params import SamplingParams
+from sobrio.types.params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -51,7 +51,7 @@ class Request:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
-    energy_j: float = 0.0  # its share of the steps it was in (engine/energy.py)
+    energy_j: float = 0.0  # its share of the steps it was in (engine/step_energy.py)
     priority: int = 0  # --scheduling-policy priority: lower first, then earlier arrival
     prompt_logprobs: list | None = None  # prompt_logprobs: entry k is for prompt token k + 1 (core.TokenLogprob)
     prompt_logprobs_sent: bool = False
@@ -63,7 +63,7 @@ class Request:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_draft_kv: int = 0  # draft_model, eagle: positions whose KV the draft wrote for this request (its blocks)
-    draft_features: Any = None  # eagle: the target's features the head has not read yet (spec/eagle.FeatureTrail)
+    draft_features: Any = None  # eagle: the target's features the head has not read yet (eagle.FeatureTrail)
 
     def __post_init__(self) -> None:
         if self.sampling_params.seed is not None:

@@ -12,7 +12,7 @@ import logging
 import os
 
 from sobrio.config import SobrioConfig
-from sobrio.distributed.worker import WorkerArgs, run_worker
+from sobrio.engine.tp_worker import WorkerArgs, run_worker
 from sobrio.errors import ConfigError
 
 logger = logging.getLogger(__name__)

@@ -21,20 +21,20 @@ import torch
 from sobrio.config import SobrioConfig
 from sobrio.distributed.group import TPGroup, serve_store
 from sobrio.distributed.sharding import TPRank, plan_shards, refuse_experts
-from sobrio.distributed.worker import WorkerArgs
 from sobrio.engine.executor import Executor, ExecutorDeadError
 from sobrio.engine.model_runner import ModelRunner
-from sobrio.engine.scheduler import SchedulerOutput
+from sobrio.engine.tp_worker import WorkerArgs
 from sobrio.errors import ConfigError
 from sobrio.loader.load import LoadedModelFiles
 from sobrio.models.registry import family_of
 from sobrio.timing import log_step
+from sobrio.types.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 OPTION = "--tensor-parallel-size"
-# not `-m sobrio.distributed.worker`: importing the package first imports that module, and runpy warns
-WORKER_MAIN = "from sobrio.distributed.worker import main; main()"
+# not `-m sobrio.engine.tp_worker`: importing the package first imports that module, and runpy warns
+WORKER_MAIN = "from sobrio.engine.tp_worker import main; main()"
 
 
 def check_supported(config: SobrioConfig, files: LoadedModelFiles) -> None:
@@ -86,7 +86,7 @@ class LocalWorkers:
 
 def start_workers(config: SobrioConfig, size: int, host: str, port: int):
     if config.parallel_config.distributed_executor_backend == "ray":
-        from sobrio.distributed.ray_workers import RayWorkers
+        from sobrio.engine.ray_workers import RayWorkers
 
         return RayWorkers(config, size, host, port)
     return LocalWorkers(config, size, host, port)
@@ -145,6 +145,6 @@ class TensorParallelExecutor(Executor):
 
 def _node_ip() -> str:
     """The address the other machines of the Ray cluster reach this one at (rank 0's store and gloo)."""
-    from sobrio.distributed.ray_workers import connect_ray
+    from sobrio.engine.ray_workers import connect_ray
 
     return connect_ray().util.get_node_ip_address()

@@ -27,19 +27,11 @@ from sobrio.engine.core_process import CoreProcess, EngineDeadError
 from sobrio.engine.guard import CallbackGuard, where
 from sobrio.engine.llm_engine import LLMEngine
 from sobrio.engine.outputs import RequestOutput
-from sobrio.errors import InvalidRequestError, SobrioError
+from sobrio.errors import EngineStepError, EngineUnavailableError, InvalidRequestError, SobrioError
 from sobrio.loader.load import load_model_files
 from sobrio.sample.params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class EngineStepError(SobrioError):
-    """The engine failed while computing this request (HTTP 500); other requests go on."""
-
-
-class EngineUnavailableError(SobrioError):
-    """The engine is restarting or stopping (HTTP 503)."""
 
 
 def _put_all(deliveries: list[tuple[asyncio.Queue, RequestOutput]]) -> None:

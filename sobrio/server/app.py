@@ -12,25 +12,22 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import sobrio
 from sobrio.agents import routes as agent_routes
 from sobrio.config import LimitsConfig, ServerConfig, SobrioConfig
-from sobrio.engine.async_llm import AsyncLLM, EngineStepError
+from sobrio.engine.async_llm import AsyncLLM
 from sobrio.engine.client import EngineClient
 from sobrio.engine.outputs import RequestOutput
 from sobrio.engine_args import add_config_args, add_engine_args, config_from_args, engine_kwargs
 from sobrio.errors import (
-    BudgetExceededError,
     ConfigError,
-    EngineOverloadedError,
+    EngineStepError,
     InvalidRequestError,
-    PermissionDeniedError,
     SobrioError,
-    UnknownModelError,
 )
 from sobrio.gateway.backends import (
     Backends,
@@ -46,11 +43,12 @@ from sobrio.gateway.dashboard import render as render_dashboard
 from sobrio.gateway.energy import region_code
 from sobrio.gateway.gate import bearer, cache_salt, kv_offload_policy, reserve_tokens
 from sobrio.gateway.ledger import Ledger, LedgerEntry
-from sobrio.gateway.proxy import BackendFailed, BackendTimeout, forward, payload_for
+from sobrio.gateway.proxy import BackendFailed, forward, payload_for
 from sobrio.gateway.regions import region_allowed, region_refusal
 from sobrio.gateway.router import Router, RouterWeights
 from sobrio.gateway.router_savings import RouterInfo
 from sobrio.gateway.tenants import TenantStore, check_model_allowed
+from sobrio.ids import new_id
 from sobrio.loader.resolve import ALIASES, DEFAULT_MODELS, check_model_name, is_installed, resolve_model
 from sobrio.sample.params import SamplingParams
 from sobrio.server import lora_routes, responses_api, routes_tokenize, tools
@@ -58,12 +56,12 @@ from sobrio.server.budgets import remote_worst_case, worst_case_tokens
 from sobrio.server.disconnect import unless_disconnected
 from sobrio.server.edge import edge_stack, install_openapi
 from sobrio.server.embeddings import install_embedding_routes, select_engine, start_engines_with_embedders
-from sobrio.server.errors import error_response, log_unexpected
+from sobrio.server.errors import error_response, log_unexpected, sobrio_error_response
 from sobrio.server.limits import check_fanout, check_prompt_tokens
 from sobrio.server.limits import protocol_class as guarded_protocol_class
 from sobrio.server.lora_routes import AdapterEngine, adapter_cards, find_adapter
 from sobrio.server.metrics import ServerMetrics
-from sobrio.server.protocol import ChatCompletionRequest, CompletionRequest, ignored_fields, log_ignored, new_id, now
+from sobrio.server.protocol import ChatCompletionRequest, CompletionRequest, ignored_fields, log_ignored, now
 from sobrio.server.responses import ChoiceState, chat_chunk, completion_chunk, final_response, note_usage, usage_of
 from sobrio.server.startup import (
     RootPath,
@@ -109,27 +107,6 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _unexpected(_, exc: Exception):
         # Starlette's ServerErrorMiddleware answers with this, then re-raises: HttpEdge logs the type and place.
         return error_response(500, "internal server error", "server_error")
-
-
-def sobrio_error_response(exc: Exception) -> JSONResponse:
-    if isinstance(exc, InvalidRequestError):
-        return error_response(400, str(exc), "invalid_request_error", exc.param)
-    if isinstance(exc, UnknownModelError):
-        return error_response(404, str(exc), "invalid_request_error", "model", "model_not_found")
-    if isinstance(exc, PermissionDeniedError):
-        return error_response(403, str(exc), "permission_error", exc.param, exc.code)
-    if isinstance(exc, BackendFailed):
-        return error_response(502, str(exc), "server_error")
-    if isinstance(exc, BackendTimeout):
-        return error_response(504, str(exc), "server_error")
-    if isinstance(exc, EngineOverloadedError):
-        return error_response(429, str(exc), "rate_limit_error", headers={"Retry-After": "1"})
-    if isinstance(exc, BudgetExceededError):
-        return error_response(429, str(exc), "rate_limit_error", code="rate_limit_exceeded",
-                              headers={"Retry-After": str(max(1, exc.retry_after))})
-    if isinstance(exc, EngineStepError):
-        return error_response(500, str(exc), "server_error")
-    return error_response(503, str(exc), "server_error")
 
 
 class OpenAIServer:

@@ -19,10 +19,11 @@ from pydantic import Field
 from sobrio.engine.embedding import EmbeddingClient, EmbeddingEngine, is_embedding_client
 from sobrio.errors import InvalidRequestError, UnknownModelError
 from sobrio.gateway.gate import reserve_tokens
+from sobrio.ids import new_id
 from sobrio.loader.resolve import is_embedding_model
 from sobrio.server.disconnect import unless_disconnected
 from sobrio.server.limits import check_prompt_tokens
-from sobrio.server.protocol import StrictModel, new_id, now
+from sobrio.server.protocol import StrictModel, now
 
 MAX_INPUTS = 2048  # OpenAI's bound on inputs per request
 

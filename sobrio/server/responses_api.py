@@ -24,10 +24,11 @@ from pydantic import Field, field_validator, model_validator
 from sobrio.engine.outputs import RequestOutput
 from sobrio.errors import InvalidRequestError, SobrioError
 from sobrio.gateway.gate import cache_salt
+from sobrio.ids import new_id
 from sobrio.sample.params import INT32_MAX, MAX_LOGIT_BIAS, SamplingParams, StructuredOutputsParams
 from sobrio.server.errors import log_unexpected
 from sobrio.server.limits import check_prompt_tokens
-from sobrio.server.protocol import Priority, StrictModel, log_ignored, logit_bias_ids, new_id, now
+from sobrio.server.protocol import Priority, StrictModel, log_ignored, logit_bias_ids, now
 from sobrio.server.responses import ChoiceState, note_usage
 
 TEXT_PARTS = ("input_text", "output_text", "text")

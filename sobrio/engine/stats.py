@@ -30,3 +30,4 @@ class StepTokenCounts(Histogram):
     def __init__(self) -> None:
         super().__init__(ITERATION_TOKENS_BUCKETS)
 
+

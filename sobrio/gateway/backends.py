@@ -71,7 +71,7 @@ class LocalReplica(Replica):
     @property
     def outstanding(self) -> int:
         stats = self.engine.stats()
-        return stats.get("num_requests_running", 0) + stats.get("num_requests_waiting", 0)
+        return stats.num_requests_running + stats.num_requests_waiting
 
 
 class RemoteReplica(Replica):

@@ -109,6 +109,11 @@ class StructuredOutputs(StrictModel):
                                        json_object=bool(self.json_object))
 
 
+def given(**fields) -> dict:
+    """The sampling fields a request set: those it left unset take SamplingParams' own defaults."""
+    return {name: value for name, value in fields.items() if value is not None}
+
+
 class _SamplingFields(StrictModel):
     model: str | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
@@ -153,10 +158,10 @@ class _SamplingFields(StrictModel):
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
-            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, min_p=self.min_p or 0.0,
+            n=self.n, **given(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                              repetition_penalty=self.repetition_penalty or None),
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty or 1.0, seed=self.seed, max_tokens=max_tokens,
+            seed=self.seed, max_tokens=max_tokens,
             min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids or [],
             ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
@@ -218,14 +223,17 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("top_logprobs requires logprobs=true")
         return self
 
+    def requested_max_tokens(self) -> int | None:
+        """max_completion_tokens (OpenAI's current name), else max_tokens; None: the server decides."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
     def to_sampling_params(self) -> SamplingParams:
-        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        return self.sampling_params(self.requested_max_tokens(), (self.top_logprobs or 0) if self.logprobs else None)
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, le=INT32_MAX)
+    max_tokens: int | None = Field(default=SamplingParams.max_tokens, le=INT32_MAX)  # OpenAI's default: 16
     logprobs: int | None = Field(default=None, ge=0, le=sampling.MAX_LOGPROBS)
     echo: bool = False  # the prompt before the completion (and, with logprobs, the prompt's logprobs)
     suffix: str | None = None  # only empty: insertion is not supported
@@ -247,6 +255,9 @@ class CompletionRequest(_SamplingFields):
         if all(isinstance(p, int) for p in prompt):
             return [list(prompt)]
         return list(prompt)
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
 
     def to_sampling_params(self) -> SamplingParams:
         params = self.sampling_params(self.max_tokens, self.logprobs)

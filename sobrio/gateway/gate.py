@@ -21,7 +21,7 @@ from collections import Counter, defaultdict, deque
 from dataclasses import dataclass
 
 from sobrio.errors import BudgetExceededError, send_error
-from sobrio.gateway.energy import grams_co2
+from sobrio.gateway.carbon import grams_co2
 from sobrio.gateway.ledger import Ledger, LedgerEntry, start_of_utc_day
 from sobrio.gateway.tenants import Tenant, TenantStore
 from sobrio.ids import new_id

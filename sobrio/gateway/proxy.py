@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from sobrio.errors import SobrioError, error_body
 from sobrio.gateway.backends import RemoteReplica
-from sobrio.gateway.energy import grams_co2
+from sobrio.gateway.carbon import grams_co2
 from sobrio.gateway.ledger import LedgerEntry
 
 

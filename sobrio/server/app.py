@@ -27,7 +27,7 @@ from sobrio.server.embeddings import install_embedding_routes, select_engine
 from sobrio.server.errors import error_response, sobrio_error_response
 from sobrio.server.limits import check_fanout
 from sobrio.server.lora_routes import find_adapter
-from sobrio.server.metrics import ServerMetrics
+from sobrio.server.prometheus import ServerMetrics
 
 logger = logging.getLogger("sobrio.server")
 

@@ -20,7 +20,7 @@ from sobrio.gateway.gateway import RemoteCall
 from sobrio.gateway.ledger import LedgerEntry
 from sobrio.ids import new_id
 from sobrio.sample.params import SamplingParams
-from sobrio.server import tools
+from sobrio.server import tool_calls
 from sobrio.server.budgets import remote_worst_case
 from sobrio.server.disconnect import unless_disconnected
 from sobrio.server.errors import error_response, log_unexpected, sobrio_error_response
@@ -39,7 +39,7 @@ class Generation:
     engine: EngineClient
     kind: str  # "chat" or "completion"
     echo: list[str] | None = None
-    tool_plan: tools.ToolPlan | None = None
+    tool_plan: tool_calls.ToolPlan | None = None
 
 
 async def respond(server, request: Request, gen: Generation, prompts: list[list[int]]):

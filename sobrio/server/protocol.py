@@ -22,7 +22,7 @@ from sobrio.sample.params import (
     SamplingParams,
     StructuredOutputsParams,
 )
-from sobrio.server.tools import MAX_TOOLS, ToolCallIn, ToolChoice, ToolDefinition
+from sobrio.server.tool_calls import MAX_TOOLS, ToolCallIn, ToolChoice, ToolDefinition
 
 logger = logging.getLogger("sobrio.server")
 
@@ -209,7 +209,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=sampling.MAX_LOGPROBS)  # --max-logprobs bounds it
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: variables for the chat template
-    # tool calling (server/tools.py); parallel_tool_calls is ignored (IGNORED_FIELDS) without tools
+    # tool calling (server/tool_calls.py); parallel_tool_calls is ignored (IGNORED_FIELDS) without tools
     tools: list[ToolDefinition] | None = Field(default=None, min_length=1, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None

@@ -10,7 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import sobrio
 from sobrio.errors import InvalidRequestError, SobrioError
-from sobrio.server import tools
+from sobrio.server import tool_calls
 from sobrio.server.errors import error_response, sobrio_error_response
 from sobrio.server.generate import Generation, echo_texts, respond, via_remote
 from sobrio.server.lora_routes import adapter_cards
@@ -29,14 +29,14 @@ def register(app: FastAPI, server) -> None:
         if remote is not None:
             return remote
         name, engine = server.engine_for(model, "generate", request.state)
-        tool_plan = tools.plan(body.tools, body.tool_choice, body.parallel_tool_calls)
-        params = tools.with_tool_grammar(body.to_sampling_params(), tool_plan)
+        tool_plan = tool_calls.plan(body.tools, body.tool_choice, body.parallel_tool_calls)
+        params = tool_calls.with_tool_grammar(body.to_sampling_params(), tool_plan)
         server.check_fanout(engine, 1, params.n)
         try:
             messages = [m.template_dict() for m in body.messages]
         except ValueError as exc:
             raise InvalidRequestError(str(exc), param="messages") from None
-        messages, template_tools = tools.prompt(messages, body.tools, tool_plan, engine.chat_template)
+        messages, template_tools = tool_calls.prompt(messages, body.tools, tool_plan, engine.chat_template)
         ids = await asyncio.to_thread(engine.input_processor.chat_prompt_ids, messages, body.add_generation_prompt,
                                       template_kwargs=body.chat_template_kwargs, tools=template_tools)
         return await respond(server, request, Generation(body, params, name, engine, "chat", tool_plan=tool_plan),

@@ -17,8 +17,8 @@ from sobrio.engine.client import Served
 from sobrio.engine.launch import build_clients
 from sobrio.engine_args import add_config_args, add_engine_args, config_from_args, engine_kwargs
 from sobrio.errors import ConfigError, SobrioError
+from sobrio.gateway.carbon import region_code
 from sobrio.gateway.config import GatewayConfig, load_gateway_config
-from sobrio.gateway.energy import region_code
 from sobrio.loader.resolve import ALIASES, DEFAULT_MODELS, check_model_name, is_installed, resolve_model
 from sobrio.server.app import OpenAIServer, create_app
 from sobrio.server.edge import edge_stack

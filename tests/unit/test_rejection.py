@@ -86,7 +86,7 @@ def test_ngram_proposes_what_followed_the_latest_earlier_match(tokens, expected)
 
 def test_spec_decode_metrics_take_vllms_names_only_for_a_model_that_speculates():
     from sobrio.engine.client import EngineStats
-    from sobrio.server.metrics import spec_decode_families
+    from sobrio.server.prometheus import spec_decode_families
 
     stats = {"num_drafts": 3, "num_draft_tokens": 12, "num_accepted_tokens": 7, "accepted_per_position": [3, 2, 1, 1]}
     families = {f.name: f for f in spec_decode_families("vllm", [("a", EngineStats.from_dict({"spec_decode": stats})),

@@ -98,14 +98,19 @@ class EngineStatsCollector:
         yield from kv_transfer_families(p, generating)
         yield from tensor_parallel_families(p, generating)
         yield from engine_fault_families(generating)
-        if cache_infos:  # one label set for the family: every engine's keys
-            keys = list(dict.fromkeys(k for info in cache_infos for k in info))
-            family = GaugeMetricFamily(f"{p}:cache_config_info", "Information of the LLMEngine CacheConfig",
-                                       labels=keys)
-            for info in cache_infos:
-                family.add_metric([info.get(k, "") for k in keys], 1)
-            yield family
+        yield from cache_config_family(p, cache_infos)
         yield tables
+
+
+def cache_config_family(prefix: str, cache_infos: list[dict[str, str]]):
+    """vLLM's cache_config_info, one label set for the family: every engine's keys (none without a KV cache)."""
+    if cache_infos:
+        keys = list(dict.fromkeys(k for info in cache_infos for k in info))
+        family = GaugeMetricFamily(f"{prefix}:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                   labels=keys)
+        for info in cache_infos:
+            family.add_metric([info.get(k, "") for k in keys], 1)
+        yield family
 
 
 def engine_fault_families(generating: list[tuple[str, EngineStats]]):

@@ -22,7 +22,7 @@ import sys
 CHILD = r"""
 import ctypes, json, random, sys, time
 from sobrio import LLM
-from sobrio.sample.params import SamplingParams
+from sobrio.types.params import SamplingParams
 words = "the sea river mountain city train coffee music garden winter light story robot cloud".split()
 llm = LLM("smollm2-135m", max_model_len=1024)
 libc, out = ctypes.CDLL("libc.so.6"), []

@@ -1,7 +1,7 @@
 """`sobrio models | generate | chat | serve | quantize`: the command line, with vLLM's flag names.
 
 Errors a user can fix (a bad flag value, an unknown model) are one line on stderr and exit status 2, never a
-traceback; `sobrio serve [MODEL]` is `vllm serve [MODEL]` (server/app.py).
+traceback; `sobrio serve [MODEL]` is `vllm serve [MODEL]` (server/serving.py).
 """
 
 import argparse
@@ -229,12 +229,14 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
 
 
 def _add_serve(sub) -> None:
-    """`serve` only where the server's dependencies are installed."""
+    """`serve` only where the server's dependencies are installed; the agents' routes (/v1/agents/runs) join
+    the server's here, above both, so the server never imports the agents."""
     try:
-        from sobrio.server.app import add_serve_parser
+        from sobrio.agents import routes as agent_routes
+        from sobrio.server.serving import add_serve_parser
     except ImportError:
         return
-    add_serve_parser(sub)
+    add_serve_parser(sub, extra_routes=(agent_routes.register,))
 
 
 def _read_turn(interactive: bool) -> str | None:

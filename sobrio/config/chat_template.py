@@ -42,7 +42,7 @@ def _compile(text: str) -> None:
 @lru_cache(maxsize=16)
 def template_describes_tools(text: str | None) -> bool:
     """Whether a chat template reads the `tools` variable (as Qwen's and Hermes' do): then the server
-    passes OpenAI tools to it; otherwise (SmolLM2, Gemma 3) it writes its own system prompt (server/tools.py)."""
+    passes OpenAI tools to it; otherwise (SmolLM2, Gemma 3) it writes its own system prompt (server/tool_calls.py)."""
     if not isinstance(text, str):
         return False
     from jinja2 import TemplateSyntaxError, meta

@@ -118,7 +118,7 @@ class ServerConfig(Checked):
     enable_auto_tool_choice: bool = flag(False, "accepted (vLLM's): a request with `tools` always gets its calls "
                                                 "parsed, `tool_choice` auto included")
     tool_call_parser: str | None = flag(None, "accepted as hermes, vLLM's name for the <tool_call> format sobrio "
-                                              "prompts for, enforces and parses (server/tools.py)",
+                                              "prompts for, enforces and parses (server/tool_calls.py)",
                                         choices=("hermes",))
     metrics_require_key: bool = flag(False, "/metrics needs a key as the API does (--api-key, or a tenant's once "
                                              "tenants exist); off: /metrics is open to scrapers, as vLLM's")

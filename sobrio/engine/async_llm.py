@@ -1,7 +1,7 @@
 """asyncio clients of one engine: the front (tokenize, detokenize) plus a core, in-process or in its own process.
 
-Both implement the `EngineClient` protocol (`sobrio/engine/client.py`). A background thread produces the
-engine's outputs and routes them to one asyncio queue per HTTP request:
+Both implement the `EngineClient` protocol (`sobrio/engine/client.py`); `engine/launch.py` builds them. A
+background thread produces the engine's outputs and routes them to one asyncio queue per HTTP request:
 - `AsyncLLM`: the thread steps an in-process core (the offline-style engine; tests).
 - `AsyncMPClient`: the core runs in its own process (`core_process.py`); the thread receives each
   step's outputs and runs the front on them. The default of `sobrio serve`: the event loop and the
@@ -16,30 +16,26 @@ into it (`guard.CallbackGuard`), and if it dies anyway its requests fail at once
 """
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 
 from sobrio.config import ServerConfig, SobrioConfig
+from sobrio.engine.client import EngineClient
 from sobrio.engine.core_groups import open_cores
 from sobrio.engine.core_process import CoreProcess, EngineDeadError
+from sobrio.engine.engine_stats import EngineStats
 from sobrio.engine.guard import CallbackGuard, where
 from sobrio.engine.llm_engine import LLMEngine
 from sobrio.engine.outputs import RequestOutput
-from sobrio.errors import InvalidRequestError, SobrioError
+from sobrio.errors import EngineStepError, EngineUnavailableError, InvalidRequestError, SobrioError
 from sobrio.loader.load import load_model_files
+from sobrio.loader.lora import LoRARequest
 from sobrio.types.params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class EngineStepError(SobrioError):
-    """The engine failed while computing this request (HTTP 500); other requests go on."""
-
-
-class EngineUnavailableError(SobrioError):
-    """The engine is restarting or stopping (HTTP 503)."""
 
 
 def _put_all(deliveries: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
@@ -50,11 +46,13 @@ def _put_all(deliveries: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
 class _ClientBase:
     """Request routing shared by both clients: queues, streaming, aborts, failing what is in flight."""
 
+    task = "generate"
+
     def __init__(self, engine: LLMEngine, on_output: Callable[[RequestOutput, float], None] | None = None):
         self.engine = engine
         self.config: SobrioConfig = engine.config  # the engine's configuration (/metrics: cache_config_info)
-        self.on_output = on_output
-        self.on_abort: Callable[[str], None] | None = None  # e.g. metrics forgetting a request's timings
+        self._on_output = [on_output] if on_output is not None else []
+        self._on_abort: list[Callable[[str], None]] = []  # e.g. metrics forgetting a request's timings
         self._lock = threading.Lock()  # guards the front (and an in-process core) between threads
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = False
@@ -85,9 +83,28 @@ class _ClientBase:
         return self.engine.input_processor
 
     @property
+    def chat_template(self) -> str | None:
+        return getattr(self.engine.input_processor.tokenizer, "chat_template", None)
+
+    @property
     def default_sampling(self) -> dict:
         """--generation-config: SamplingParams keywords for the fields a request leaves unset."""
         return self.engine.default_sampling
+
+    @property
+    def adapters(self):
+        return self.engine.adapters
+
+    def with_adapter(self, lora: LoRARequest) -> EngineClient:
+        return AdapterClient(self, lora)
+
+    def subscribe(self, on_output: Callable[[RequestOutput, float], None] | None = None,
+                  on_abort: Callable[[str], None] | None = None) -> None:
+        """Observers of the delivery path, called on the engine thread (errors counted, never raised)."""
+        if on_output is not None:
+            self._on_output.append(on_output)
+        if on_abort is not None:
+            self._on_abort.append(on_abort)
 
     @property
     def max_num_waiting(self) -> int:
@@ -159,16 +176,22 @@ class _ClientBase:
         with self._lock:
             self.engine.abort_request(request_id)
         self._queues.pop(request_id, None)
-        if self.on_abort is not None:
-            self.callbacks(self.on_abort, request_id)
+        self._aborted(request_id)
 
-    def stats(self) -> dict:
+    def _aborted(self, request_id: str) -> None:
+        for on_abort in self._on_abort:
+            self.callbacks(on_abort, request_id)
+
+    def stats(self) -> EngineStats:
         with self._lock:
             stats = self.engine.stats()
-        stats["tables"] = {**stats["tables"], "client_queues": len(self._queues)}
-        stats["callback_errors"] = dict(self.callbacks.errors)
-        stats["engine_thread_deaths"] = self.thread_deaths
-        return stats
+        stats["tables"] = {**stats["tables"], **self._client_tables()}
+        return EngineStats.from_dict(stats, callback_errors=dict(self.callbacks.errors),
+                                     engine_thread_deaths=self.thread_deaths)
+
+    def _client_tables(self) -> dict[str, int]:
+        """The client's own per-request tables (a request that left one behind shows in /metrics)."""
+        return {"client_queues": len(self._queues)}
 
     def _deliver_all(self, outputs: list[RequestOutput]) -> None:
         """One wake-up of each event loop per step, not one per request: each `call_soon_threadsafe` writes
@@ -176,8 +199,8 @@ class _ClientBase:
         now = time.monotonic()
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for output in outputs:
-            if self.on_output is not None:
-                self.callbacks(self.on_output, output, now)
+            for on_output in self._on_output:
+                self.callbacks(on_output, output, now)
             target = self._queues.get(output.request_id)
             if target is not None:
                 loop, queue = target
@@ -196,8 +219,7 @@ class _ClientBase:
         the engine has been told, or is gone)."""
         for request_id in request_ids:
             target = self._queues.pop(request_id, None)
-            if self.on_abort is not None:
-                self.callbacks(self.on_abort, request_id)
+            self._aborted(request_id)
             if target is not None:
                 target[0].call_soon_threadsafe(target[1].put_nowait, error)
 
@@ -266,10 +288,8 @@ class AsyncLLM(_ClientBase):
         self._queues.pop(request_id, None)
         self._wake()
 
-    def stats(self) -> dict:
-        stats = super().stats()
-        stats["tables"]["client_pending_aborts"] = len(self._pending_aborts)
-        return stats
+    def _client_tables(self) -> dict[str, int]:
+        return {**super()._client_tables(), "client_pending_aborts": len(self._pending_aborts)}
 
     def _wake(self) -> None:
         self._work.set()
@@ -385,3 +405,22 @@ class AsyncMPClient(_ClientBase):
     def shutdown(self, timeout: float = 5.0) -> None:
         super().shutdown(timeout)
         self.core.close()
+
+
+class AdapterClient:
+    """A served model's client, every request through it run with one LoRA adapter: what the server uses for
+    a request that names the adapter, so it submits as for any model. Everything else is the base's."""
+
+    def __init__(self, base: _ClientBase, lora: LoRARequest):
+        self._base, self.lora_request = base, lora
+
+    def __getattr__(self, name):
+        return getattr(self._base, name)
+
+    async def add_request(self, request_id, prompt, params, *args, **kwargs) -> None:
+        params = dataclasses.replace(params, lora_request=self.lora_request)
+        await self._base.add_request(request_id, prompt, params, *args, **kwargs)
+
+    def generate(self, request_id, prompt, params, *args, **kwargs):
+        params = dataclasses.replace(params, lora_request=self.lora_request)
+        return self._base.generate(request_id, prompt, params, *args, **kwargs)

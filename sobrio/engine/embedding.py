@@ -8,8 +8,8 @@ row is done. The event loop only awaits a future: it never runs the model. PyTor
 its operators, so the HTTP process keeps answering while a batch runs; the model (22M parameters for
 all-MiniLM-L6-v2) is small enough that a process of its own would cost more in copies than it saves.
 
-`EmbeddingClient` is the protocol the server uses; `EmbeddingEngine` the in-process implementation. A
-client is told from a generative `EngineClient` by `task == "embed"` (`is_embedding_client`).
+`EmbeddingClient` (engine/client.py) is the protocol the server uses; `EmbeddingEngine` the in-process
+implementation. A client is told from a generative `EngineClient` by `task == "embed"`.
 """
 
 import asyncio
@@ -19,67 +19,23 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
 from sobrio.config import SobrioConfig
-from sobrio.engine.async_llm import EngineStepError, EngineUnavailableError
+from sobrio.engine.engine_stats import EmbeddingRequestStats, EngineStats
 from sobrio.engine.guard import CallbackGuard, where
 from sobrio.engine.input import InputProcessor, check_text
-from sobrio.errors import ConfigError, EngineOverloadedError, InvalidRequestError
+from sobrio.errors import (
+    ConfigError,
+    EngineOverloadedError,
+    EngineStepError,
+    EngineUnavailableError,
+    InvalidRequestError,
+)
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EmbeddingRequestStats:
-    """What /metrics records of a finished embedding request (monotonic seconds)."""
-
-    num_prompt_tokens: list[int]
-    arrival_time: float
-    first_scheduled_time: float
-    finished_time: float
-
-
-@runtime_checkable
-class EmbeddingClient(Protocol):
-    model_name: str
-    task: str  # "embed"
-    healthy: bool  # False once the worker died: /health answers 503
-
-    @property
-    def max_model_len(self) -> int:
-        """Most tokens one input may have (special tokens included)."""
-
-    @property
-    def dimensions(self) -> int: ...
-
-    @property
-    def max_num_waiting(self) -> int: ...
-
-    @property
-    def input_processor(self) -> InputProcessor:
-        """Tokenizer and checks (`/tokenize` and `/detokenize` work on an embedding model too)."""
-
-    def tokenize_inputs(self, inputs: list[str | list[int]], truncate_prompt_tokens: int | None = None,
-                        add_special_tokens: bool = True) -> list[list[int]]:
-        """Token ids per input (text or ids), checked; InvalidRequestError for bad or too long inputs. Blocking:
-        call it in a worker thread."""
-
-    async def embed(self, rows: list[list[int]], arrival_time: float | None = None) -> np.ndarray:
-        """[rows, dimensions] float32 vectors, in row order; EngineOverloadedError when the queue is full.
-        `arrival_time` (monotonic): when the request came, for /metrics (default: now)."""
-
-    def stats(self) -> dict:
-        """The gauges and counters /metrics reads (the generative engines' keys, zeros where meaningless)."""
-
-    def shutdown(self, timeout: float = 5.0) -> None: ...
-
-
-def is_embedding_client(engine: object) -> bool:
-    return getattr(engine, "task", "generate") == "embed"
 
 
 @dataclass(eq=False)
@@ -119,8 +75,7 @@ class EmbeddingEngine:
         self.max_batch_rows = config.scheduler_config.max_num_seqs
         self.max_batch_tokens = max(config.scheduler_config.max_num_batched_tokens, max_model_len)
         self.healthy = True
-        self.on_finished: Callable[[EmbeddingRequestStats], None] | None = None  # metrics, from the worker thread
-        self.on_output = self.on_abort = None  # set by the server for every engine; never called here
+        self._on_finished: list[Callable[[EmbeddingRequestStats], None]] = []  # metrics, from the worker thread
         self.callbacks = CallbackGuard(f"a callback of embedding model {model_name}")
         self._pending: deque[tuple[_Job, int]] = deque()
         self._running = 0
@@ -243,12 +198,15 @@ class EmbeddingEngine:
                                       param="truncate_prompt_tokens")
         return truncate_prompt_tokens
 
-    def stats(self) -> dict:
+    def subscribe(self, on_finished: Callable[[EmbeddingRequestStats], None] | None = None) -> None:
+        if on_finished is not None:
+            self._on_finished.append(on_finished)
+
+    def stats(self) -> EngineStats:
         with self._cond:
             waiting, running = len(self._pending), self._running
-        return {"num_requests_running": running, "num_requests_waiting": waiting, "kv_cache_usage_perc": 0.0,
-                "prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0,
-                "tables": {"embedding_pending_rows": waiting}}
+        return EngineStats(num_requests_running=running, num_requests_waiting=waiting,
+                           tables={"embedding_pending_rows": waiting})
 
     def shutdown(self, timeout: float = 5.0) -> None:
         with self._cond:
@@ -354,8 +312,8 @@ class EmbeddingEngine:
     def _finish(self, job: _Job) -> None:
         finished = time.monotonic()
         job.loop.call_soon_threadsafe(_resolve, job.future, job.vectors, None)
-        if self.on_finished is not None:  # a metric that raises must not stop the worker
-            self.callbacks(self.on_finished, EmbeddingRequestStats([len(r) for r in job.rows], job.arrival_time,
+        for on_finished in self._on_finished:  # a metric that raises must not stop the worker
+            self.callbacks(on_finished, EmbeddingRequestStats([len(r) for r in job.rows], job.arrival_time,
                                                    job.first_scheduled_time or finished, finished))
 
     @staticmethod

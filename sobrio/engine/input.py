@@ -81,7 +81,7 @@ class InputProcessor:
         """Apply the model's chat template (or the one given) and tokenize the result. `template_kwargs` (vLLM's
         `chat_template_kwargs`) become variables of the template; as in vLLM they may set
         `add_generation_prompt`, but not the other arguments of `apply_chat_template`. `tools`: OpenAI tool
-        definitions, for a template that describes tools itself (server/tools.py decides)."""
+        definitions, for a template that describes tools itself (server/tool_calls.py decides)."""
         template_kwargs = dict(template_kwargs or {})
         reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(template_kwargs))
         if reserved:

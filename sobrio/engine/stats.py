@@ -12,3 +12,4 @@ class StepTokenCounts(Histogram):
     def __init__(self) -> None:
         super().__init__(ITERATION_TOKENS_BUCKETS)
 
+

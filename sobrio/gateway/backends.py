@@ -21,7 +21,7 @@ from collections.abc import Iterable
 import httpx
 
 from sobrio.distributed.balance import Balanced, chained_hashes, choose
-from sobrio.engine.client import EngineClient
+from sobrio.engine.client import Served
 from sobrio.errors import SobrioError
 from sobrio.gateway.config import RemoteSpec
 from sobrio.gateway.regions import region_allowed, region_refusal
@@ -60,7 +60,7 @@ class Replica(Balanced):
 class LocalReplica(Replica):
     """The engine core of this process: its load is what its scheduler holds."""
 
-    def __init__(self, engine: EngineClient, region: str):
+    def __init__(self, engine: Served, region: str):
         super().__init__(f"local:{region}", region)
         self.engine = engine
 
@@ -71,7 +71,7 @@ class LocalReplica(Replica):
     @property
     def outstanding(self) -> int:
         stats = self.engine.stats()
-        return stats.get("num_requests_running", 0) + stats.get("num_requests_waiting", 0)
+        return stats.num_requests_running + stats.num_requests_waiting
 
 
 class RemoteReplica(Replica):

@@ -33,7 +33,7 @@ import tomllib
 from dataclasses import dataclass, field, fields
 
 from sobrio.errors import ConfigError
-from sobrio.gateway.energy import region_code
+from sobrio.gateway.carbon import region_code
 from sobrio.gateway.tenants import Limits, TenantError
 
 GATEWAY_TABLES = ("models", "router", "tenant_defaults")

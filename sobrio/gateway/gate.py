@@ -20,12 +20,11 @@ import time
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass
 
-from sobrio.errors import BudgetExceededError
-from sobrio.gateway.energy import grams_co2
+from sobrio.errors import BudgetExceededError, send_error
+from sobrio.gateway.carbon import grams_co2
 from sobrio.gateway.ledger import Ledger, LedgerEntry, start_of_utc_day
 from sobrio.gateway.tenants import Tenant, TenantStore
-from sobrio.server.errors import send_error
-from sobrio.server.protocol import new_id
+from sobrio.ids import new_id
 
 # Routes any client may call: probes, the version, /metrics (unless --metrics-require-key), the API's
 # documentation; /dashboard checks the operator's key itself (header or ?key=). Every other route, and any /v1

@@ -17,19 +17,26 @@ from collections.abc import AsyncIterator
 import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from sobrio.errors import SobrioError
+from sobrio.errors import SobrioError, error_body
 from sobrio.gateway.backends import RemoteReplica
-from sobrio.gateway.energy import grams_co2
+from sobrio.gateway.carbon import grams_co2
 from sobrio.gateway.ledger import LedgerEntry
-from sobrio.server.errors import error_body
 
 
-class BackendFailed(SobrioError):
+class BackendError(SobrioError):
+    """A remote backend's failure, answered as `server_error` with a gateway status (502, 504)."""
+
+
+class BackendFailed(BackendError):
     """The backend failed before its answer began: another replica may take the request (502 if none)."""
 
+    status = 502
 
-class BackendTimeout(SobrioError):
+
+class BackendTimeout(BackendError):
     """The backend did not answer within its timeout (504); not retried, the request may still be running."""
+
+    status = 504
 
 
 def payload_for(replica: RemoteReplica, body: dict, salt: str | None, stream: bool) -> dict:

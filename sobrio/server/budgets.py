@@ -20,12 +20,12 @@ def remote_worst_case(body, default_max_tokens: int | None) -> int:
     """A remote replica's tokens are not known before it answers: the prompt is bounded by its UTF-8 bytes
     (a byte-level tokenizer's token holds at least one) plus 16 per message for the chat template, the
     completion by max_tokens (or the server's default) for each of its n sequences."""
+    max_tokens = body.requested_max_tokens()
     if hasattr(body, "messages"):
         prompt = sum(len(json.dumps(m.model_dump(mode="json")).encode()) + 16 for m in body.messages)
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         prompts = 1
     else:
         texts = body.prompts()
         prompt = sum(len(p.encode()) if isinstance(p, str) else len(p) for p in texts)
-        max_tokens, prompts = body.max_tokens, len(texts)
+        prompts = len(texts)
     return prompt + prompts * body.n * (max_tokens if max_tokens is not None else default_max_tokens or 0)

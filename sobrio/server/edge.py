@@ -19,12 +19,13 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Match
 
 from sobrio.config import CorsConfig, LimitsConfig
+from sobrio.errors import send_error
 from sobrio.gateway.gate import TenantGate, header
 from sobrio.gateway.ledger import Ledger
 from sobrio.gateway.tenants import TenantStore
-from sobrio.server.errors import ErrorResponse, log_unexpected, send_error
+from sobrio.ids import new_id
+from sobrio.server.errors import ErrorResponse, log_unexpected
 from sobrio.server.limits import LimitsMiddleware
-from sobrio.server.protocol import new_id
 
 access_logger = logging.getLogger("sobrio.access")
 

@@ -1,7 +1,6 @@
-"""`POST /v1/embeddings` (OpenAI's shape, with vLLM's `truncate_prompt_tokens` and `add_special_tokens`), and
-starting the embedding models a server serves beside its generative ones.
+"""`POST /v1/embeddings` (OpenAI's shape, with vLLM's `truncate_prompt_tokens` and `add_special_tokens`).
 
-An embedding model is an `EmbeddingClient` (sobrio/engine/embedding.py) in the server's engine table, beside
+An embedding model is an `EmbeddingClient` (sobrio/engine/client.py) in the server's engine table, beside
 the generative `EngineClient`s: `/v1/models`, `/health` and `/metrics` list it like any model; chat and
 completions on it are a 400, as embeddings on a generative model are.
 """
@@ -9,20 +8,19 @@ completions on it are a 400, as embeddings on a generative model are.
 import asyncio
 import base64
 import time
-from collections.abc import Callable
 from typing import Literal
 
 import numpy as np
 from fastapi import FastAPI, Request, Response
 from pydantic import Field
 
-from sobrio.engine.embedding import EmbeddingClient, EmbeddingEngine, is_embedding_client
+from sobrio.engine.client import Served
 from sobrio.errors import InvalidRequestError, UnknownModelError
 from sobrio.gateway.gate import reserve_tokens
-from sobrio.loader.resolve import is_embedding_model
+from sobrio.ids import new_id
 from sobrio.server.disconnect import unless_disconnected
 from sobrio.server.limits import check_prompt_tokens
-from sobrio.server.protocol import StrictModel, new_id, now
+from sobrio.server.protocol import StrictModel, now
 
 MAX_INPUTS = 2048  # OpenAI's bound on inputs per request
 
@@ -46,18 +44,18 @@ class EmbeddingRequest(StrictModel):
         return list(value)
 
 
-def select_engine(engines: dict, model: str | None, task: str | None = None) -> tuple[str, object]:
+def select_engine(engines: dict[str, Served], model: str | None, task: str | None = None) -> tuple[str, Served]:
     """The served model `model` (None: the first of `task`); a model of the other kind is a 400 naming the API
     it lacks, as vLLM answers. `task`: "generate", "embed" or None (either)."""
     if not model:
         for name, engine in engines.items():
-            if task is None or _task_of(engine) == task:
+            if task is None or engine.task == task:
                 return name, engine
         raise InvalidRequestError(f"no model served here supports the {_API[task]} API", param="model")
     if model not in engines:
         raise UnknownModelError(f"model {model!r} is not served here; served: {', '.join(engines)}")
     engine = engines[model]
-    if task is not None and _task_of(engine) != task:
+    if task is not None and engine.task != task:
         raise InvalidRequestError(f"model {model!r} does not support the {_API[task]} API "
                                   f"(it is {'an embedding' if task == 'generate' else 'a generative'} model)",
                                   param="model")
@@ -67,15 +65,8 @@ def select_engine(engines: dict, model: str | None, task: str | None = None) -> 
 _API = {"generate": "Chat Completions and Completions", "embed": "Embeddings"}
 
 
-def _task_of(engine) -> str:
-    return "embed" if is_embedding_client(engine) else "generate"
-
-
 def install_embedding_routes(app: FastAPI, server) -> None:
-    """Register /v1/embeddings and route the embedding engines' finished requests to /metrics."""
-    for name, engine in server.engines.items():
-        if is_embedding_client(engine):
-            engine.on_finished = lambda stats, name=name: server.metrics.observe_embedding(name, stats)
+    """Register /v1/embeddings."""
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request):
@@ -110,20 +101,3 @@ def _encode(vector: np.ndarray, encoding_format: str):
     if encoding_format == "base64":  # little-endian float32, as OpenAI's (and its client decodes)
         return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
     return vector.tolist()
-
-
-def start_engines_with_embedders(configs: list, start_generative: Callable[[list], list]) -> list:
-    """Start every model: embedding models as `EmbeddingEngine`s in this process (they load in about a second),
-    the rest through `start_generative` (the server's own start-up); the result keeps the configs' order."""
-    embed = [is_embedding_model(c.model_config.model) for c in configs]
-    embedders: list[EmbeddingClient] = []
-    try:
-        for config in (c for c, e in zip(configs, embed) if e):
-            embedders.append(EmbeddingEngine.from_config(config))
-        others = iter(start_generative([c for c, e in zip(configs, embed) if not e]) if not all(embed) else [])
-    except BaseException:
-        for engine in embedders:
-            engine.shutdown()
-        raise
-    started = iter(embedders)
-    return [next(started) if e else next(others) for e in embed]

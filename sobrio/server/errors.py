@@ -4,17 +4,15 @@ An exception's message can quote what a user sent (a tokenizer error, a pydantic
 on a dict built from the body), so unexpected exceptions are logged by type and place only.
 """
 
-import json
 import logging
 import traceback
-from collections.abc import Awaitable, Callable
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-logger = logging.getLogger("sobrio.server")
+from sobrio.errors import SobrioError, error_body, http_answer
 
-Send = Callable[[dict], Awaitable[None]]
+logger = logging.getLogger("sobrio.server")
 
 
 class ErrorDetail(BaseModel):
@@ -30,25 +28,15 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
-def error_body(message: str, err_type: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
-
-
 def error_response(status: int, message: str, err_type: str, param: str | None = None,
                    code: str | None = None, headers: dict | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, err_type, param, code), status_code=status, headers=headers)
 
 
-async def send_error(send: Send, status: int, message: str, err_type: str, code: str | None = None,
-                     headers: dict[str, str] | None = None, close: bool = False) -> None:
-    """Answer from raw ASGI code (middleware that runs before or outside FastAPI)."""
-    body = json.dumps(error_body(message, err_type, None, code)).encode()
-    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
-    if close:  # the request body was not read to its end: the connection cannot carry another request
-        raw.append((b"connection", b"close"))
-    await send({"type": "http.response.start", "status": status, "headers": raw})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
+def sobrio_error_response(exc: SobrioError) -> JSONResponse:
+    """A typed error's answer: its class says its status, OpenAI type, param, code and headers."""
+    status, body, headers = http_answer(exc)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def where(exc: BaseException) -> str:

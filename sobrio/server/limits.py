@@ -21,8 +21,7 @@ import h11
 from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
 from sobrio.config import LimitsConfig
-from sobrio.errors import EngineOverloadedError, InvalidRequestError
-from sobrio.server.errors import error_body, send_error
+from sobrio.errors import EngineOverloadedError, InvalidRequestError, error_body, send_error
 
 UNLIMITED_PATHS = ("/health", "/metrics")  # probes must see an overloaded server as alive
 

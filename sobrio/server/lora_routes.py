@@ -3,11 +3,11 @@ adapter with its `parent`; `POST /v1/load_lora_adapter` and `/v1/unload_lora_ada
 for the operator only (the server's --api-key, or an open server without tenants; never a tenant's key)."""
 
 import asyncio
-import dataclasses
 
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
 
+from sobrio.engine.client import AdapterRegistry, Served
 from sobrio.errors import InvalidRequestError, PermissionDeniedError
 from sobrio.loader.lora import LoRARequest
 from sobrio.server.protocol import StrictModel
@@ -25,28 +25,9 @@ class UnloadLoRAAdapterRequest(StrictModel):
     lora_int_id: int | None = None  # vLLM's; the name is enough here
 
 
-class AdapterEngine:
-    """A served model's engine, every request through it run with one adapter: what `engine_for` returns for
-    an adapter's name, so the routes submit as for any model."""
-
-    def __init__(self, engine, lora: LoRARequest):
-        self._engine, self.lora_request = engine, lora
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
-
-    async def add_request(self, request_id, prompt, params, *args, **kwargs) -> None:
-        params = dataclasses.replace(params, lora_request=self.lora_request)
-        await self._engine.add_request(request_id, prompt, params, *args, **kwargs)
-
-    def generate(self, request_id, prompt, params, *args, **kwargs):
-        params = dataclasses.replace(params, lora_request=self.lora_request)
-        return self._engine.generate(request_id, prompt, params, *args, **kwargs)
-
-
-def registry_of(engine):
-    """The engine's adapter registry (the front's LLMEngine holds it), or None for an engine without one."""
-    return getattr(getattr(engine, "engine", None), "adapters", None)
+def registry_of(engine: Served) -> AdapterRegistry | None:
+    """A generative model's adapter registry (None for an embedding model)."""
+    return engine.adapters if engine.task == "generate" else None
 
 
 def find_adapter(engines: dict, model: str | None) -> tuple[str, LoRARequest] | None:

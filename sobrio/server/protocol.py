@@ -8,13 +8,12 @@ are refused with a 400 that says "not supported".
 
 import logging
 import time
-import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sobrio.errors import InvalidRequestError
-from sobrio.server.tools import MAX_TOOLS, ToolCallIn, ToolChoice, ToolDefinition
+from sobrio.server.tool_calls import MAX_TOOLS, ToolCallIn, ToolChoice, ToolDefinition
 from sobrio.types import params as sampling
 from sobrio.types.params import (
     INT32_MAX,
@@ -110,6 +109,11 @@ class StructuredOutputs(StrictModel):
                                        json_object=bool(self.json_object))
 
 
+def given(**fields) -> dict:
+    """The sampling fields a request set: those it left unset take SamplingParams' own defaults."""
+    return {name: value for name, value in fields.items() if value is not None}
+
+
 class _SamplingFields(StrictModel):
     model: str | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
@@ -154,10 +158,10 @@ class _SamplingFields(StrictModel):
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
-            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, min_p=self.min_p or 0.0,
+            n=self.n, **given(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                              repetition_penalty=self.repetition_penalty or None),
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty or 1.0, seed=self.seed, max_tokens=max_tokens,
+            seed=self.seed, max_tokens=max_tokens,
             min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids or [],
             ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
@@ -205,7 +209,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=sampling.MAX_LOGPROBS)  # --max-logprobs bounds it
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: variables for the chat template
-    # tool calling (server/tools.py); parallel_tool_calls is ignored (IGNORED_FIELDS) without tools
+    # tool calling (server/tool_calls.py); parallel_tool_calls is ignored (IGNORED_FIELDS) without tools
     tools: list[ToolDefinition] | None = Field(default=None, min_length=1, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -219,14 +223,17 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("top_logprobs requires logprobs=true")
         return self
 
+    def requested_max_tokens(self) -> int | None:
+        """max_completion_tokens (OpenAI's current name), else max_tokens; None: the server decides."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
     def to_sampling_params(self) -> SamplingParams:
-        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        return self.sampling_params(self.requested_max_tokens(), (self.top_logprobs or 0) if self.logprobs else None)
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, le=INT32_MAX)
+    max_tokens: int | None = Field(default=SamplingParams.max_tokens, le=INT32_MAX)  # OpenAI's default: 16
     logprobs: int | None = Field(default=None, ge=0, le=sampling.MAX_LOGPROBS)
     echo: bool = False  # the prompt before the completion (and, with logprobs, the prompt's logprobs)
     suffix: str | None = None  # only empty: insertion is not supported
@@ -249,6 +256,9 @@ class CompletionRequest(_SamplingFields):
             return [list(prompt)]
         return list(prompt)
 
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
     def to_sampling_params(self) -> SamplingParams:
         params = self.sampling_params(self.max_tokens, self.logprobs)
         if self.echo and self.logprobs is not None and params.prompt_logprobs is None:
@@ -261,10 +271,6 @@ class UsageInfo(BaseModel):
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: dict[str, int] = Field(default_factory=lambda: {"cached_tokens": 0})
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def now() -> int:

@@ -4,7 +4,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sobrio.engine.outputs import Logprob, RequestOutput
-from sobrio.server import tools
+from sobrio.server import tool_calls
 from sobrio.server.protocol import UsageInfo, now
 
 
@@ -18,7 +18,7 @@ class Choice:
     logprobs: list[dict[int, Logprob]] | None = None
     role_sent: bool = False
     echo_sent: bool = False
-    tool_parser: tools.ToolCallParser | None = None  # a stream's, when the answer may hold tool calls
+    tool_parser: tool_calls.ToolCallParser | None = None  # a stream's, when the answer may hold tool calls
     energy_j: float = 0.0  # the sequence's so far (engine/step_energy.py)
 
 
@@ -39,7 +39,7 @@ class ChoiceState:
         self.cached_tokens: dict[str, int] = {}
         self.prompt_token_ids: dict[str, list[int]] = {}
         self.prompt_logprobs: dict[str, list[dict[int, Logprob] | None]] = {}
-        self.tool_calls = False  # chat with tools: the answers are parsed for tool calls (server/tools.py)
+        self.tool_calls = False  # chat with tools: the answers are parsed for tool calls (server/tool_calls.py)
         self.forced_tool_calls = False  # tool_choice "required" or named: the answers are calls only
         self.energy_source: str | None = None
 
@@ -138,9 +138,9 @@ def chat_chunk(state: ChoiceState, choice: Choice, output: RequestOutput, base_i
                created: int) -> dict:
     finish_reason = choice.finish_reason
     if state.tool_calls:
-        choice.tool_parser = choice.tool_parser or tools.ToolCallParser(state.forced_tool_calls)
-        delta = tools.stream_delta(choice.tool_parser, output.delta_text, finish_reason is not None)
-        finish_reason = tools.finish_reason(finish_reason, choice.tool_parser.all_complete)
+        choice.tool_parser = choice.tool_parser or tool_calls.ToolCallParser(state.forced_tool_calls)
+        delta = tool_calls.stream_delta(choice.tool_parser, output.delta_text, finish_reason is not None)
+        finish_reason = tool_calls.finish_reason(finish_reason, choice.tool_parser.all_complete)
     else:
         delta = {"content": output.delta_text}
     if not choice.role_sent:
@@ -169,9 +169,9 @@ def final_response(state: ChoiceState, base_id: str, model: str, kind: str) -> d
             logprobs = chat_logprobs(c.logprobs, c.token_ids, top_n) if c.logprobs is not None else None
             message, complete = {"role": "assistant", "content": c.text}, False
             if state.tool_calls:
-                message, complete = tools.message(c.text, state.forced_tool_calls)
+                message, complete = tool_calls.message(c.text, state.forced_tool_calls)
             choices.append({"index": c.index, "message": message, "logprobs": logprobs,
-                            "finish_reason": tools.finish_reason(c.finish_reason, complete),
+                            "finish_reason": tool_calls.finish_reason(c.finish_reason, complete),
                             "stop_reason": c.stop_reason})
         else:
             choices.append(_completion_choice(state, c, top_n))

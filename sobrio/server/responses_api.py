@@ -14,19 +14,21 @@ response's `text`. Tools, background runs and logprobs are refused as not suppor
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import StreamingResponse
 from pydantic import Field, field_validator, model_validator
 
 from sobrio.engine.outputs import RequestOutput
 from sobrio.errors import InvalidRequestError, SobrioError
 from sobrio.gateway.gate import cache_salt
-from sobrio.server.errors import log_unexpected
+from sobrio.ids import new_id
+from sobrio.server.errors import log_unexpected, sobrio_error_response
+from sobrio.server.generate import gather_into
 from sobrio.server.limits import check_prompt_tokens
-from sobrio.server.protocol import Priority, StrictModel, log_ignored, logit_bias_ids, new_id, now
+from sobrio.server.protocol import Priority, StrictModel, given, log_ignored, logit_bias_ids, now
 from sobrio.server.responses import ChoiceState, note_usage
 from sobrio.types.params import INT32_MAX, MAX_LOGIT_BIAS, SamplingParams, StructuredOutputsParams
 
@@ -179,9 +181,8 @@ class ResponsesRequest(StrictModel):
 
     def to_sampling_params(self) -> SamplingParams:
         return SamplingParams(
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, min_p=self.min_p or 0.0,
-            repetition_penalty=self.repetition_penalty or 1.0, max_tokens=self.max_output_tokens,
+            **given(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                    repetition_penalty=self.repetition_penalty or None), max_tokens=self.max_output_tokens,
             logit_bias=logit_bias_ids(self.logit_bias), structured_outputs=self.structured())
 
     def structured(self) -> StructuredOutputsParams | None:
@@ -231,17 +232,17 @@ class _Reply:
             "max_output_tokens": b.max_output_tokens, "max_tool_calls": None, "model": self.model_name,
             "output": output, "parallel_tool_calls": b.parallel_tool_calls is not False,
             "previous_response_id": None, "reasoning": None, "service_tier": "default", "store": False,
-            "temperature": 1.0 if b.temperature is None else b.temperature, "text": b.text_echo(),
-            "tool_choice": b.tool_choice if isinstance(b.tool_choice, str) else "auto", "tools": [],
-            "top_logprobs": 0, "top_p": 1.0 if b.top_p is None else b.top_p, "truncation": "disabled",
+            "temperature": SamplingParams.temperature if b.temperature is None else b.temperature,
+            "text": b.text_echo(), "tool_choice": b.tool_choice if isinstance(b.tool_choice, str) else "auto",
+            "tools": [], "top_logprobs": 0, "top_p": SamplingParams.top_p if b.top_p is None else b.top_p,
+            "truncation": "disabled",
             "usage": _usage(state) if state is not None else None, "user": b.user, "metadata": b.metadata or {},
         }
 
 
-def register(app: FastAPI, server, collect: Callable, error_response: Callable) -> None:
-    """Add `POST /v1/responses` to the app of `create_app`: `server` is its OpenAIServer, `collect` gathers a
-    non-streamed request's outputs (None if the client left), `error_response` turns a SobrioError into an
-    OpenAI error answer (app.py's, passed in: it imports this module)."""
+def register(app: FastAPI, server) -> None:
+    """Add `POST /v1/responses` to the app of `create_app`: `server` is its OpenAIServer."""
+    error_response = sobrio_error_response
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request):
@@ -252,7 +253,7 @@ def register(app: FastAPI, server, collect: Callable, error_response: Callable) 
         ids = await asyncio.to_thread(engine.input_processor.chat_prompt_ids, messages, True,
                                       template_kwargs=body.chat_template_kwargs)
         check_prompt_tokens(server.limits, [len(ids)], 1)
-        params = server.params_for(params, len(ids), engine.max_model_len)
+        params = server.params_for(engine, params, len(ids))
         reply = _Reply(body, name)
         request.state.request_id = reply.id
         log_ignored(body.ignored_fields(), reply.id)
@@ -270,15 +271,9 @@ def register(app: FastAPI, server, collect: Callable, error_response: Callable) 
         if body.stream:
             events = _events(stream, state, reply, error_response, getattr(request.state, "ledger", None))
             return StreamingResponse(events, media_type="text/event-stream")
-        try:
-            outputs = await collect(stream, request)
-        except SobrioError as exc:
-            return error_response(exc)
-        if outputs is None:
-            return Response(status_code=499)
-        for output in outputs:
-            state.add(output)
-        note_usage(getattr(request.state, "ledger", None), state)
+        failed = await gather_into(state, stream, request, getattr(request.state, "ledger", None))
+        if failed is not None:
+            return failed
         choice = state.choices[0]
         status = "incomplete" if choice.finish_reason == "length" else "completed"
         return reply.snapshot("completed", [_message(reply.msg_id, choice.text, status)], state, choice.finish_reason)

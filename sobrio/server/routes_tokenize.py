@@ -11,7 +11,7 @@ from fastapi import Body, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import Field, ValidationError, model_validator
 
-from sobrio.engine.client import EngineClient
+from sobrio.engine.client import Served
 from sobrio.errors import InvalidRequestError, UnknownModelError
 from sobrio.server.errors import error_response
 from sobrio.server.protocol import ChatMessage, StrictModel, TokenId, now
@@ -57,12 +57,12 @@ def _parse(body: dict) -> TokenizeCompletionRequest | TokenizeChatRequest:
         raise RequestValidationError(exc.errors()) from None
 
 
-def model_card(name: str, engine: EngineClient) -> dict:
+def model_card(name: str, engine: Served) -> dict:
     return {"id": name, "object": "model", "created": now(), "owned_by": "sobrio",
             "max_model_len": engine.max_model_len}
 
 
-def _tokenize(engine: EngineClient, req: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:
+def _tokenize(engine: Served, req: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:
     processor = engine.input_processor
     if isinstance(req, TokenizeChatRequest):
         try:

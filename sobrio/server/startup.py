@@ -8,6 +8,8 @@ import threading
 import time
 
 from sobrio.config import ServerConfig
+from sobrio.engine.client import Served
+from sobrio.engine.outputs import RequestOutput
 from sobrio.errors import ConfigError, SobrioError
 
 logger = logging.getLogger("sobrio.server")
@@ -97,26 +99,22 @@ class StatsLogger:
     """Every STATS_INTERVAL seconds while a model is busy, one line for it, as vLLM's: prompt and generation
     throughput, running and waiting requests, KV-cache use and prefix-cache hit rate since the last line."""
 
-    def __init__(self, engines: dict, interval: float = STATS_INTERVAL):
-        self.engines = engines  # main name -> EngineClient
+    def __init__(self, engines: dict[str, Served], interval: float = STATS_INTERVAL):
+        self.engines = engines  # main name -> client
         self.interval = interval
         self.tokens = {name: [0, 0] for name in engines}  # name -> [prompt tokens, generated tokens]
         self._last = {name: (0, 0) for name in engines}  # prefix-cache (queries, hits) at the last line
         self._stop = threading.Event()
-        for name, engine in engines.items():  # count tokens beside whatever already watches the outputs
-            if not hasattr(engine, "on_output"):  # an embedding model: no tokens to count
-                continue
-            inner = engine.on_output
-            engine.on_output = lambda output, t, name=name, inner=inner: self._observe(name, output, t, inner)
+        for name, engine in engines.items():  # count tokens beside whatever else watches the outputs
+            if engine.task == "generate":  # an embedding model: no tokens to count
+                engine.subscribe(on_output=lambda output, t, name=name: self._observe(name, output))
 
-    def _observe(self, name: str, output, t: float, inner) -> None:
+    def _observe(self, name: str, output: RequestOutput) -> None:
         counts = self.tokens[name]
         counts[1] += len(output.delta_token_ids)
         first = output.outputs[0]
         if first.index == 0 and len(first.token_ids) == len(output.delta_token_ids) and first.token_ids:
             counts[0] += len(output.prompt_token_ids) - output.num_cached_tokens  # prompt computed: once
-        if inner is not None:
-            inner(output, t)
 
     def start(self) -> None:
         threading.Thread(target=self._run, name="stats-log", daemon=True).start()
@@ -132,15 +130,15 @@ class StatsLogger:
                 self._log(name, engine, now - last)
             last = now
 
-    def _log(self, name: str, engine, elapsed: float) -> None:
+    def _log(self, name: str, engine: Served, elapsed: float) -> None:
         prompt, generated = self.tokens[name]
         self.tokens[name] = [0, 0]
         try:
             stats = engine.stats()
         except Exception:  # noqa: BLE001 - a restarting engine: no line this time
             return
-        running, waiting = stats.get("num_requests_running", 0), stats.get("num_requests_waiting", 0)
-        queries, hits = stats.get("prefix_cache_queries", 0), stats.get("prefix_cache_hits", 0)
+        running, waiting = stats.num_requests_running, stats.num_requests_waiting
+        queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
         last_queries, last_hits = self._last[name]
         self._last[name] = (queries, hits)
         if not (prompt or generated or running or waiting):
@@ -148,4 +146,4 @@ class StatsLogger:
         hit_rate = 100.0 * (hits - last_hits) / (queries - last_queries) if queries > last_queries else 0.0
         logger.info("model %s: prompt throughput %.1f tokens/s, generation throughput %.1f tokens/s, running %d, "
                     "waiting %d, KV cache %.1f%%, prefix cache hit rate %.1f%%", name, prompt / elapsed,
-                    generated / elapsed, running, waiting, 100.0 * stats.get("kv_cache_usage_perc", 0.0), hit_rate)
+                    generated / elapsed, running, waiting, 100.0 * stats.kv_cache_usage_perc, hit_rate)

@@ -223,10 +223,16 @@ class _FakeEngine:
         def tokenize(prompt):
             raise _Boom(f"cannot tokenize {prompt!r}")
 
-    on_output = on_abort = None
+    task = "generate"
+    default_sampling: dict = {}
 
-    def stats(self) -> dict:
-        return {"num_requests_waiting": 0}
+    def subscribe(self, on_output=None, on_abort=None) -> None:
+        pass
+
+    def stats(self):
+        from sobrio.engine.client import EngineStats
+
+        return EngineStats()
 
 
 def test_unexpected_exception_is_an_openai_500_logged_by_type_only(caplog):

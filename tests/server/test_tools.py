@@ -1,4 +1,4 @@
-"""OpenAI tool calling on /v1/chat/completions (server/tools.py), through the official client against the shared
+"""OpenAI tool calling on /v1/chat/completions (server/tool_calls.py), through the official client against the shared
 server: round trips (the call, the tool's result as a `tool` message, the final answer) streamed and not, with
 `required` and with a named function; arguments that validate against their schema; `auto`; the 400s. With a
 135M model the tests check what the grammar guarantees, not what the model chooses. Without a server: the
@@ -14,7 +14,7 @@ from llguidance import LLMatcher
 from openai import OpenAI, pydantic_function_tool
 from pydantic import BaseModel, Field
 
-from sobrio.server import tools
+from sobrio.server import tool_calls
 
 SMOL = "smollm2-135m"
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
@@ -115,7 +115,7 @@ def test_auto_gives_text_or_valid_calls(client):
                 assert all(assert_valid_call(c) for c in choice.message.tool_calls)
         else:
             assert choice.finish_reason in ("stop", "length")
-            assert not choice.message.content.startswith(tools.OPEN)
+            assert not choice.message.content.startswith(tool_calls.OPEN)
     streamed = client.chat.completions.create(model=SMOL, messages=QUESTION, tools=TOOLS, max_tokens=24,
                                               temperature=0, stream=True)
     plain = client.chat.completions.create(model=SMOL, messages=QUESTION, tools=TOOLS, max_tokens=24, temperature=0)
@@ -214,10 +214,10 @@ def _call(name: str, arguments: str) -> str:
      ["<tool_call>It is sunny.", _call("get_time", '{"tz":"Paris","x":1}')]),
 ])
 def test_grammar_guarantees_valid_calls(tokenizer, llg_tokenizer, choice, parallel, accepted, refused):
-    plan = tools.plan([tools.ToolDefinition.model_validate(t) for t in TOOLS],
+    plan = tool_calls.plan([tool_calls.ToolDefinition.model_validate(t) for t in TOOLS],
                       choice if choice in ("auto", "required") else {"type": "function", "function": {"name": choice}},
                       parallel)
-    grammar = LLMatcher.grammar_from_lark(tools.grammar(plan))
+    grammar = LLMatcher.grammar_from_lark(tool_calls.grammar(plan))
     matcher = LLMatcher(llg_tokenizer, grammar, log_level=0)
     assert not matcher.is_error(), matcher.get_error()
     for text in accepted:
@@ -227,11 +227,11 @@ def test_grammar_guarantees_valid_calls(tokenizer, llg_tokenizer, choice, parall
 
 
 def test_a_function_named_like_a_choice_is_still_named():
-    definitions = [tools.ToolDefinition.model_validate({"type": "function", "function": {"name": n}})
+    definitions = [tool_calls.ToolDefinition.model_validate({"type": "function", "function": {"name": n}})
                    for n in ("required", "other")]
-    plan = tools.plan(definitions, {"type": "function", "function": {"name": "required"}}, True)
+    plan = tool_calls.plan(definitions, {"type": "function", "function": {"name": "required"}}, True)
     assert (plan.choice, plan.name, plan.parallel) == ("named", "required", False)
-    grammar = tools.grammar(plan)
+    grammar = tool_calls.grammar(plan)
     assert '\\"required\\"' in grammar and "other" not in grammar and "calls: call\n" in grammar
 
 
@@ -243,12 +243,12 @@ def test_a_function_named_like_a_choice_is_still_named():
     '<tool_call>{"name": "get_ti',
 ])
 def test_streamed_deltas_reassemble_to_the_whole_parse(text):
-    whole, complete = tools.message(text)
+    whole, complete = tool_calls.message(text)
     for seed in range(10):
-        rng, parser, content, calls, at = random.Random(seed), tools.ToolCallParser(), "", {}, 0
+        rng, parser, content, calls, at = random.Random(seed), tool_calls.ToolCallParser(), "", {}, 0
         while at < len(text):
             step = rng.randint(1, 6)
-            delta = tools.stream_delta(parser, text[at:at + step], at + step >= len(text))
+            delta = tool_calls.stream_delta(parser, text[at:at + step], at + step >= len(text))
             at += step
             content += delta["content"] or ""
             for d in delta.get("tool_calls", []):
@@ -268,18 +268,18 @@ def test_streamed_deltas_reassemble_to_the_whole_parse(text):
     ('<tool_call>{"name": "get_ti', False), ('<tool_call>{"name": "get_ti', True), ("<tool_c", True), ("<", True)])
 def test_a_call_cut_before_its_name_leaves_no_markup_as_content(text, forced):
     """max_tokens ran out inside a call's head: no call, no content (the finish_reason says "length")."""
-    whole, complete = tools.message(text, forced)
+    whole, complete = tool_calls.message(text, forced)
     assert whole["content"] is None and "tool_calls" not in whole and not complete
-    parser = tools.ToolCallParser(forced)
-    content = "".join(tools.stream_delta(parser, ch, i == len(text) - 1)["content"] or ""
+    parser = tool_calls.ToolCallParser(forced)
+    content = "".join(tool_calls.stream_delta(parser, ch, i == len(text) - 1)["content"] or ""
                       for i, ch in enumerate(text))
-    assert content == "" and tools.finish_reason("length", parser.all_complete) == "length"
+    assert content == "" and tool_calls.finish_reason("length", parser.all_complete) == "length"
 
 
 def test_a_complete_call_is_never_reported_as_cut():
-    whole, complete = tools.message(_call("get_time", '{"tz":"Paris"}'), forced=True)
-    assert complete and tools.finish_reason("length", complete) == "tool_calls"
-    assert tools.message("<tool", forced=False)[0]["content"] == "<tool"  # "auto": a text answer may say it
+    whole, complete = tool_calls.message(_call("get_time", '{"tz":"Paris"}'), forced=True)
+    assert complete and tool_calls.finish_reason("length", complete) == "tool_calls"
+    assert tool_calls.message("<tool", forced=False)[0]["content"] == "<tool"  # "auto": a text answer may say it
 
 
 HISTORY = [*QUESTION,
@@ -296,9 +296,9 @@ TOOL_TEMPLATE = ("{% for t in tools or [] %}[tool {{ t.function.name }}]{% endfo
 def test_prompt_for_templates_with_and_without_tools(tokenizer):
     from sobrio.engine.input import InputProcessor
 
-    definitions = [tools.ToolDefinition.model_validate(t) for t in TOOLS]
-    plan = tools.plan(definitions, "auto", None)
-    messages, given = tools.prompt(HISTORY, definitions, plan, tokenizer.chat_template)  # SmolLM2's: no tools
+    definitions = [tool_calls.ToolDefinition.model_validate(t) for t in TOOLS]
+    plan = tool_calls.plan(definitions, "auto", None)
+    messages, given = tool_calls.prompt(HISTORY, definitions, plan, tokenizer.chat_template)  # SmolLM2's: no tools
     assert given is None and [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
     assert json.dumps({"name": "get_weather", "description": "get weather of a place", "parameters": WEATHER}) \
         in messages[0]["content"] and "<tool_call>" in messages[0]["content"]
@@ -308,9 +308,9 @@ def test_prompt_for_templates_with_and_without_tools(tokenizer):
     processor = InputProcessor(tokenizer, 1024, len(tokenizer))
     text = tokenizer.decode(processor.chat_prompt_ids(messages))
     assert "<tool_response>" in text and '"name": "get_time"' in text
-    messages, given = tools.prompt(HISTORY, definitions, None, tokenizer.chat_template)  # tool_choice none
+    messages, given = tool_calls.prompt(HISTORY, definitions, None, tokenizer.chat_template)  # tool_choice none
     assert given is None and "<tools>" not in messages[0]["content"]
-    messages, given = tools.prompt(HISTORY, definitions, plan, TOOL_TEMPLATE)  # a template that takes tools
+    messages, given = tool_calls.prompt(HISTORY, definitions, plan, TOOL_TEMPLATE)  # a template that takes tools
     assert [t["function"]["name"] for t in given] == ["get_weather", "get_time"]
     text = tokenizer.decode(processor.chat_prompt_ids(messages, chat_template=TOOL_TEMPLATE, tools=given))
     assert text.startswith("[tool get_weather][tool get_time]") and "[call get_weather Paris]" in text

@@ -58,7 +58,7 @@ def parse(argv: list[str], with_model: bool = True) -> argparse.Namespace:
 
 def serve_parser() -> argparse.ArgumentParser:
     sub = argparse.ArgumentParser().add_subparsers()
-    from sobrio.server.app import add_serve_parser
+    from sobrio.server.serving import add_serve_parser
 
     add_serve_parser(sub)
     return sub.choices["serve"]
@@ -245,7 +245,7 @@ def serve_args(argv: list[str], config_file: str | None = None) -> argparse.Name
 
 
 def test_serve_takes_the_model_positionally_and_with_model_too():
-    from sobrio.server.app import _served_models
+    from sobrio.server.serving import _served_models
 
     config = config_from_args(serve_args(["smollm2-135m", "--port", "9000"]), ServerConfig)
     assert (config.model_tag, config.model, config.port) == ("smollm2-135m", None, 9000)
@@ -432,7 +432,7 @@ def test_unseeded_requests_get_seeds_from_the_engine_seed_and_their_number():
 
 
 def test_model_defaults_fill_only_the_fields_a_request_left_unset():
-    from sobrio.server.app import with_model_defaults
+    from sobrio.server.generate import with_model_defaults
     from sobrio.server.protocol import CompletionRequest
     from sobrio.types.params import SamplingParams
 

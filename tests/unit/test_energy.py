@@ -1,4 +1,4 @@
-"""Energy per step and its split by FLOPs (engine/step_energy.py); grid carbon intensities (gateway/energy.py)."""
+"""Energy per step and its split by FLOPs (engine/step_energy.py); grid carbon intensities (gateway/carbon.py)."""
 
 import types
 
@@ -6,7 +6,7 @@ import pytest
 
 from sobrio.engine.step_energy import CpuModelMeter, RaplMeter, StepFlops, split_by_flops
 from sobrio.errors import ConfigError
-from sobrio.gateway.energy import carbon_intensities, grams_co2, region_code
+from sobrio.gateway.carbon import carbon_intensities, grams_co2, region_code
 
 SMOLLM2 = types.SimpleNamespace(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
                                 num_hidden_layers=30, intermediate_size=1536, vocab_size=49152)

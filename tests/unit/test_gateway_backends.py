@@ -166,7 +166,7 @@ def completion(model: str = "theirs", text: str = "hi") -> dict:
 
 def gateway_with(*replicas: RemoteReplica) -> TestClient:
     app = create_app({})
-    app.state.server.backends.models["m"] = ModelBackends("m", list(replicas))
+    app.state.server.gateway.backends.models["m"] = ModelBackends("m", list(replicas))
     return TestClient(app)
 
 

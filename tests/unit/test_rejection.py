@@ -85,11 +85,12 @@ def test_ngram_proposes_what_followed_the_latest_earlier_match(tokens, expected)
 
 
 def test_spec_decode_metrics_take_vllms_names_only_for_a_model_that_speculates():
-    from sobrio.server.metrics import spec_decode_families
+    from sobrio.engine.client import EngineStats
+    from sobrio.server.prometheus import spec_decode_families
 
     stats = {"num_drafts": 3, "num_draft_tokens": 12, "num_accepted_tokens": 7, "accepted_per_position": [3, 2, 1, 1]}
-    families = {f.name: f for f in spec_decode_families("vllm", [("a", {"spec_decode": stats}),
-                                                                 ("b", {"spec_decode": None})])}
+    families = {f.name: f for f in spec_decode_families("vllm", [("a", EngineStats.from_dict({"spec_decode": stats})),
+                                                                 ("b", EngineStats())])}
     assert set(families) == {"vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
                              "vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_per_pos"}
     assert [s.value for s in families["vllm:spec_decode_num_accepted_tokens"].samples
@@ -98,4 +99,4 @@ def test_spec_decode_metrics_take_vllms_names_only_for_a_model_that_speculates()
                     .samples if s.name.endswith("_total")}
     assert per_position == {"0": 3, "1": 2, "2": 1, "3": 1} and all(s.labels["model_name"] == "a" for s in
                                                                      families["vllm:spec_decode_num_drafts"].samples)
-    assert list(spec_decode_families("sobrio", [("b", {"spec_decode": None})])) == []
+    assert list(spec_decode_families("sobrio", [("b", EngineStats())])) == []

@@ -184,15 +184,15 @@ def test_the_served_threshold_from_the_flags_or_the_router_table():
     from types import SimpleNamespace
 
     from sobrio.gateway.config import GatewayConfig, RouterSpec
-    from sobrio.server.app import _start_router
+    from sobrio.gateway.gateway import start_router
 
     weights = router.RouterWeights.load()
-    served = SimpleNamespace(model_names=lambda: ["weak-m", "strong-m"])
+    served = ["weak-m", "strong-m"]
     table = GatewayConfig(router=RouterSpec(small="weak-m", large="strong-m", strong_share=0.2))
 
     def started(threshold=None, share=None, gateway=table):
         flags = SimpleNamespace(router_weights=None, router_threshold=threshold, router_strong_share=share)
-        return _start_router(flags, gateway, served)
+        return start_router(flags, gateway, served)
 
     assert started(threshold=0.9).threshold == 0.9
     assert started(share=0.3).threshold == weights.threshold_for_share(0.3)

@@ -8,11 +8,11 @@ speculative-decoding ones (`spec_decode_*`) exist for a model served with `--spe
 own families keep the `sobrio:` prefix whichever is chosen (`sobrio:request_table_entries`).
 
 Where each value comes from:
-- scrape time, from each engine's `stats()`: the scheduler gauges, the prefix-cache and preemption counters,
-  the engine-step token histogram (`iteration_tokens_total`, counted in the engine core), cache config info,
-  structured output (`sobrio:structured_output_*`: requests, forced tokens, grammar cache hits and misses,
-  grammar compile time, all counted in the engine core), speculative decoding (drafts, draft and accepted
-  tokens, accepted by position);
+- scrape time, from each engine's `stats()` (a typed `EngineStats`): the scheduler gauges, the prefix-cache
+  and preemption counters, the engine-step token histogram (`iteration_tokens_total`, counted in the engine
+  core), cache config info, structured output (`sobrio:structured_output_*`: requests, forced tokens, grammar
+  cache hits and misses, grammar compile time, all counted in the engine core), speculative decoding (drafts,
+  draft and accepted tokens, accepted by position);
 - each output of each sequence (`observe`, on the engine's output thread): tokens, latencies, request sizes;
 - each finished embedding request (`observe_embedding`, on the embedding worker).
 """
@@ -24,9 +24,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
+from sobrio.engine.client import EmbeddingRequestStats, EngineClient, EngineStats, HistogramCounts, Served
 from sobrio.engine.outputs import RequestOutput
-from sobrio.engine.stats import ITERATION_TOKENS_BUCKETS
-from sobrio.structured.backend import COMPILE_SECONDS_BUCKETS
 
 METRICS_PREFIXES = ("sobrio", "vllm")
 ENGINE = "0"  # vLLM's `engine` label: the data-parallel rank ("0" for one core; a group's members: their names)
@@ -59,7 +58,7 @@ class EngineStatsCollector:
     """Reads the engines' live state at scrape time: gauges, cumulative counters, the step-token histogram
     (the core keeps its bucket counts) and the cache configuration."""
 
-    def __init__(self, engines: dict, prefix: str, own_tables=lambda: {}):
+    def __init__(self, engines: dict[str, Served], prefix: str, own_tables=lambda: {}):
         self.engines = engines
         self.prefix = prefix
         self.own_tables = own_tables  # the server's per-request tables, counted beside the engines'
@@ -81,17 +80,14 @@ class EngineStatsCollector:
                                    "request that left one behind shows here once idle)", labels=["model_name", "table"])
         for model_name, engine in self.engines.items():
             stats = engine.stats()
-            if getattr(engine, "task", "generate") == "generate":
+            if engine.task == "generate":
                 generating.append((model_name, stats))
-            for member in stats.get("members") or [stats]:  # data-parallel replicas, prefill and decode cores
+                cache_infos.append({"model_name": model_name, "engine": ENGINE, **cache_config_info(engine, stats)})
+            for member in stats.cores():  # data-parallel replicas, prefill and decode cores
                 for name, family in {**gauges, **counters}.items():
-                    family.add_metric([model_name, engine_label(member)], member[name])
-            counts, total = stats.get("iteration_tokens") or ([0] * (len(ITERATION_TOKENS_BUCKETS) + 1), 0)
-            steps.add_metric([model_name, ENGINE], cumulative_buckets(ITERATION_TOKENS_BUCKETS, counts), total)
-            info = cache_config_info(engine, stats)
-            if info is not None:
-                cache_infos.append({"model_name": model_name, "engine": ENGINE, **info})
-            for table, size in {**stats["tables"], **self.own_tables()}.items():
+                    family.add_metric([model_name, engine_label(member)], getattr(member, name))
+            steps.add_metric([model_name, ENGINE], *histogram(stats.iteration_tokens))
+            for table, size in {**stats.tables, **self.own_tables()}.items():
                 tables.add_metric([model_name, table], size)
         yield from gauges.values()
         yield from counters.values()
@@ -102,17 +98,22 @@ class EngineStatsCollector:
         yield from kv_transfer_families(p, generating)
         yield from tensor_parallel_families(p, generating)
         yield from engine_fault_families(generating)
-        if cache_infos:  # one label set for the family: every engine's keys
-            keys = list(dict.fromkeys(k for info in cache_infos for k in info))
-            family = GaugeMetricFamily(f"{p}:cache_config_info", "Information of the LLMEngine CacheConfig",
-                                       labels=keys)
-            for info in cache_infos:
-                family.add_metric([info.get(k, "") for k in keys], 1)
-            yield family
+        yield from cache_config_family(p, cache_infos)
         yield tables
 
 
-def engine_fault_families(generating: list[tuple[str, dict]]):
+def cache_config_family(prefix: str, cache_infos: list[dict[str, str]]):
+    """vLLM's cache_config_info, one label set for the family: every engine's keys (none without a KV cache)."""
+    if cache_infos:
+        keys = list(dict.fromkeys(k for info in cache_infos for k in info))
+        family = GaugeMetricFamily(f"{prefix}:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                   labels=keys)
+        for info in cache_infos:
+            family.add_metric([info.get(k, "") for k in keys], 1)
+        yield family
+
+
+def engine_fault_families(generating: list[tuple[str, EngineStats]]):
     """What the engine thread survived: callback errors by type, and its own deaths (each a restart)."""
     errors = CounterMetricFamily("sobrio:engine_callback_errors", "Errors raised by a callback on the engine's "
                                  "delivery path (metrics, logs), by type; the requests went on",
@@ -120,20 +121,20 @@ def engine_fault_families(generating: list[tuple[str, dict]]):
     deaths = CounterMetricFamily("sobrio:engine_thread_deaths", "Times the engine thread died and was restarted "
                                  "(its requests failed)", labels=["model_name"])
     for model_name, stats in generating:
-        for error, count in (stats.get("callback_errors") or {}).items():
+        for error, count in stats.callback_errors.items():
             errors.add_metric([model_name, error], count)
-        deaths.add_metric([model_name], stats.get("engine_thread_deaths", 0))
+        deaths.add_metric([model_name], stats.engine_thread_deaths)
     yield errors
     yield deaths
 
 
-def cumulative_buckets(bounds: tuple[float, ...], counts: list[int]) -> list[tuple[str, int]]:
-    """Per-bucket counts (the last past the largest bound) -> Prometheus' cumulative (le, count) pairs."""
+def histogram(counts: HistogramCounts) -> tuple[list[tuple[str, int]], float]:
+    """Per-bucket counts (the last past the largest bound) -> Prometheus' cumulative (le, count) pairs, sum."""
     cumulative, buckets = 0, []
-    for bound, count in zip([*map(floatToGoString, bounds), "+Inf"], counts):
+    for bound, count in zip([*map(floatToGoString, counts.bounds), "+Inf"], counts.counts):
         cumulative += count
         buckets.append((bound, cumulative))
-    return buckets
+    return buckets, counts.total
 
 
 STRUCTURED_COUNTERS = (
@@ -143,7 +144,7 @@ STRUCTURED_COUNTERS = (
     ("grammar_cache_misses", "cache_misses", "Grammar compiles not in the compiled-grammar cache (compiled)."))
 
 
-def structured_output_families(generating: list[tuple[str, dict]]):
+def structured_output_families(generating: list[tuple[str, EngineStats]]):
     """sobrio's structured-output families (`sobrio:` whatever the prefix: vLLM has none): counters, and the
     histogram of grammar compile times, from each generating model's core stats (zero before any)."""
     labels = ["model_name", "engine"]
@@ -153,11 +154,10 @@ def structured_output_families(generating: list[tuple[str, dict]]):
                                          "Time to compile a grammar against the tokenizer (cache misses).",
                                          labels=labels)
     for model_name, all_stats in generating:
-        stats = all_stats.get("structured_outputs") or {}
+        stats = all_stats.structured_outputs
         for key, family in counters.items():
-            family.add_metric([model_name, ENGINE], stats.get(key, 0))
-        counts, total = stats.get("compile_seconds") or ([0] * (len(COMPILE_SECONDS_BUCKETS) + 1), 0.0)
-        compile_time.add_metric([model_name, ENGINE], cumulative_buckets(COMPILE_SECONDS_BUCKETS, counts), total)
+            family.add_metric([model_name, ENGINE], getattr(stats, key))
+        compile_time.add_metric([model_name, ENGINE], *histogram(stats.compile_seconds))
     yield from counters.values()
     yield compile_time
 
@@ -168,7 +168,7 @@ SPEC_DECODE_COUNTERS = (
     ("num_accepted_tokens", "Number of accepted tokens."))
 
 
-def spec_decode_families(prefix: str, generating: list[tuple[str, dict]]):
+def spec_decode_families(prefix: str, generating: list[tuple[str, EngineStats]]):
     """vLLM's speculative-decoding counters, for the models that speculate (absent for the others, as in
     vLLM): drafts, draft tokens, accepted tokens, and accepted tokens by draft position."""
     labels = ["model_name", "engine"]
@@ -176,22 +176,22 @@ def spec_decode_families(prefix: str, generating: list[tuple[str, dict]]):
                 for key, doc in SPEC_DECODE_COUNTERS}
     per_position = CounterMetricFamily(f"{prefix}:spec_decode_num_accepted_tokens_per_pos",
                                        "Accepted tokens per draft position.", labels=[*labels, "position"])
-    speculating = [(name, stats["spec_decode"]) for name, stats in generating if stats.get("spec_decode")]
+    speculating = [(name, stats.spec_decode) for name, stats in generating if stats.spec_decode is not None]
     for model_name, stats in speculating:
         for key, family in counters.items():
-            family.add_metric([model_name, ENGINE], stats[key])
-        for position, count in enumerate(stats["accepted_per_position"]):
+            family.add_metric([model_name, ENGINE], getattr(stats, key))
+        for position, count in enumerate(stats.accepted_per_position):
             per_position.add_metric([model_name, ENGINE, str(position)], count)
     if speculating:
         yield from counters.values()
         yield per_position
 
 
-def kv_offload_families(generating: list[tuple[str, dict]]):
+def kv_offload_families(generating: list[tuple[str, EngineStats]]):
     """The KV offload tiers (kv/offload.py) of the models that have them: hits per tier, misses, bytes per
     tier, load time, blocks failing authentication, disk faults."""
     labels = ["model_name", "engine"]
-    offloading = [(name, stats["kv_offload"]) for name, stats in generating if stats.get("kv_offload")]
+    offloading = [(name, stats.kv_offload) for name, stats in generating if stats.kv_offload is not None]
     if not offloading:
         return
     hits = CounterMetricFamily("sobrio:kv_offload_hits", "KV blocks loaded back from an offload tier.",
@@ -208,21 +208,21 @@ def kv_offload_families(generating: list[tuple[str, dict]]):
         ("disk_errors", "Disk tier faults (full, read-only, unreadable): those blocks are recomputed."))}
     for model_name, stats in offloading:
         for tier in ("ram", "disk"):
-            hits.add_metric([model_name, ENGINE, tier], stats[f"hits_{tier}"])
-            stored.add_metric([model_name, ENGINE, tier], stats[f"stored_{tier}"])
-            size.add_metric([model_name, ENGINE, tier], stats[f"{tier}_bytes"])
-            misses.add_metric([model_name, ENGINE, tier], stats[f"misses_{tier}"])
+            hits.add_metric([model_name, ENGINE, tier], getattr(stats, f"hits_{tier}"))
+            stored.add_metric([model_name, ENGINE, tier], getattr(stats, f"stored_{tier}"))
+            size.add_metric([model_name, ENGINE, tier], getattr(stats, f"{tier}_bytes"))
+            misses.add_metric([model_name, ENGINE, tier], getattr(stats, f"misses_{tier}"))
         for key, family in plain.items():
-            family.add_metric([model_name, ENGINE], stats[key])
+            family.add_metric([model_name, ENGINE], getattr(stats, key))
     yield from (hits, stored, size, misses, *plain.values())
 
 
-def engine_label(stats: dict) -> str:
+def engine_label(stats: EngineStats) -> str:
     """A group member's `engine` label: a data-parallel rank ("0", "1"), "prefill" or "decode"; one core: "0"."""
-    return str(stats.get("name", ENGINE)).removeprefix("dp")
+    return stats.name.removeprefix("dp")
 
 
-def kv_transfer_families(prefix: str, generating: list[tuple[str, dict]]):
+def kv_transfer_families(prefix: str, generating: list[tuple[str, EngineStats]]):
     """Disaggregated serving: bytes and seconds of KV blocks exported by prefill cores and imported by decode
     cores (their ratio is the transfer rate)."""
     labels = ["model_name", "engine"]
@@ -233,17 +233,17 @@ def kv_transfer_families(prefix: str, generating: list[tuple[str, dict]]):
     seconds = CounterMetricFamily(f"{prefix}:kv_transfer_seconds", "Seconds a core spent exporting and importing "
                                   "KV blocks", labels=labels)
     for model_name, stats in generating:
-        for member in stats.get("members") or [stats]:
-            transfer = member.get("kv_transfer")
-            if transfer:
+        for member in stats.cores():
+            transfer = member.kv_transfer
+            if transfer is not None:
                 label = [model_name, engine_label(member)]
-                sent.add_metric(label, transfer["bytes_sent"])
-                received.add_metric(label, transfer["bytes_received"])
-                seconds.add_metric(label, transfer["seconds_exporting"] + transfer["seconds_importing"])
+                sent.add_metric(label, transfer.bytes_sent)
+                received.add_metric(label, transfer.bytes_received)
+                seconds.add_metric(label, transfer.seconds_exporting + transfer.seconds_importing)
     yield from (sent, received, seconds)
 
 
-def tensor_parallel_families(prefix: str, generating: list[tuple[str, dict]]):
+def tensor_parallel_families(prefix: str, generating: list[tuple[str, EngineStats]]):
     """Tensor parallelism, as rank 0 sees it: its ranks, and its collectives' calls, bytes and seconds."""
     labels = ["model_name", "engine", "collective"]
     ranks = GaugeMetricFamily(f"{prefix}:tensor_parallel_size", "Ranks one model is split across",
@@ -253,44 +253,65 @@ def tensor_parallel_families(prefix: str, generating: list[tuple[str, dict]]):
                                  ("bytes", "Bytes rank 0 put into its collectives"),
                                  ("seconds", "Seconds rank 0 spent in collectives (waiting for the others included)")]}
     for model_name, stats in generating:
-        for member in stats.get("members") or [stats]:
-            tp = member.get("tensor_parallel")
-            if tp:
-                ranks.add_metric([model_name, engine_label(member)], tp["size"])
+        for member in stats.cores():
+            tp = member.tensor_parallel
+            if tp is not None:
+                ranks.add_metric([model_name, engine_label(member)], tp.size)
                 for collective in ("all_reduce", "all_gather"):
                     for key, family in families.items():
-                        family.add_metric([model_name, engine_label(member), collective], tp[collective][key])
+                        family.add_metric([model_name, engine_label(member), collective],
+                                          getattr(getattr(tp, collective), key))
     yield ranks
     yield from families.values()
 
 
-def cache_config_info(engine, stats: dict) -> dict[str, str] | None:
+def cache_config_info(engine: EngineClient, stats: EngineStats) -> dict[str, str]:
     """vLLM's cache_config_info labels: the cache config's fields as text, and the KV blocks allocated
-    (`num_gpu_blocks`, vLLM's name, though here they are in RAM). None for an engine without a KV cache."""
-    config = getattr(engine, "config", None)
-    if config is None or getattr(engine, "task", "generate") != "generate":
-        return None
-    info = {k: str(v) for k, v in dataclasses.asdict(config.cache_config).items()}
-    info["num_gpu_blocks"] = str(stats.get("num_blocks", ""))
+    (`num_gpu_blocks`, vLLM's name, though here they are in RAM)."""
+    info = {k: str(v) for k, v in dataclasses.asdict(engine.config.cache_config).items()}
+    info["num_gpu_blocks"] = "" if stats.num_blocks is None else str(stats.num_blocks)
     return info
 
 
+# vLLM's per-request histograms: attribute, name, help, buckets ("tokens": 1-2-5 steps up to the context)
+HISTOGRAMS = (
+    ("request_prompt_tokens", "request_prompt_tokens", "Number of prefill tokens processed.", "tokens"),
+    ("request_generation_tokens", "request_generation_tokens", "Number of generation tokens processed.", "tokens"),
+    ("request_max_num_generation_tokens", "request_max_num_generation_tokens",
+     "Histogram of maximum number of requested generation tokens.", "tokens"),
+    ("request_params_n", "request_params_n", "Histogram of the n request parameter.", N_BUCKETS),
+    ("request_params_max_tokens", "request_params_max_tokens", "Histogram of the max_tokens request parameter.",
+     "tokens"),
+    ("request_prefill_kv_computed_tokens", "request_prefill_kv_computed_tokens",
+     "Histogram of new KV tokens computed during prefill (excluding cached tokens).", "tokens"),
+    ("ttft", "time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS),
+    ("itl", "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS),
+    # vLLM's name for the same until 0.11 (hidden since); many dashboards still read it
+    ("tpot", "time_per_output_token_seconds", "Histogram of time per output token in seconds."
+     "DEPRECATED: Use vllm:inter_token_latency_seconds instead.", ITL_BUCKETS),
+    ("request_tpot", "request_time_per_output_token_seconds",
+     "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS),
+    ("e2e", "e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS),
+    ("queue_time", "request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+     REQUEST_LATENCY_BUCKETS),
+    ("inference_time", "request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.",
+     REQUEST_LATENCY_BUCKETS),
+    ("prefill_time", "request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
+     REQUEST_LATENCY_BUCKETS),
+    ("decode_time", "request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
+     REQUEST_LATENCY_BUCKETS))
+
+
 class ServerMetrics:
-    def __init__(self, engines: dict, prefix: str = "sobrio"):
+    def __init__(self, engines: dict[str, Served], prefix: str = "sobrio"):
         if prefix not in METRICS_PREFIXES:
             raise ValueError(f"metrics prefix must be one of {', '.join(METRICS_PREFIXES)}")
         self.registry = CollectorRegistry()
         self.registry.register(EngineStatsCollector(engines, prefix, self.table_sizes))
         labels = ["model_name", "engine"]
-        r = self.registry
-        max_len = max((engine.max_model_len for engine in engines.values()), default=1)
-        token_buckets = build_1_2_5_buckets(max_len)
 
         def counter(name, doc, extra=()):
-            return Counter(f"{prefix}:{name}", doc, labels + list(extra), registry=r)
-
-        def hist(name, doc, buckets):
-            return Histogram(f"{prefix}:{name}", doc, labels, buckets=buckets, registry=r)
+            return Counter(f"{prefix}:{name}", doc, labels + list(extra), registry=self.registry)
 
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
         self.prompt_tokens_by_source = counter("prompt_tokens_by_source", "Number of prompt tokens by source.",
@@ -300,53 +321,28 @@ class ServerMetrics:
         self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
         self.request_success = counter("request_success", "Count of successfully processed requests.",
                                        ["finished_reason"])
-        self.request_prompt_tokens = hist("request_prompt_tokens", "Number of prefill tokens processed.",
-                                          token_buckets)
-        self.request_generation_tokens = hist("request_generation_tokens", "Number of generation tokens processed.",
-                                              token_buckets)
-        self.request_max_num_generation_tokens = hist(
-            "request_max_num_generation_tokens", "Histogram of maximum number of requested generation tokens.",
-            token_buckets)
-        self.request_params_n = hist("request_params_n", "Histogram of the n request parameter.", N_BUCKETS)
-        self.request_params_max_tokens = hist("request_params_max_tokens",
-                                              "Histogram of the max_tokens request parameter.", token_buckets)
-        self.request_prefill_kv_computed_tokens = hist(
-            "request_prefill_kv_computed_tokens", "Histogram of new KV tokens computed during prefill (excluding "
-            "cached tokens).", token_buckets)
-        self.ttft = hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
-        self.itl = hist("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
-        # vLLM's name for the same until 0.11 (hidden since); many dashboards still read it
-        self.tpot = hist("time_per_output_token_seconds", "Histogram of time per output token in seconds."
-                         "DEPRECATED: Use vllm:inter_token_latency_seconds instead.", ITL_BUCKETS)
-        self.request_tpot = hist("request_time_per_output_token_seconds",
-                                 "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS)
-        self.e2e = hist("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                        REQUEST_LATENCY_BUCKETS)
-        self.queue_time = hist("request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
-                               REQUEST_LATENCY_BUCKETS)
-        self.inference_time = hist("request_inference_time_seconds",
-                                   "Histogram of time spent in RUNNING phase for request.", REQUEST_LATENCY_BUCKETS)
-        self.prefill_time = hist("request_prefill_time_seconds",
-                                 "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS)
-        self.decode_time = hist("request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
-                                REQUEST_LATENCY_BUCKETS)
-        for model_name in engines:  # every series from start-up, as vLLM's make_per_engine does
+        token_buckets = build_1_2_5_buckets(max((e.max_model_len for e in engines.values()), default=1))
+        for attr, name, doc, buckets in HISTOGRAMS:
+            setattr(self, attr, Histogram(f"{prefix}:{name}", doc, labels, registry=self.registry,
+                                          buckets=token_buckets if buckets == "tokens" else buckets))
+        self._start_series(engines)
+        self._last_token_time: dict[tuple[str, int], float] = {}
+        self._parents: dict[str, list[int]] = {}  # request id of n > 1 -> [sequences left, most tokens of one]
+        self._lock = threading.Lock()  # observe runs on engine threads, forget on those or the event loop
+
+    def _start_series(self, engines: dict[str, Served]) -> None:
+        """Every series from start-up, as vLLM's make_per_engine does."""
+        for model_name in engines:
             for metric in self._per_model():
                 metric.labels(model_name, ENGINE)
             for reason in FINISHED_REASONS:
                 self.request_success.labels(model_name, ENGINE, reason)
             for source in PROMPT_TOKEN_SOURCES:
                 self.prompt_tokens_by_source.labels(model_name, ENGINE, source)
-        self._last_token_time: dict[tuple[str, int], float] = {}
-        self._parents: dict[str, list[int]] = {}  # request id of n > 1 -> [sequences left, most tokens of one]
-        self._lock = threading.Lock()  # observe runs on engine threads, forget on those or the event loop
 
     def _per_model(self) -> list:
-        return [self.prompt_tokens, self.prompt_tokens_cached, self.generation_tokens, self.request_prompt_tokens,
-                self.request_generation_tokens, self.request_max_num_generation_tokens, self.request_params_n,
-                self.request_params_max_tokens, self.request_prefill_kv_computed_tokens, self.ttft, self.itl,
-                self.tpot, self.request_tpot, self.e2e, self.queue_time, self.inference_time, self.prefill_time,
-                self.decode_time]
+        return [self.prompt_tokens, self.prompt_tokens_cached, self.generation_tokens,
+                *(getattr(self, attr) for attr, *_ in HISTOGRAMS)]
 
     def table_sizes(self) -> dict[str, int]:
         return {"metrics_inter_token": len(self._last_token_time), "metrics_parents": len(self._parents)}
@@ -401,10 +397,9 @@ class ServerMetrics:
         self.request_prompt_tokens.labels(*labels).observe(num_prompt)
         self.request_generation_tokens.labels(*labels).observe(num_generated)
         self.request_prefill_kv_computed_tokens.labels(*labels).observe(num_prompt - num_cached)
-        max_tokens = getattr(m, "max_tokens", None)
-        if max_tokens:
-            self.request_params_max_tokens.labels(*labels).observe(max_tokens)
-        self._observe_parent(labels, output.request_id, getattr(m, "n", 1), num_generated)
+        if m.max_tokens:
+            self.request_params_max_tokens.labels(*labels).observe(m.max_tokens)
+        self._observe_parent(labels, output.request_id, m.n, num_generated)
 
     def _count_prompt(self, labels: tuple[str, str], num_prompt: int, num_cached: int) -> None:
         self.prompt_tokens.labels(*labels).inc(num_prompt)
@@ -426,7 +421,7 @@ class ServerMetrics:
         self.request_params_n.labels(*labels).observe(n)
         self.request_max_num_generation_tokens.labels(*labels).observe(num_generated)
 
-    def observe_embedding(self, model_name: str, stats) -> None:
+    def observe_embedding(self, model_name: str, stats: EmbeddingRequestStats) -> None:
         """A finished embedding request (`EmbeddingRequestStats`): each input counts as one request, as in vLLM,
         whose pooling requests finish with reason "stop" after their one forward (its prefill)."""
         labels = (model_name, ENGINE)

@@ -27,7 +27,10 @@ from sobrio.gateway.router_metrics import bootstrap, metrics  # noqa: E402
 KNN_HIDDEN = "kNN k=200, hidden mean, within-subject"
 ALL3 = "rank(length) + rank(ridge form) + rank(kNN hidden)"
 ALL4 = "rank(length) + rank(ridge form) + rank(kNN hidden) + rank(kNN words)"
-CONTENDERS = (KNN_HIDDEN, ALL3, ALL4)
+PAIRWISE = "pairwise logistic within subjects, form + options + hidden PCA 32"
+PAIRWISE_FORM = "pairwise logistic within subjects, form + options"
+PAIRWISE_3 = "rank(length) + rank(ridge form) + rank(pairwise form + options)"
+CONTENDERS = (ALL3, ALL4, PAIRWISE, PAIRWISE_FORM, PAIRWISE_3)
 
 
 def cached(fit):
@@ -91,13 +94,14 @@ def mlp(bench: Bench, x: np.ndarray, y: np.ndarray, hidden_dims: int):
     return fit
 
 
-def pairwise(bench: Bench, x: np.ndarray, y: np.ndarray, pairs: int = 40_000, l2: float = 1e-3):
+def pairwise(bench: Bench, x: np.ndarray, y: np.ndarray, components: int = 32, pairs: int = 40_000,
+             l2: float = 1e-3):
     """A linear score trained on pairs of prompts of one subject whose outcomes differ (logistic loss on the
-    difference of their features: RankNet, linear), the hidden states reduced to 32 components."""
+    difference of their features: RankNet, linear), with the hidden states reduced to `components`."""
     import torch
 
     def fit(train, test):
-        z = np.c_[x, reduced(bench.hidden, 32, train)]
+        z = np.c_[x, reduced(bench.hidden, components, train)] if components else x
         mu, sd = z[train].mean(0), np.maximum(z[train].std(0), 1e-6)
         z = (z - mu) / sd
         rng, subjects = np.random.default_rng(0), np.asarray(bench.subjects)
@@ -143,6 +147,7 @@ def routers(b: Bench, states: dict) -> dict:
     everything = cached(ridge(b, np.c_[b.words, hidden, form_options], d, 1.0))
     small_mlp = cached(mlp(b, form_options, d, 32))
     ranking = cached(pairwise(b, form_options, d))
+    ranking_form = cached(pairwise(b, form_options, d, components=0))
     return {
         "prompt length": length,
         SHIPPED: ranks([(1, length), (1, form_ridge)]),
@@ -161,8 +166,10 @@ def routers(b: Bench, states: dict) -> dict:
         "rank(length) + rank(that)": ranks([(1, length), (1, everything)]),
         "MLP (32 units), form + options + hidden PCA 32, within-subject": small_mlp,
         "rank(length) + rank(that) ": ranks([(1, length), (1, small_mlp)]),
-        "pairwise logistic within subjects, form + options + hidden PCA 32": ranking,
+        PAIRWISE: ranking,
         "rank(length) + rank(that)  ": ranks([(1, length), (1, ranking)]),
+        PAIRWISE_FORM: ranking_form,
+        PAIRWISE_3: ranks([(1, length), (1, form_ridge), (1, ranking_form)]),
     }
 
 

@@ -68,9 +68,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default=str(DEFAULT), help="labelled JSONL (default: the shared train.jsonl)")
     parser.add_argument("--out", required=True, help=".npz file written")
-    parser.add_argument("--depth", type=int, default=8, help="decoder layers run (default: 8 of 30)")
-    parser.add_argument("--max-tokens", type=int, default=96, help="a prompt's first tokens (default: 96)")
-    parser.add_argument("--batch", type=int, default=16, help="prompts per forward (default: 16)")
+    parser.add_argument("--depth", type=int, default=6, help="decoder layers run (default: 6 of 30)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="a prompt's first tokens (default: 64)")
+    parser.add_argument("--batch", type=int, default=32, help="prompts per forward (default: 32)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default: 2)")
     args = parser.parse_args()
     import torch

@@ -1,8 +1,11 @@
 """Build the router's labelled set (sobrio/data/router_set.jsonl): prompts with checkable answers, each
-answered greedily by the small and the large model (as a completion, "Question: ...\nAnswer:": Gemma 3's GGUF
-has no chat template), labelled by who got it right.
+answered greedily by the weak and the strong model (as a completion, "Question: ...\nAnswer:": Gemma 3's GGUF
+has no chat template), labelled by who got it right, in the router's training format (docs/router.md: `id`,
+`prompt`, `strong_correct`, `weak_correct`, `source`, `subject` = the family) plus `answer`, `split` and the
+two models' names, so `sobrio router train/eval --data sobrio/data/router_set.jsonl` read it as they read
+RouteLLM's labels.
 
-    .venv/bin/python benchmarks/router/build_router_set.py [--small smollm2-135m] [--large gemma3-270m]
+    .venv/bin/python benchmarks/router/build_router_set.py [--weak smollm2-135m] [--strong gemma3-270m]
 
 Families: arithmetic (sums, differences, products of 1-3 digit numbers), unit conversions, capitals, and
 short word problems; the answers are computed here, the check is the last number (or the capital's name)
@@ -111,23 +114,33 @@ def split_of(prompt: str) -> str:
     return "heldout" if hashlib.sha256(prompt.encode()).digest()[0] < 77 else "train"  # 77/256: 30%
 
 
+def labelled(rows: list[dict], strong: str, weak: str) -> list[dict]:
+    """The rows in the router's training format, ids numbered within each family."""
+    count: dict[str, int] = {}
+    out = []
+    for r in rows:
+        n = count[r["family"]] = count.get(r["family"], -1) + 1
+        out.append({"id": f"{r['family']}-{n:04d}", "source": "sobrio", "subject": r["family"], "prompt": r["prompt"],
+                    "answer": r["answer"], "strong_correct": r["strong_correct"], "weak_correct": r["weak_correct"],
+                    "split": split_of(r["prompt"]), "strong": strong, "weak": weak})
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--small", default="smollm2-135m")
-    parser.add_argument("--large", default="gemma3-270m")
-    parser.add_argument("--per-family", type=int, default=180)
+    parser.add_argument("--weak", default="smollm2-135m", help="the weak model (default: smollm2-135m)")
+    parser.add_argument("--strong", default="gemma3-270m", help="the strong model (default: gemma3-270m)")
+    parser.add_argument("--per-family", type=int, default=180, help="prompts per family (default: 180)")
     args = parser.parse_args()
     rows = prompts(args.per_family)
-    for role, model in (("small", args.small), ("large", args.large)):
+    for role, model in (("weak", args.weak), ("strong", args.strong)):
         for row, reply in zip(rows, answers(model, rows)):
             row[f"{role}_correct"] = correct(reply, row["answer"])
-    for row in rows:
-        row.update(split=split_of(row["prompt"]), small=args.small, large=args.large)
-    OUT.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    OUT.write_text("".join(json.dumps(r) + "\n" for r in labelled(rows, args.strong, args.weak)))
     for family in FAMILIES:
         fam = [r for r in rows if r["family"] == family]
-        print(f"{family:13s} {len(fam):4d} prompts  small {sum(r['small_correct'] for r in fam) / len(fam):.0%}  "
-              f"large {sum(r['large_correct'] for r in fam) / len(fam):.0%}")
+        print(f"{family:13s} {len(fam):4d} prompts  weak {sum(r['weak_correct'] for r in fam) / len(fam):.0%}  "
+              f"strong {sum(r['strong_correct'] for r in fam) / len(fam):.0%}")
     print(f"wrote {len(rows)} rows to {OUT}")
 
 

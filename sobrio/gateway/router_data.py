@@ -93,8 +93,9 @@ def read_scores(path: str | Path, ids: list[str]) -> np.ndarray:
 
 
 def read_set(split: str | None = None) -> list[dict]:
-    """sobrio's own small labelled set (sobrio/data/router_set.jsonl: smollm2-135m against gemma3-270m on
-    self-made questions), one split or all; benchmarks/gateway_demo.py asks its questions."""
+    """sobrio's own small labelled set (sobrio/data/router_set.jsonl, in the format above: gemma3-270m strong,
+    smollm2-135m weak, on self-made questions), one split or all; benchmarks/gateway_demo.py asks its
+    questions."""
     from importlib import resources
 
     text = resources.files("sobrio.data").joinpath("router_set.jsonl").read_text()

@@ -3,15 +3,22 @@ and typed errors answered by a lookup of what each error class says of itself.""
 
 import json
 
+import grimp
 import pytest
 
 from sobrio import errors
 from sobrio.gateway.gateway import InvalidApiKey
 from sobrio.gateway.proxy import BackendFailed, BackendTimeout
-from tests.unit.test_import_graph import import_graph
 
 SEAM = {"sobrio.engine.client", "sobrio.engine.launch", "sobrio.engine.outputs"}
 ABOVE = ("sobrio.server", "sobrio.gateway", "sobrio.agents")
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each sobrio module and the sobrio modules it imports (at any depth, late imports too): grimp's graph,
+    the one the layer contracts (.importlinter) are checked on."""
+    graph = grimp.build_graph("sobrio", exclude_type_checking_imports=False)
+    return {m: graph.find_modules_directly_imported_by(m) for m in graph.modules}
 
 
 def test_the_layers_above_the_engine_import_only_its_seam():

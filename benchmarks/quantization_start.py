@@ -36,6 +36,13 @@ def cpu_name() -> str:
     return platform.processor()
 
 
+def avx512_flags() -> str:
+    """The flags that choose the quantized kernels (AVX512-VNNI, AMX): what sets the layouts and the speed."""
+    flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("flags")), [])
+    return " ".join(f for f in flags if f.startswith(("avx512_vnni", "avx512_bf16", "amx"))) or "no VNNI/AMX"
+
+
 def one_start(model: str, kwargs: dict) -> dict:
     """One start in a fresh process: its seconds to the loaded engine and to the first token, and the token."""
     wall = time.perf_counter()
@@ -59,13 +66,14 @@ def main() -> int:
     cache = "off" if args.cache == "off" else (args.cache_dir or tempfile.mkdtemp(prefix="sobrio-qcache-"))
     kwargs = dict(quantization=args.quantization, kv_cache_memory=args.kv_cache_memory, max_model_len=1024,
                   quantization_cache=cache)
-    print(f"CPU: {cpu_name()}; model {args.model}; --quantization {args.quantization}; cache {cache}")
+    print(f"CPU: {cpu_name()} ({avx512_flags()}); model {args.model}; --quantization {args.quantization}; "
+          f"cache {cache}", flush=True)
     starts = []
     for i in range(args.starts):
         starts.append(one_start(args.model, kwargs))
         s = starts[-1]
         print(f"start {i + 1}: engine loaded {s['load_s']:.1f} s, first token {s['first_token_s']:.1f} s "
-              f"(process {s['process_s']:.1f} s), token {s['token']}")
+              f"(process {s['process_s']:.1f} s), token {s['token']}", flush=True)
     if len(starts) > 1:
         print(f"first / second start to first token: {starts[0]['first_token_s'] / starts[1]['first_token_s']:.1f}x; "
               f"same token: {starts[0]['token'] == starts[1]['token']}")

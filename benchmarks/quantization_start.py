@@ -24,8 +24,10 @@ args = json.loads(sys.argv[1])
 llm = LLM(args["model"], **args["kwargs"])
 t1 = time.perf_counter()
 out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+status = dict(line.split(":", 1) for line in open("/proc/self/status") if line.startswith(("VmRSS", "VmHWM")))
 print(json.dumps({"load_s": t1 - t0, "first_token_s": time.perf_counter() - t0,
-                  "token": out[0].outputs[0].token_ids}))
+                  "token": out[0].outputs[0].token_ids, "rss_gb": int(status["VmRSS"].split()[0]) / 1e6,
+                  "peak_gb": int(status["VmHWM"].split()[0]) / 1e6}))
 """
 
 
@@ -57,15 +59,16 @@ def one_start(model: str, kwargs: dict) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model")
-    parser.add_argument("--quantization", default="int8")
+    parser.add_argument("--quantization", default="int8", help="int8, int8-weight-only, int4, or none (bf16: a warm "
+                        "start without quantizing, for comparison)")
     parser.add_argument("--starts", type=int, default=2)
     parser.add_argument("--cache-dir", default=None, help="the quantization cache (default: a new empty folder)")
     parser.add_argument("--cache", choices=("on", "off"), default="on")
     parser.add_argument("--kv-cache-memory", type=int, default=256 << 20)
     args = parser.parse_args()
     cache = "off" if args.cache == "off" else (args.cache_dir or tempfile.mkdtemp(prefix="sobrio-qcache-"))
-    kwargs = dict(quantization=args.quantization, kv_cache_memory=args.kv_cache_memory, max_model_len=1024,
-                  quantization_cache=cache)
+    kwargs = dict(quantization=None if args.quantization == "none" else args.quantization,
+                  kv_cache_memory=args.kv_cache_memory, max_model_len=1024, quantization_cache=cache)
     print(f"CPU: {cpu_name()} ({avx512_flags()}); model {args.model}; --quantization {args.quantization}; "
           f"cache {cache}", flush=True)
     starts = []
@@ -73,7 +76,8 @@ def main() -> int:
         starts.append(one_start(args.model, kwargs))
         s = starts[-1]
         print(f"start {i + 1}: engine loaded {s['load_s']:.1f} s, first token {s['first_token_s']:.1f} s "
-              f"(process {s['process_s']:.1f} s), token {s['token']}", flush=True)
+              f"(process {s['process_s']:.1f} s), token {s['token']}, resident {s['rss_gb']:.2f} GB "
+              f"(peak {s['peak_gb']:.2f})", flush=True)
     if len(starts) > 1:
         print(f"first / second start to first token: {starts[0]['first_token_s'] / starts[1]['first_token_s']:.1f}x; "
               f"same token: {starts[0]['token'] == starts[1]['token']}")

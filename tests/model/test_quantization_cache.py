@@ -1,6 +1,7 @@
 """`--quantization-cache` (loader/quantization_cache.py): the second start of a quantized model reads what the
 first one quantized, and gets the same modules, tensors and greedy tokens; a changed checkpoint or method is
-another entry; an entry cut short is skipped, quantized again and rewritten."""
+another entry (a changed checkpoint's replaces the old one); an entry cut short is skipped, quantized again
+and rewritten."""
 
 import logging
 import os
@@ -89,6 +90,8 @@ def test_entry_gives_identical_packed_tensors_and_changes_with_the_checkpoint_an
     try:
         touched = QuantizationCache.for_model(str(tmp_path), folder, method, torch.float32, [])
         assert touched.path != cache.path and touched.read() is None
+        assert_same_state(model_state(build(folder, method, touched)), expected)  # the same bytes, quantized again
+        assert touched.path.is_file() and not cache.path.exists()  # the entry it replaces is removed
     finally:
         os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
 

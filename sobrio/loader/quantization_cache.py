@@ -104,8 +104,9 @@ class QuantizationCache:
 
     def __init__(self, folder: Path, key: dict):
         self.key = key
-        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
-        self.path = folder / f"{key['model_name']}-{key['method']}-{digest}.safetensors"
+        slot = _digest([key["checkpoint_folder"], key["method"], key["dtype"]])[:8]  # one entry per slot is kept
+        self.prefix = f"{key['model_name']}-{key['method']}-{slot}-"
+        self.path = folder / f"{self.prefix}{_digest(key)}.safetensors"
 
     @classmethod
     def for_model(cls, setting: str, model_folder: Path, method: str, dtype: torch.dtype,
@@ -160,6 +161,19 @@ class QuantizationCache:
         logger.info("quantization cache: wrote %s MB to %s in %.1f s (the next start reads it; "
                     "--quantization-cache off to not keep it)", f"{size / 1e6:,.1f}", self.path,
                     time.perf_counter() - started)
+        self._remove_older()
+
+    def _remove_older(self) -> None:
+        """Remove the entries this one replaces (the same checkpoint folder, method and dtype under another key:
+        an older sobrio, a rewritten checkpoint) and temporary files their writers, since gone, left behind."""
+        for path in self.path.parent.glob(f"{self.prefix}*.safetensors"):
+            if path != self.path:
+                logger.info("quantization cache: removing %s (replaced by %s)", path.name, self.path.name)
+                path.unlink(missing_ok=True)
+        for path in self.path.parent.glob(f".{self.prefix}*.tmp"):
+            pid = path.name.rsplit(".", 2)[-2]
+            if not pid.isdigit() or not _running(int(pid)):
+                path.unlink(missing_ok=True)
 
     def _room_for(self, nbytes: int) -> bool:
         probe = next(p for p in (self.path.parent, *self.path.parent.parents) if p.exists())
@@ -184,6 +198,21 @@ def _quantized(model: torch.nn.Module, names_before: set[str]) -> list[tuple[str
     return found
 
 
+def _digest(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists (one of another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
 def cache_key(model_folder: Path, method: str, dtype: torch.dtype, calibration_ids: list[int] | None) -> dict:
     """What the quantized bytes depend on (the module docstring lists it), as a JSON-able dict."""
     from sobrio.csrc import cpu_flags
@@ -195,6 +224,7 @@ def cache_key(model_folder: Path, method: str, dtype: torch.dtype, calibration_i
     return {
         "format": FORMAT,
         "model_name": model_folder.resolve().name,
+        "checkpoint_folder": str(model_folder.resolve()),
         "checkpoint": [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in files],
         "method": method,
         "dtype": str(dtype),

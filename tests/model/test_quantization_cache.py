@@ -12,7 +12,7 @@ import torch
 
 from sobrio import LLM, SamplingParams
 from sobrio.loader.hf import iter_safetensors_weights
-from sobrio.loader.quantization_cache import QuantizationCache
+from sobrio.loader.quantization_cache import QuantizationCache, cache_folder
 from sobrio.models.llama import CausalLM
 from sobrio.models.registry import build_model
 from tests.model.tiny_checkpoints import write_checkpoint
@@ -109,3 +109,13 @@ def test_a_cut_short_entry_is_quantized_again_and_rewritten(folder, tmp_path, ca
     assert quantized == [1]
     assert "unusable" in caplog.text and "quantizing again" in caplog.text
     assert cache.path.stat().st_size == size
+
+
+def test_the_flag_names_a_folder_or_turns_the_cache_off(tmp_path, monkeypatch):
+    assert cache_folder("off") is None
+    assert cache_folder(str(tmp_path)) == tmp_path
+    monkeypatch.delenv("SOBRIO_QUANTIZATION_CACHE", raising=False)
+    monkeypatch.setenv("SOBRIO_CACHE", str(tmp_path))
+    assert cache_folder("auto") == tmp_path / "quantized"  # the default: under sobrio's cache
+    monkeypatch.setenv("SOBRIO_QUANTIZATION_CACHE", "off")
+    assert cache_folder("auto") is None

@@ -24,6 +24,8 @@ SHOWN = " (default: %(default)s)"
 
 ENVIRONMENT = """environment variables:
   SOBRIO_CACHE        where prepared GGUF folders and assembled model files live (default: ~/.cache/sobrio)
+  SOBRIO_QUANTIZATION_CACHE
+                      --quantization-cache auto's folder (or off; default: $SOBRIO_CACHE/quantized)
   SOBRIO_DISABLE_CPP  set (to anything): use the PyTorch path, not the C++ operators
   SOBRIO_DISABLE_VNNI 1: GGUF blocks, --quantization int4 and AWQ/GPTQ codes take aten's int4 kernel and
                       grouped_linear, not vnni_linear (and so no fused decode)

@@ -19,6 +19,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 _GATEWAY_DIR = tempfile.mkdtemp(prefix="sobrio-test-gateway-")
 atexit.register(shutil.rmtree, _GATEWAY_DIR, ignore_errors=True)
 os.environ["SOBRIO_DB"] = os.path.join(_GATEWAY_DIR, "gateway.db")
+# Quantized models are quantized by each test (the code under test), not read from an earlier run's cache;
+# tests/model/test_quantization_cache.py gives the cache a folder of its own.
+os.environ["SOBRIO_QUANTIZATION_CACHE"] = "off"
 
 import pytest  # noqa: E402 - after the environment it reads
 

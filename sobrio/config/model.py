@@ -48,6 +48,11 @@ class ModelConfig(Checked):
                                           "int8-weight-only or int4 (weight-only, groups of 32); awq, gptq, gguf: "
                                           "the checkpoint's own codes, kept as they are (docs/quantization.md)",
                                     choices=QUANTIZATION_METHODS + CHECKPOINT_QUANTIZATION)
+    quantization_cache: str = flag("auto", "where --quantization int8, int8-weight-only or int4 keeps the weights "
+                                           "it quantized, so that the next start of the same checkpoint reads them "
+                                           "instead of quantizing again (loader/quantization_cache.py): a folder, "
+                                           "off, or auto ($SOBRIO_QUANTIZATION_CACHE if set, else "
+                                           "$SOBRIO_CACHE/quantized, ~/.cache/sobrio/quantized by default)")
     max_model_len: int | None = flag(None, "context length (default: the model's, capped by the KV cache)")
     max_logprobs: int = flag(20, "most logprobs (top_logprobs, prompt_logprobs) a request may ask for; more is "
                                  "a 400 (-1: up to the vocabulary)")
@@ -69,6 +74,7 @@ class ModelConfig(Checked):
         self._require("attention_backend", self.attention_backend in ATTENTION_BACKENDS,
                       f"one of {', '.join(ATTENTION_BACKENDS)}")
         self._check_quantization()
+        self._require("quantization_cache", bool(self.quantization_cache), "auto, off or a folder")
         self._require("model", bool(self.model), "a model alias, folder or file")
         self._require("tokenizer", self.tokenizer is None or bool(self.tokenizer), "a tokenizer alias, folder or "
                                                                                   "file (or unset)")

@@ -19,7 +19,7 @@ from sobrio.engine.lora import runner_adapters
 from sobrio.errors import ConfigError, InvalidRequestError
 from sobrio.kv.cache import KV_CACHE_DTYPES, KVCache, KVCacheSpec, kv_budget
 from sobrio.layers.attention import AttentionMetadata
-from sobrio.loader.load import LoadedModelFiles
+from sobrio.loader.load import LoadedModelFiles, quantization_cache
 from sobrio.models.registry import build_model
 from sobrio.models.sizing import kv_cache_spec, resolve_dtype
 from sobrio.speculative.eagle import EagleDraft, EagleFiles
@@ -124,8 +124,11 @@ class ModelRunner:
     def _build(self, files: LoadedModelFiles, quantization: str | None, batch_invariant: bool):
         with log_step(logger, "loading the weights of %s", files.source.name):
             if self.tp is None or files.config is not self.hf_config:  # a draft model is not split
+                cache = quantization_cache(self.config.model_config.quantization_cache, files, quantization,
+                                           self.dtype)
                 return build_model(files.config, self.max_model_len, files.iter_weights(), self.dtype,
-                                   self.config.model_config.attention_backend, batch_invariant, quantization)
+                                   self.config.model_config.attention_backend, batch_invariant, quantization,
+                                   quantization_cache=cache)
             weights = shard_weights(files.iter_weights(), files.config, self.tp.shard)
             model = build_model(self.rank_config, self.max_model_len, weights, self.dtype,
                                 self.config.model_config.attention_backend, batch_invariant, quantization)

@@ -54,9 +54,10 @@ def quantize_weight(weight: torch.Tensor, scale_dtype: torch.dtype) -> tuple[tor
     """(int8 [N, K], scale [N] in `scale_dtype`): symmetric per output channel, scale = max |row| / 127.
     The int8 values are rounded against the scale as stored (bf16 or fp32), so `dequantize_weight` gives
     back exactly what the kernels compute with, and no element is off by more than half a step."""
-    w = weight.detach().float()
-    scale = (w.abs().amax(dim=1) / INT8_MAX).clamp_min(torch.finfo(scale_dtype).tiny).to(scale_dtype)
-    q = torch.round(w / scale.float()[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    w = weight.detach().to(torch.float32, copy=True)  # divided in place: 2x faster than with temporaries
+    low, high = torch.aminmax(w, dim=1)
+    scale = (torch.maximum(high, low.neg_()) / INT8_MAX).clamp_min(torch.finfo(scale_dtype).tiny).to(scale_dtype)
+    q = w.div_(scale.float()[:, None]).round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, scale
 
 
@@ -317,8 +318,9 @@ def vnni_int8_codes(weight: torch.Tensor) -> vnni.VnniCodes:
     q, scale = quantize_weight(weight, torch.float16)
     n, k = q.shape
     group = 32 if k % 32 == 0 else 16
-    return vnni.VnniCodes.pack(q.to(torch.int16) + vnni.CODE_ZERO_8BIT, scale.float()[:, None].expand(n, k // group),
-                               None, 8, group, vnni.CODE_ZERO_8BIT)
+    codes = q.view(torch.uint8) ^ 0x80  # q + CODE_ZERO_8BIT as unsigned bytes: one byte-wide pass
+    return vnni.VnniCodes.pack(codes, scale.float()[:, None].expand(n, k // group), None, 8, group,
+                               vnni.CODE_ZERO_8BIT)
 
 
 def quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, method: str, name: str,

@@ -14,7 +14,6 @@ and `export_gptq` write such checkpoints from a float model folder with sobrio's
 (`layers.int4.quantize_int4_zero_point`): the same codes in both formats, so both load the same model.
 """
 
-import contextlib
 import json
 import re
 import shutil
@@ -24,12 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from sobrio.errors import ConfigError
 from sobrio.layers.int4 import GROUP_SIZES, Int4Codes, check_int4_shape, quantize_int4_zero_point
-from sobrio.loader.hf import iter_safetensors_weights, safetensors_files
+from sobrio.loader.hf import iter_safetensors_weights, safetensors_files, safetensors_names
 from sobrio.models.weights import WeightItem
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's GEMM packing: nibble i holds column AWQ_ORDER[i] of eight
@@ -176,18 +174,21 @@ def layer_codes(parts: dict[str, torch.Tensor], config: AwqGptqConfig, name: str
 
 def iter_awq_gptq_weights(folder: Path, config: AwqGptqConfig) -> Iterator[WeightItem]:
     """The checkpoint's tensors under Hugging Face names: each quantized layer once, as
-    (`<layer>.weight`, Int4Codes), the rest as float tensors. A layer's parts may lie in different shards."""
-    with contextlib.ExitStack() as stack:
-        handles = [stack.enter_context(safe_open(str(f), framework="pt")) for f in safetensors_files(folder)]
-        where = {name: handle for handle in handles for name in handle.keys()}
-        for name, handle in where.items():
-            prefix, _, part = name.rpartition(".")
-            if part == "qweight":
-                parts = {p: where[f"{prefix}.{p}"].get_tensor(f"{prefix}.{p}") for p in QUANTIZED_PARTS
-                         if f"{prefix}.{p}" in where}
-                yield f"{prefix}.weight", layer_codes(parts, config, prefix)
-            elif part not in QUANTIZED_PARTS or f"{prefix}.qweight" not in where:
-                yield name, handle.get_tensor(name)
+    (`<layer>.weight`, Int4Codes), the rest as float tensors. Read with plain reads in file order, as float
+    checkpoints are (loader/hf.py: nothing of the files stays mapped); a layer's parts, which may lie in
+    different shards, are held until its last one is read."""
+    names = {name for file in safetensors_files(folder) for name in safetensors_names(file)}
+    quantized = {name.rpartition(".")[0] for name in names if name.endswith(".qweight")}
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in iter_safetensors_weights(folder):
+        prefix, _, part = name.rpartition(".")
+        if part not in QUANTIZED_PARTS or prefix not in quantized:
+            yield name, tensor
+            continue
+        parts = pending.setdefault(prefix, {})
+        parts[part] = tensor
+        if len(parts) == sum(f"{prefix}.{p}" in names for p in QUANTIZED_PARTS):
+            yield f"{prefix}.weight", layer_codes(pending.pop(prefix), config, prefix)
 
 
 def awq_tensors(prefix: str, weight: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:

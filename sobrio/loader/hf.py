@@ -35,10 +35,8 @@ def iter_safetensors_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]
 def read_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for each tensor of one file, read in file order; a malformed file is a ValueError."""
     with open(file, "rb", buffering=0) as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_len))
+        header, start = _read_header(f, file)
         header.pop("__metadata__", None)
-        start = 8 + header_len
         for name, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
             dtype = DTYPES.get(info["dtype"])
             if dtype is None:
@@ -58,14 +56,64 @@ def read_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, tensor
 
 
+def _read_header(f, file: Path) -> tuple[dict, int]:
+    """The header of an open safetensors file and where its data starts; a malformed one is a ValueError."""
+    head = f.read(8)
+    if len(head) < 8:
+        raise ValueError(f"{file}: shorter than a safetensors header")
+    (header_len,) = struct.unpack("<Q", head)
+    try:
+        header = json.loads(f.read(header_len))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{file}: its safetensors header is not JSON ({exc})") from None
+    return header, 8 + header_len
+
+
+def safetensors_names(file: Path) -> list[str]:
+    """The names of a safetensors file's tensors, from its header."""
+    with open(file, "rb") as f:
+        header, _ = _read_header(f, file)
+    return [name for name in header if name != "__metadata__"]
+
+
+def safetensors_metadata(file: Path) -> dict[str, str]:
+    """A safetensors file's `__metadata__` (strings), after checking that the file is as long as its header
+    says (a file cut short by an interrupted write is a ValueError here, before any tensor is read)."""
+    with open(file, "rb") as f:
+        header, start = _read_header(f, file)
+    ends = [info["data_offsets"][1] for name, info in header.items() if name != "__metadata__"]
+    if file.stat().st_size != start + max(ends, default=0):
+        raise ValueError(f"{file}: {file.stat().st_size} bytes, its header says {start + max(ends, default=0)}")
+    return header.get("__metadata__", {})
+
+
+def write_safetensors(file: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
+    """Write `tensors` (contiguous, CPU) as a safetensors file, tensor by tensor from their own memory (no
+    copy of the whole in memory, as `safetensors.torch.save_file` makes); returns the bytes written."""
+    names = {dtype: name for name, dtype in DTYPES.items()}
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for name, tensor in tensors.items():
+        header[name] = {"dtype": names[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + tensor.nbytes]}
+        offset += tensor.nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data 8-byte aligned, as safetensors writes it
+    with open(file, "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)) + encoded)
+        for tensor in tensors.values():
+            if tensor.nbytes:
+                f.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+    return 8 + len(encoded) + offset
+
+
 def safetensors_elements(folder: Path) -> tuple[int, int]:
     """(elements of floating-point tensors, bytes of the others) in the folder's shards, from their headers
     alone: what the weights will take before any is read."""
     floats = others = 0
     for file in safetensors_files(folder):
         with open(file, "rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(header_len))
+            header, _ = _read_header(f, file)
         header.pop("__metadata__", None)
         for info in header.values():
             dtype = DTYPES.get(info["dtype"])

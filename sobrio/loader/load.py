@@ -7,6 +7,7 @@ from pathlib import Path
 
 from sobrio.config import ModelConfig
 from sobrio.config.chat_template import load_chat_template
+from sobrio.config.model import QUANTIZATION_METHODS
 from sobrio.loader.awq_gptq import (
     AwqGptqConfig,
     check_quantization_flag,
@@ -17,6 +18,7 @@ from sobrio.loader.awq_gptq import (
 from sobrio.loader.generation import default_sampling
 from sobrio.loader.gguf import gguf_tokenizer, iter_gguf_weights, prepared_folder
 from sobrio.loader.hf import iter_safetensors_weights, safetensors_elements
+from sobrio.loader.quantization_cache import QuantizationCache
 from sobrio.loader.resolve import ModelSource, resolve_model
 from sobrio.models.weights import WeightItem
 from sobrio.timing import log_step
@@ -58,6 +60,15 @@ def expected_weight_bytes(files: LoadedModelFiles, dtype_bytes: int, quantizatio
         return floats * 2 + others
     per_weight = _BYTES_PER_WEIGHT.get(quantization or "", dtype_bytes)
     return int(floats * per_weight) + others
+
+
+def quantization_cache(setting: str, files: LoadedModelFiles, quantization: str | None,
+                       dtype) -> QuantizationCache | None:
+    """`--quantization-cache`'s entry for this model quantized at load by `quantization` (None: not quantized
+    at load, or the cache off). A tensor-parallel rank's slice is not cached (the caller passes none)."""
+    if quantization not in QUANTIZATION_METHODS or files.quantization is not None or files.gguf_packed:
+        return None
+    return QuantizationCache.for_model(setting, files.folder, quantization, dtype)
 
 
 def load_model_files(model: str | ModelConfig, tokenizer: bool = True) -> LoadedModelFiles:

@@ -1,6 +1,7 @@
 """Map a Hugging Face architecture (or model_type) to sobrio's class."""
 
 import contextlib
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,8 @@ from sobrio.models.glm4 import Glm4ForCausalLM
 from sobrio.models.llama import ACTIVATIONS, CausalLM, LlamaForCausalLM, layer_window
 from sobrio.models.moe import MoeForCausalLM
 from sobrio.models.weights import Prequantized, PrequantizedWeight
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,10 @@ def check_config(config, family: Family) -> None:
 
 def build_model(config, max_positions: int, weights, dtype: torch.dtype, attention_backend: str,
                 batch_invariant: bool = False, quantization: str | None = None,
-                calibration_ids: list[int] | None = None) -> CausalLM:
+                calibration_ids: list[int] | None = None, quantization_cache=None) -> CausalLM:
+    """The model, its weights loaded (and quantized, where `quantization` is a method computed at load). With
+    `quantization_cache` (loader/quantization_cache.py `QuantizationCache`) an entry it holds replaces the
+    checkpoint's weights and the quantizing; without one, the quantized model is written to it."""
     from sobrio.layers.attention import BatchInvariantAttention, resolve_backend
     from sobrio.models import fused_decode
     from sobrio.models.weights import load_weights
@@ -119,19 +125,41 @@ def build_model(config, max_positions: int, weights, dtype: torch.dtype, attenti
             raise InvalidRequestError("batch_invariant cannot be used with an attention logit softcap "
                                       "(config field attn_logit_softcapping): its kernel has none", "batch_invariant")
     attn_cls = BatchInvariantAttention if batch_invariant else resolve_backend(attention_backend)
+    cached = quantization_cache.read() if quantization_cache is not None else None
     with torch.device("cpu"), _parameters_not_initialized():
         model = model_class(config)(config, max_positions, attn_cls, batch_invariant=batch_invariant)
+    if cached is not None:
+        cached = _fitting(cached, model)
     # Cast while the parameters are still unwritten memory, so the checkpoint is copied straight into the
     # dtype: loaded first in float32 and cast after, a bf16 model passed through three times its size.
     model = model.to(dtype).eval().requires_grad_(False)
-    prequantized = load_weights(model, weights)
-    install_prequantized(model, prequantized, dtype)
-    if quantization in QUANTIZATION_METHODS:  # at load; a checkpoint's own method (awq, gptq, gguf) is in place
+    if cached is not None:
+        cached.install(model)
+    else:
+        prequantized = load_weights(model, weights)
+        install_prequantized(model, prequantized, dtype)
+    if cached is None and quantization in QUANTIZATION_METHODS:  # a checkpoint's own (awq, gptq, gguf) is in place
+        names_before = {name for name, _ in model.named_modules()}
         model.quantize(quantization, calibration_ids)
+        if quantization_cache is not None:
+            quantization_cache.write(model, names_before)
     model.prepack()
     model.model.fused_decode = fused_decode.build(model)
     release_freed_memory()  # the load's transient tensors, kept by the heap otherwise
     return model
+
+
+def _fitting(cached, model: CausalLM):
+    """The cache entry with the float modules it replaces dropped from `model` (before the cast), or None
+    (one log line) where it does not fit the model."""
+    try:
+        cached.check(model)
+        cached.load()
+    except (OSError, ValueError) as exc:
+        logger.warning("quantization cache: entry unusable (%s): quantizing again and replacing it", exc)
+        return None
+    cached.strip(model)
+    return cached
 
 
 @contextlib.contextmanager

@@ -85,4 +85,5 @@ def test_the_segment_matmul_equals_its_reference(dtype):
     slots, offsets = torch.tensor([3, 0, 4]), torch.tensor([0, 2, 3, 11])
     want = segment_matmul_reference(x.double(), w.double(), slots, offsets)
     torch.testing.assert_close(segment_matmul(x, w, slots, offsets), want.to(dtype),
-                               **({"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.02}))
+                               **({"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.1,
+                                                                                                "rtol": 0.02}))

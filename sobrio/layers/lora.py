@@ -2,12 +2,14 @@
 
 Each resident adapter has a slot (`RunnerAdapters` assigns it), the same in every wrapped module, which holds
 every slot's A and B stacked in the model's dtype. A step's tokens are grouped by slot once (`LoRAStep.set`:
-their rows in slot order, a slice where contiguous), and every module then computes all its adapters'
-products in two segment matmuls (`expert_linear`, the C++ operator the mixture-of-experts MLP uses: rows
-grouped by matrix, each group against its own), whatever the number of requests or adapters. A packed module
-(q/k/v, gate/up) holds each adapter's A matrices stacked and its B matrices block-diagonal, so it too is one
-pair. Tokens of the base model run the base module alone. Where the C++ operators did not build, a loop over
-the step's adapters (one matmul pair each) computes the same: the reference the operator is tested against.
+their rows in slot order), and every module then computes all its adapters' products in two C++ calls,
+whatever the number of requests or adapters: the shrink h = x @ A.T (`expert_linear`, the segment matmul the
+mixture-of-experts MLP uses: rows grouped by matrix, each group against its own) and the expand
+y[rows] += h @ B.T (`lora_expand`, summed along the output columns and added into y in place). A packed
+module (q/k/v, gate/up) holds each adapter's A matrices stacked and its B matrices block-diagonal, so it too
+is one pair; the expand reads only B's non-zero blocks. Tokens of the base model run the base module alone.
+Where the C++ operators did not build, a loop over the step's adapters (one matmul pair each) computes the
+same: the reference the operators are tested against.
 """
 
 import torch
@@ -17,12 +19,14 @@ from sobrio.layers.moe import expert_linear_available
 
 class LoRAStep:
     """The current step's token groups, shared by every wrapped module of one model: `rows` (the token rows
-    that have an adapter, grouped by slot: a slice where they are contiguous), `slots` [G] and `offsets`
-    [G + 1] (group g is rows[offsets[g]:offsets[g + 1]], of slot slots[g]); `rows` None: no adapter."""
+    that have an adapter, grouped by slot), `slots` [G] and `offsets` [G + 1] (group g is
+    rows[offsets[g]:offsets[g + 1]], of slot slots[g]); `rows` None: no adapter. `span`: `rows` as a slice
+    where they are contiguous (the gather is then a view), else None."""
 
     def __init__(self, slots: int) -> None:
         self.capacity = slots  # the slots every wrapped module holds (the adapters resident at once)
-        self.rows: torch.Tensor | slice | None = None
+        self.rows: torch.Tensor | None = None
+        self.span: slice | None = None
         self.slots = torch.zeros(0, dtype=torch.long)
         self.offsets = torch.zeros(1, dtype=torch.long)
 
@@ -42,10 +46,9 @@ class LoRAStep:
         sizes = [sum(e - s for s, e in group) for group in spans.values()]
         self.slots = torch.tensor(list(spans), dtype=torch.long)
         self.offsets = torch.tensor([0] + sizes, dtype=torch.long).cumsum(0)
-        if all(s == e for (_, e), (s, _) in zip(ordered, ordered[1:])):
-            self.rows = slice(ordered[0][0], ordered[-1][1])
-        else:
-            self.rows = torch.cat([torch.arange(s, e) for s, e in ordered])
+        self.rows = torch.cat([torch.arange(s, e) for s, e in ordered])
+        contiguous = all(s == e for (_, e), (s, _) in zip(ordered, ordered[1:]))
+        self.span = slice(ordered[0][0], ordered[-1][1]) if contiguous else None
 
 
 def segment_matmul(x: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -67,6 +70,31 @@ def segment_matmul_reference(x: torch.Tensor, w: torch.Tensor, slots: torch.Tens
     return out
 
 
+def lora_expand(y: torch.Tensor, h: torch.Tensor, bt: torch.Tensor, spans: torch.Tensor, step: LoRAStep) -> None:
+    """y[rows] += h @ bt[slot] for each group of the step (bt [slots, R, out]; spans [slots, R, 2] the output
+    columns each rank writes, zeros elsewhere in bt). The C++ operator where it is built, else the reference."""
+    if expand_available() and y.dtype in (torch.float32, torch.bfloat16) and y.is_contiguous():
+        from sobrio.layers.cpu_ops import cpu_ops
+
+        cpu_ops().lora_expand(y, h.contiguous(), bt, spans, step.rows, step.slots, step.offsets)
+    else:
+        lora_expand_reference(y, h, bt, step)
+
+
+def lora_expand_reference(y: torch.Tensor, h: torch.Tensor, bt: torch.Tensor, step: LoRAStep) -> None:
+    delta = y.new_empty(h.shape[0], y.shape[1])
+    bounds = step.offsets.tolist()
+    for g, slot in enumerate(step.slots.tolist()):
+        delta[bounds[g]:bounds[g + 1]] = h[bounds[g]:bounds[g + 1]] @ bt[slot]
+    y.index_add_(0, step.rows, delta)
+
+
+def expand_available() -> bool:
+    from sobrio.layers.cpu_ops import cpu_ops
+
+    return hasattr(cpu_ops(), "lora_expand")
+
+
 class LoRALinear(torch.nn.Module):
     """`base` (any module computing x -> y) plus the LoRA products of the step's adapters. `slices`: the
     PEFT target names of its output slices in order (["q_proj", "k_proj", "v_proj"] for a packed module)
@@ -79,10 +107,12 @@ class LoRALinear(torch.nn.Module):
         self.in_features = in_features
         self.out_features = sum(width for _, width in slices)
         self.step = step
-        # Every slot's A [slots, R, in] and B [slots, out, R] (R: the largest stacked rank held; a smaller
-        # adapter, an empty slot or one whose adapter skips this module is zero there). None: no adapter yet.
+        # Every slot's A [slots, R, in] and B.T [slots, R, out] (R: the largest stacked rank held; a smaller
+        # adapter, an empty slot or one whose adapter skips this module is zero there), and the output
+        # columns [begin, end) each rank writes (spans [slots, R, 2], int32). None: no adapter yet.
         self.a: torch.Tensor | None = None
-        self.b: torch.Tensor | None = None
+        self.bt: torch.Tensor | None = None
+        self.spans: torch.Tensor | None = None
 
     def add_adapter(self, slot: int, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """`pairs[target] = (A [r, in], B [out, r])` (B scaled) into `slot`; slices the adapter does not target
@@ -98,40 +128,38 @@ class LoRALinear(torch.nn.Module):
             if name in pairs:
                 a, b = pairs[name]
                 self.a[slot, col:col + a.shape[0]] = a
-                self.b[slot, row:row + width, col:col + a.shape[0]] = b
+                self.bt[slot, col:col + a.shape[0], row:row + width] = b.T
+                self.spans[slot, col:col + a.shape[0]] = torch.tensor([row, row + width], dtype=torch.int32)
                 col += a.shape[0]
             row += width
 
     def remove_adapter(self, slot: int) -> None:
         if self.a is not None:
             self.a[slot].zero_()
-            self.b[slot].zero_()
+            self.bt[slot].zero_()
+            self.spans[slot].zero_()
 
     def _reserve(self, rank: int, dtype: torch.dtype) -> None:
         """Every slot with room for a stacked rank `rank` at least (grown rarely: the first adapter, or a
         larger rank than any before)."""
         if self.a is not None and self.a.shape[1] >= rank:
             return
-        old_a, old_b = self.a, self.b
-        rank = rank if old_a is None else max(rank, old_a.shape[1])
+        old = (self.a, self.bt, self.spans)
+        rank = rank if old[0] is None else max(rank, old[0].shape[1])
         self.a = torch.zeros(self.step.capacity, rank, self.in_features, dtype=dtype)
-        self.b = torch.zeros(self.step.capacity, self.out_features, rank, dtype=dtype)
-        if old_a is not None:
-            self.a[:, :old_a.shape[1]] = old_a
-            self.b[:, :, :old_b.shape[2]] = old_b
+        self.bt = torch.zeros(self.step.capacity, rank, self.out_features, dtype=dtype)
+        self.spans = torch.zeros(self.step.capacity, rank, 2, dtype=torch.int32)
+        if old[0] is not None:
+            for new, held in zip((self.a, self.bt, self.spans), old):
+                new[:, :held.shape[1]] = held
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         step = self.step
         if step.rows is None or self.a is None:
             return y
-        xs = x[step.rows] if isinstance(step.rows, slice) else x.index_select(0, step.rows)
-        delta = segment_matmul(segment_matmul(xs, self.a, step.slots, step.offsets), self.b, step.slots,
-                               step.offsets)
-        if isinstance(step.rows, slice):
-            y[step.rows] += delta
-        else:
-            y.index_add_(0, step.rows, delta)
+        xs = x[step.span] if step.span is not None else x.index_select(0, step.rows)
+        lora_expand(y, segment_matmul(xs, self.a, step.slots, step.offsets), self.bt, self.spans, step)
         return y
 
 

@@ -15,7 +15,7 @@ from sobrio.loader.load import load_model_files
 from sobrio.loader.lora import LoRARequest
 from sobrio.lora_train import tokenize_example
 from tests.conftest import engine_kwargs
-from tests.model.lora_adapters import ATTENTION, MLP, merged_greedy, write_adapter
+from tests.model.lora_adapters import ATTENTION, CHAT_TEMPLATE, MLP, merged_greedy, write_adapter
 from tests.model.tiny_checkpoints import hf_greedy, prompt, write_checkpoint
 
 MAX_TOKENS = 12
@@ -92,10 +92,6 @@ def test_ngram_speculation_keeps_the_adapters_output_and_model_drafts_are_refuse
     spec.engine.core.close()
     with pytest.raises(ConfigError, match="layer_skip"):
         _engine(base, speculative_config={"method": "layer_skip", "num_speculative_tokens": 2})
-
-
-CHAT_TEMPLATE = ("{% for m in messages %}{{ 'w3' if m['role'] == 'user' else 'w4' }} {{ m['content'] }} w5 "
-                 "{% endfor %}{% if add_generation_prompt %}w4 {% endif %}")
 
 
 def test_train_lora_writes_an_adapter_sobrio_serves_as_peft_merged(family, tmp_path):

@@ -1,8 +1,8 @@
 // The expand half of a step's LoRA products: y[rows[i]] += h[i] @ bt[slot of i's group], rows grouped by
 // adapter slot (layers/lora.py). A packed module's B is block-diagonal (q/k/v, gate/up): `spans[slot, r]`
 // gives the output columns rank r writes, so the zero blocks are neither read nor added. The sum runs in
-// float32 over r as axpy along the output columns (16 columns of one bt row read per rank for up to 4 rows
-// at once, no horizontal reductions), and each y element is rounded once. Parallel over (group, column block).
+// float32 over r as axpy along the output columns (each rank's row of bt read once for up to 4 rows, front
+// to back; no horizontal reductions), and each y element is rounded once. Parallel over (group, column block).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -16,7 +16,7 @@ namespace {
 
 using sobrio_vec::to_float;
 
-constexpr int64_t kBlock = 256;  // output columns a work item adds
+constexpr int64_t kBlock = 512;  // output columns a work item adds (4 rows x 512 float32 sums: 8 KB of L1)
 constexpr int64_t kRows = 4;
 
 // The scalar form: other CPUs, and the columns past the last full 16 of a block.
@@ -34,35 +34,42 @@ void expand_scalar(T* y, int64_t ldy, const float* hf, int64_t R, const T* bt, c
   }
 }
 
-// Up to kRows rows of one group against columns [c0, c1) of its bt: 16 columns at a time, kept in
-// registers over every rank whose span meets them (bt is zero outside the spans, so a chunk that meets a
-// span may be read whole).
+// Up to kRows rows of one group against columns [c0, c1) of its bt: rank by rank, each rank's columns in
+// its span read front to back (one sequential run of bt a rank: the weights stream from memory) and
+// added into float32 sums that stay in L1; y read and rounded once at the end.
 template <typename T>
 void expand_block(T* y, int64_t ldy, const T* h, int64_t R, const T* bt, const int32_t* spans, int64_t N,
                   const int64_t* rows, int64_t count, int64_t c0, int64_t c1) {
   std::vector<float> hf(kRows * R);
+  alignas(64) float acc[kRows][kBlock];
   for (int64_t i0 = 0; i0 < count; i0 += kRows) {
     const int64_t m = std::min(kRows, count - i0);
     for (int64_t i = 0; i < m * R; ++i) hf[i] = to_float(h[i0 * R + i]);
-    int64_t c = c0;
+    int64_t full = c0;  // columns [c0, full) go through the vector loop
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
     if constexpr (sobrio_vec::kVectorized<T>) {
-      for (; c + 16 <= c1; c += 16) {
-        __m512 acc[kRows];
-        for (int64_t i = 0; i < m; ++i) acc[i] = _mm512_setzero_ps();
-        for (int64_t r = 0; r < R; ++r) {
-          if (spans[2 * r] >= c + 16 || spans[2 * r + 1] <= c) continue;
-          const __m512 b = sobrio_vec::load16(bt + r * N + c);
-          for (int64_t i = 0; i < m; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(hf[i * R + r]), b, acc[i]);
+      full = c0 + (c1 - c0) / 16 * 16;
+      for (int64_t i = 0; i < m; ++i) std::fill(acc[i], acc[i] + (full - c0), 0.f);
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t lo = std::max<int64_t>(c0, spans[2 * r]), hi = std::min<int64_t>(full, spans[2 * r + 1]);
+        if (lo >= hi) continue;
+        const T* b = bt + r * N;
+        for (int64_t c = c0 + (lo - c0) / 16 * 16; c < hi; c += 16) {  // whole chunks: bt is zero off the span
+          const __m512 bv = sobrio_vec::load16(b + c);
+          for (int64_t i = 0; i < m; ++i) {
+            float* a = acc[i] + (c - c0);
+            _mm512_store_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(hf[i * R + r]), bv, _mm512_load_ps(a)));
+          }
         }
-        for (int64_t i = 0; i < m; ++i) {
-          T* yr = y + rows[i0 + i] * ldy + c;
-          sobrio_vec::store16(yr, _mm512_add_ps(sobrio_vec::load16(yr), acc[i]));
-        }
+      }
+      for (int64_t i = 0; i < m; ++i) {
+        T* yr = y + rows[i0 + i] * ldy;
+        for (int64_t c = c0; c < full; c += 16)
+          sobrio_vec::store16(yr + c, _mm512_add_ps(sobrio_vec::load16(yr + c), _mm512_load_ps(acc[i] + (c - c0))));
       }
     }
 #endif
-    expand_scalar<T>(y, ldy, hf.data(), R, bt, spans, N, rows + i0, m, c, c1);
+    expand_scalar<T>(y, ldy, hf.data(), R, bt, spans, N, rows + i0, m, full, c1);
   }
 }
 

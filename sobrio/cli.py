@@ -131,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_quantize(sub)
     _add_train_draft(sub)
+    from sobrio.lora_train import add_train_lora_parser
+
+    add_train_lora_parser(sub)
     from sobrio.agents.cli import add_agents_parser, add_skills_parser
     from sobrio.bench.cli import add_bench_parser
     from sobrio.gateway.admin import add_admin_parser

@@ -42,34 +42,40 @@ class RunnerAdapters:
         self.decoder = model.model
         self.fused_decode = self.decoder.fused_decode  # off in a step with an adapter: it has no LoRA products
         self.shapes = target_shapes(hf_config)
-        self.step = LoRAStep()
+        self.step = LoRAStep(max_resident)
         self.layers = attach_lora(self.decoder.layers, self.shapes, self.step)
         self.dtype, self.max_rank, self.max_resident = dtype, max_rank, max_resident
-        self.resident: OrderedDict[int, str] = OrderedDict()  # id -> name, least recently used first
+        self.resident: OrderedDict[int, int] = OrderedDict()  # id -> slot, least recently used first
+        self.free = list(range(max_resident - 1, -1, -1))  # slots no adapter holds (popped from the end)
 
     def prepare(self, adapters: list[LoRARequest | None], lengths: list[int]) -> None:
-        """Before a step's forward: each request's adapter resident, the tokens grouped by adapter."""
-        for adapter in dict.fromkeys(a for a in adapters if a is not None):
+        """Before a step's forward: each request's adapter resident, the tokens grouped by adapter slot."""
+        needed = list(dict.fromkeys(a for a in adapters if a is not None))
+        for adapter in needed:  # the step's resident adapters last in line for eviction, before any load
+            if adapter.lora_int_id in self.resident:
+                self.resident.move_to_end(adapter.lora_int_id)
+        for adapter in needed:
             self._ensure(adapter)
-        self.step.set([None if a is None else a.lora_int_id for a in adapters], lengths)
-        self.decoder.fused_decode = None if self.step.groups else self.fused_decode
+        self.step.set([None if a is None else self.resident[a.lora_int_id] for a in adapters], lengths)
+        self.decoder.fused_decode = None if self.step.rows is not None else self.fused_decode
 
     def _ensure(self, adapter: LoRARequest) -> None:
         if adapter.lora_int_id in self.resident:
-            self.resident.move_to_end(adapter.lora_int_id)
             return
         with log_step(logger, "loading LoRA adapter %s", adapter.lora_name):
             weights = read_adapter(adapter.lora_path, self.max_rank, len(self.layers), self.shapes, self.dtype)
+        if not self.free:
+            self._evict(next(iter(self.resident)))
+        slot = self.free.pop()
         for i, targets in enumerate(self.layers):
             for module in dict.fromkeys(targets.values()):
-                module.add_adapter(adapter.lora_int_id, {name: ab for (layer, name), ab in weights.items()
-                                                         if layer == i and name in targets})
-        self.resident[adapter.lora_int_id] = adapter.lora_name
-        while len(self.resident) > self.max_resident:
-            self._evict(next(iter(self.resident)))
+                module.add_adapter(slot, {name: ab for (layer, name), ab in weights.items()
+                                          if layer == i and name in targets})
+        self.resident[adapter.lora_int_id] = slot
 
     def _evict(self, adapter_id: int) -> None:
-        self.resident.pop(adapter_id)
+        slot = self.resident.pop(adapter_id)
         for targets in self.layers:
-            for module in targets.values():
-                module.remove_adapter(adapter_id)
+            for module in dict.fromkeys(targets.values()):
+                module.remove_adapter(slot)
+        self.free.append(slot)

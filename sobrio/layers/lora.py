@@ -1,65 +1,98 @@
 """LoRA on top of any Linear (bf16, int8, int4, GGUF): the base module's output plus each adapter's (x @ A) @ B.
 
-A step's tokens are grouped by adapter once (`LoRAStep`: one adapter's rows as a slice or index, several
-adapters' as a padded [adapters, rows] table), so every wrapped module runs one matmul pair for one adapter
-and one batched pair (`torch.bmm`) for several, whatever the number of requests: no Python loop over
-requests or adapters in the forward. A packed module (q/k/v, gate/up) holds each adapter's
-A matrices stacked and its B matrices block-diagonal, so it too is one pair per adapter. Tokens of the base
-model run the base module alone.
+Each resident adapter has a slot (`RunnerAdapters` assigns it), the same in every wrapped module, which holds
+every slot's A and B stacked in the model's dtype. A step's tokens are grouped by slot once (`LoRAStep.set`:
+their rows in slot order), and every module then computes all its adapters' products in two C++ calls,
+whatever the number of requests or adapters: the shrink h = x @ A.T (`expert_linear`, the segment matmul the
+mixture-of-experts MLP uses: rows grouped by matrix, each group against its own) and the expand
+y[rows] += h @ B.T (`lora_expand`, summed along the output columns and added into y in place). A packed
+module (q/k/v, gate/up) holds each adapter's A matrices stacked and its B matrices block-diagonal, so it too
+is one pair; the expand reads only B's non-zero blocks. Tokens of the base model run the base module alone.
+Where the C++ operators did not build, a loop over the step's adapters (one matmul pair each) computes the
+same: the reference the operators are tested against.
 """
 
 import torch
 
+from sobrio.layers.moe import expert_linear_available
+
 
 class LoRAStep:
-    """The current step's token groups, shared by every wrapped module of one model. With several adapters
-    active, their rows are laid out as a padded [adapters, rows] table, so a module computes every adapter's
-    product in two batched matmuls (`torch.bmm`) whatever the number of adapters or requests."""
+    """The current step's token groups, shared by every wrapped module of one model: `rows` (the token rows
+    that have an adapter, grouped by slot), `slots` [G] and `offsets` [G + 1] (group g is
+    rows[offsets[g]:offsets[g + 1]], of slot slots[g]); `rows` None: no adapter. `span`: `rows` as a slice
+    where they are contiguous (the gather is then a view), else None."""
 
-    def __init__(self) -> None:
-        self.groups: list[tuple[int, torch.Tensor | slice]] = []
-        self.ids: tuple[int, ...] = ()  # the active adapters, in the table's order
-        self.gather: torch.Tensor | None = None  # [adapters * rows]: the token row of each slot (padding: 0)
-        self.valid: torch.Tensor | None = None  # the slots that hold a token (None: all of them)
-        self.dest: torch.Tensor | None = None  # the token row of each valid slot
+    def __init__(self, slots: int) -> None:
+        self.capacity = slots  # the slots every wrapped module holds (the adapters resident at once)
+        self.rows: torch.Tensor | None = None
+        self.span: slice | None = None
+        self.slots = torch.zeros(0, dtype=torch.long)
+        self.offsets = torch.zeros(1, dtype=torch.long)
 
-    def set(self, adapter_of_request: list[int | None], lengths: list[int]) -> None:
-        """`adapter_of_request[i]`: the id of request i's adapter (None: the base model), `lengths[i]` its
-        tokens in the flat batch. A group whose rows are contiguous is a slice (no gather)."""
-        rows: dict[int, list[tuple[int, int]]] = {}
+    def set(self, slot_of_request: list[int | None], lengths: list[int]) -> None:
+        """`slot_of_request[i]`: the slot of request i's adapter (None: the base model), `lengths[i]` its
+        tokens in the flat batch."""
+        spans: dict[int, list[tuple[int, int]]] = {}
         start = 0
-        for adapter, n in zip(adapter_of_request, lengths):
-            if adapter is not None and n:
-                rows.setdefault(adapter, []).append((start, start + n))
+        for slot, n in zip(slot_of_request, lengths):
+            if slot is not None and n:
+                spans.setdefault(slot, []).append((start, start + n))
             start += n
-        self.groups = [(adapter, _rows(spans)) for adapter, spans in rows.items()]
-        self.ids = tuple(rows)
-        self.gather = self.valid = self.dest = None
-        if len(self.groups) > 1:
-            self._table([torch.cat([torch.arange(s, e) for s, e in spans]) for spans in rows.values()])
-
-    def _table(self, members: list[torch.Tensor]) -> None:
-        width = max(len(m) for m in members)
-        table = torch.zeros(len(members), width, dtype=torch.long)
-        mask = torch.zeros(len(members), width, dtype=torch.bool)
-        for i, m in enumerate(members):
-            table[i, :len(m)] = m
-            mask[i, :len(m)] = True
-        self.gather = table.view(-1)
-        self.dest = torch.cat(members)
-        self.valid = None if bool(mask.all()) else mask.view(-1).nonzero().squeeze(1)
+        if not spans:
+            self.rows = None
+            return
+        ordered = [span for group in spans.values() for span in group]
+        sizes = [sum(e - s for s, e in group) for group in spans.values()]
+        self.slots = torch.tensor(list(spans), dtype=torch.long)
+        self.offsets = torch.tensor([0] + sizes, dtype=torch.long).cumsum(0)
+        self.rows = torch.cat([torch.arange(s, e) for s, e in ordered])
+        contiguous = all(s == e for (_, e), (s, _) in zip(ordered, ordered[1:]))
+        self.span = slice(ordered[0][0], ordered[-1][1]) if contiguous else None
 
 
-def _rows(spans: list[tuple[int, int]]) -> torch.Tensor | slice:
-    merged = [list(spans[0])]
-    for s, e in spans[1:]:
-        if s == merged[-1][1]:
-            merged[-1][1] = e
-        else:
-            merged.append([s, e])
-    if len(merged) == 1:
-        return slice(*merged[0])
-    return torch.cat([torch.arange(s, e) for s, e in merged])
+def segment_matmul(x: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows grouped by slot, each group @ w[its slot].T: x [rows, K], w [slots, N, K] -> [rows, N]. The C++
+    operator where it is built, else one matmul a group (the reference)."""
+    if expert_linear_available() and x.dtype in (torch.float32, torch.bfloat16):
+        from sobrio.layers.cpu_ops import cpu_ops
+
+        return cpu_ops().expert_linear(x.contiguous(), w, slots, offsets)
+    return segment_matmul_reference(x, w, slots, offsets)
+
+
+def segment_matmul_reference(x: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, offsets: torch.Tensor
+                             ) -> torch.Tensor:
+    out = x.new_empty(x.shape[0], w.shape[1])
+    bounds = offsets.tolist()
+    for g, slot in enumerate(slots.tolist()):
+        out[bounds[g]:bounds[g + 1]] = x[bounds[g]:bounds[g + 1]] @ w[slot].T
+    return out
+
+
+def lora_expand(y: torch.Tensor, h: torch.Tensor, bt: torch.Tensor, spans: torch.Tensor, step: LoRAStep) -> None:
+    """y[rows] += h @ bt[slot] for each group of the step (bt [slots, R, out]; spans [slots, R, 2] the output
+    columns each rank writes, zeros elsewhere in bt). The C++ operator where it is built, else the reference."""
+    if expand_available() and y.dtype in (torch.float32, torch.bfloat16) and y.is_contiguous():
+        from sobrio.layers.cpu_ops import cpu_ops
+
+        cpu_ops().lora_expand(y, h.contiguous(), bt, spans, step.rows, step.slots, step.offsets)
+    else:
+        lora_expand_reference(y, h, bt, step)
+
+
+def lora_expand_reference(y: torch.Tensor, h: torch.Tensor, bt: torch.Tensor, step: LoRAStep) -> None:
+    delta = y.new_empty(h.shape[0], y.shape[1])
+    bounds = step.offsets.tolist()
+    for g, slot in enumerate(step.slots.tolist()):
+        delta[bounds[g]:bounds[g + 1]] = h[bounds[g]:bounds[g + 1]] @ bt[slot]
+    y.index_add_(0, step.rows, delta)
+
+
+def expand_available() -> bool:
+    from sobrio.layers.cpu_ops import cpu_ops
+
+    return hasattr(cpu_ops(), "lora_expand")
 
 
 class LoRALinear(torch.nn.Module):
@@ -74,63 +107,60 @@ class LoRALinear(torch.nn.Module):
         self.in_features = in_features
         self.out_features = sum(width for _, width in slices)
         self.step = step
-        self.adapters: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (A [R, in], B [out, R])
-        self._stack_key: tuple[int, ...] | None = None
-        self._stack: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))
+        # Every slot's A [slots, R, in] and B.T [slots, R, out] (R: the largest stacked rank held; a smaller
+        # adapter, an empty slot or one whose adapter skips this module is zero there), and the output
+        # columns [begin, end) each rank writes (spans [slots, R, 2], int32). None: no adapter yet.
+        self.a: torch.Tensor | None = None
+        self.bt: torch.Tensor | None = None
+        self.spans: torch.Tensor | None = None
 
-    def add_adapter(self, adapter_id: int, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """`pairs[target] = (A [r, in], B [out, r])` (B scaled); slices the adapter does not target stay zero."""
-        present = [(name, width, pairs[name]) for name, width in self.slices if name in pairs]
+    def add_adapter(self, slot: int, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """`pairs[target] = (A [r, in], B [out, r])` (B scaled) into `slot`; slices the adapter does not target
+        stay zero."""
+        present = [(name, pairs[name]) for name, _ in self.slices if name in pairs]
         if not present:
+            self.remove_adapter(slot)
             return
-        a = torch.cat([ab[0] for _, _, ab in present])
-        b = torch.zeros(self.out_features, a.shape[0], dtype=a.dtype)
+        self._reserve(sum(ab[0].shape[0] for _, ab in present), present[0][1][0].dtype)
+        self.remove_adapter(slot)
         row, col = 0, 0
         for name, width in self.slices:
             if name in pairs:
-                r = pairs[name][0].shape[0]
-                b[row:row + width, col:col + r] = pairs[name][1]
-                col += r
+                a, b = pairs[name]
+                self.a[slot, col:col + a.shape[0]] = a
+                self.bt[slot, col:col + a.shape[0], row:row + width] = b.T
+                self.spans[slot, col:col + a.shape[0]] = torch.tensor([row, row + width], dtype=torch.int32)
+                col += a.shape[0]
             row += width
-        self.adapters[adapter_id] = (a, b)
-        self._stack_key = None
 
-    def remove_adapter(self, adapter_id: int) -> None:
-        self.adapters.pop(adapter_id, None)
-        self._stack_key = None
+    def remove_adapter(self, slot: int) -> None:
+        if self.a is not None:
+            self.a[slot].zero_()
+            self.bt[slot].zero_()
+            self.spans[slot].zero_()
+
+    def _reserve(self, rank: int, dtype: torch.dtype) -> None:
+        """Every slot with room for a stacked rank `rank` at least (grown rarely: the first adapter, or a
+        larger rank than any before)."""
+        if self.a is not None and self.a.shape[1] >= rank:
+            return
+        old = (self.a, self.bt, self.spans)
+        rank = rank if old[0] is None else max(rank, old[0].shape[1])
+        self.a = torch.zeros(self.step.capacity, rank, self.in_features, dtype=dtype)
+        self.bt = torch.zeros(self.step.capacity, rank, self.out_features, dtype=dtype)
+        self.spans = torch.zeros(self.step.capacity, rank, 2, dtype=torch.int32)
+        if old[0] is not None:
+            for new, held in zip((self.a, self.bt, self.spans), old):
+                new[:, :held.shape[1]] = held
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         step = self.step
-        if len(step.groups) == 1:
-            adapter_id, rows = step.groups[0]
-            ab = self.adapters.get(adapter_id)
-            if ab is not None and isinstance(rows, slice):
-                y[rows] += (x[rows] @ ab[0].T) @ ab[1].T
-            elif ab is not None:
-                y.index_add_(0, rows, (x.index_select(0, rows) @ ab[0].T) @ ab[1].T)
-        elif step.groups:
-            a_t, b_t = self._stacked(step.ids)  # float32: PyTorch's CPU bmm has no fast bf16 path (20x slower)
-            xs = x.index_select(0, step.gather).view(len(step.ids), -1, x.shape[1]).float()
-            delta = torch.bmm(torch.bmm(xs, a_t), b_t).view(-1, y.shape[1]).to(y.dtype)
-            y.index_add_(0, step.dest, delta if step.valid is None else delta.index_select(0, step.valid))
+        if step.rows is None or self.a is None:
+            return y
+        xs = x[step.span] if step.span is not None else x.index_select(0, step.rows)
+        lora_expand(y, segment_matmul(xs, self.a, step.slots, step.offsets), self.bt, self.spans, step)
         return y
-
-    def _stacked(self, ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """A^T [adapters, in, R] and B^T [adapters, R, out] of these adapters (R: their largest rank; an
-        adapter without this module, or of a smaller rank, padded with zeros), kept while the set is the same."""
-        if self._stack_key == ids:
-            return self._stack
-        pairs = [self.adapters.get(i) for i in ids]
-        rank = max((p[0].shape[0] for p in pairs if p is not None), default=1)
-        a_t = torch.zeros(len(ids), self.in_features, rank)
-        b_t = torch.zeros(len(ids), rank, self.out_features)
-        for j, p in enumerate(pairs):
-            if p is not None:
-                a_t[j, :, :p[0].shape[0]] = p[0].T
-                b_t[j, :p[0].shape[0]] = p[1].T
-        self._stack_key, self._stack = ids, (a_t, b_t)
-        return self._stack
 
 
 def attach_lora(layers: torch.nn.ModuleList, shapes: dict[str, tuple[int, int]], step: LoRAStep

@@ -6,6 +6,9 @@ import torch
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
+# A chat template for the tiny word-level tokenizer (which has none): roles and turn ends as vocabulary words
+CHAT_TEMPLATE = ("{% for m in messages %}{{ 'w3' if m['role'] != 'assistant' else 'w4' }} {{ m['content'] }} w5 "
+                 "{% endfor %}{% if add_generation_prompt %}w4 {% endif %}")
 
 
 def write_adapter(base: Path, out: Path, targets: list[str], seed: int, rank: int = 8, rslora: bool = False,

@@ -3,13 +3,19 @@ transformers + PEFT with the adapter merged, for attention and MLP targets, on L
 mixing two adapters and the base model equals each run alone (chunked prefill on); two adapters never share
 prefix-cache blocks; PEFT features sobrio lacks are refused by name."""
 
+import json
+import shutil
+
 import pytest
 
 from sobrio import LLM, SamplingParams
+from sobrio.cli import main
 from sobrio.errors import ConfigError
+from sobrio.loader.load import load_model_files
 from sobrio.loader.lora import LoRARequest
+from sobrio.lora_train import tokenize_example
 from tests.conftest import engine_kwargs
-from tests.model.lora_adapters import ATTENTION, MLP, merged_greedy, write_adapter
+from tests.model.lora_adapters import ATTENTION, CHAT_TEMPLATE, MLP, merged_greedy, write_adapter
 from tests.model.tiny_checkpoints import hf_greedy, prompt, write_checkpoint
 
 MAX_TOKENS = 12
@@ -86,3 +92,24 @@ def test_ngram_speculation_keeps_the_adapters_output_and_model_drafts_are_refuse
     spec.engine.core.close()
     with pytest.raises(ConfigError, match="layer_skip"):
         _engine(base, speculative_config={"method": "layer_skip", "num_speculative_tokens": 2})
+
+
+def test_train_lora_writes_an_adapter_sobrio_serves_as_peft_merged(family, tmp_path):
+    """`sobrio train-lora` on the tiny base (a chat template added): the loss counts assistant tokens only, and
+    the trained adapter's greedy output in sobrio equals transformers + PEFT with it merged."""
+    base, _, llm = family
+    chat_base = tmp_path / "chat-base"
+    shutil.copytree(base, chat_base)
+    (chat_base / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    rows = [{"messages": [{"role": "user", "content": f"w{10 + i} w{11 + i}"},
+                          {"role": "assistant", "content": f"w{200 + i} w{300 + i} w{400 + i}"}]} for i in range(6)]
+    (tmp_path / "data.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    ids, labels = tokenize_example(load_model_files(str(chat_base)).tokenizer, rows[0]["messages"], 64)
+    assert [t for t, lab in zip(ids, labels) if lab != -100] == [200, 300, 400, 5]  # the answer and its end
+    out = tmp_path / "adapter"
+    assert main(["train-lora", str(chat_base), str(tmp_path / "data.jsonl"), str(out), "--epochs", "1", "--lr",
+                 "0.05", "--batch-size", "2", "--rank", "4"]) == 0
+    lora = LoRARequest("trained", 9, str(out))
+    got = llm.generate({"prompt_token_ids": PROMPTS[1]}, GREEDY, use_tqdm=False, lora_request=lora)[0]
+    assert got.outputs[0].token_ids == merged_greedy(base, out, PROMPTS[1], MAX_TOKENS)
+    assert got.outputs[0].token_ids != hf_greedy(base, PROMPTS[1], MAX_TOKENS, ignore_eos=True), "training did nothing"

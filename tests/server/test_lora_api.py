@@ -8,7 +8,7 @@ import pytest
 from openai import NotFoundError, OpenAI, PermissionDeniedError
 
 from sobrio.gateway.tenants import Limits, TenantStore
-from tests.model.lora_adapters import ATTENTION, MLP, merged_greedy, write_adapter
+from tests.model.lora_adapters import ATTENTION, CHAT_TEMPLATE, MLP, merged_greedy, write_adapter
 from tests.model.tiny_checkpoints import hf_greedy, prompt, tokenizer, write_checkpoint
 from tests.server.conftest import serving
 
@@ -20,6 +20,7 @@ PROMPT = prompt(21, seed=5)
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora-api")
     base = write_checkpoint(root / "base", "llama", {})
+    (base / "chat_template.jinja").write_text(CHAT_TEMPLATE)  # the agents' requests are chat completions
     return {"base": base, "attn": write_adapter(base, root / "attn", ATTENTION, seed=1),
             "mlp": write_adapter(base, root / "mlp", MLP, seed=2),
             "dora": write_adapter(base, root / "dora", ATTENTION, seed=3, use_dora=True)}
@@ -91,3 +92,15 @@ def test_a_tenant_limited_to_an_adapter_and_its_ledger_rows_name_it(srv):
                  ).status_code == 403
     rows = httpx.get(f"{srv.base_url}/v1/usage", headers={"Authorization": f"Bearer {srv.tenant_key}"}).json()
     assert {row["served_model"] for row in rows["data"] if row["served_model"]} == {"attn"}
+
+
+def test_a_sub_agent_role_names_an_adapter(srv, folders):
+    """A team file's role whose model is an adapter runs on it (here through a tenant allowed only that adapter):
+    the agents' requests are ordinary requests naming the adapter as their model."""
+    roles = {"planner": {"model": "attn", "instructions": "Split the task.", "max_tokens": 4, "max_turns": 1},
+             "worker": {"model": "attn", "instructions": "Answer.", "max_tokens": 4, "max_turns": 1}}
+    answer = httpx.post(f"{srv.base_url}/v1/agents/runs", json={"team": {"roles": roles}, "task": "w7 w8"},
+                        headers={"Authorization": f"Bearer {srv.tenant_key}"}, timeout=120)
+    assert answer.status_code == 200, answer.text
+    agents = answer.json()["agents"]
+    assert agents and all(a["model"] == "attn" and a["stopped"] != "error" for a in agents), agents

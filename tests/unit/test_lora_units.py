@@ -9,7 +9,16 @@ import torch
 
 from sobrio.config.lora import LoRAConfig
 from sobrio.errors import ConfigError, InvalidRequestError
-from sobrio.layers.lora import LoRALinear, LoRAStep
+from sobrio.layers.lora import (
+    LoRALinear,
+    LoRAStep,
+    expand_available,
+    lora_expand,
+    lora_expand_reference,
+    segment_matmul,
+    segment_matmul_reference,
+)
+from sobrio.layers.moe import expert_linear_available
 from sobrio.layers.quantization import quantized_linear
 from sobrio.loader.lora import read_adapter_config
 
@@ -52,7 +61,7 @@ def test_a_quantized_base_plus_each_adapter_on_its_rows_only():
     torch.manual_seed(0)
     weight = torch.randn(48, 64)
     base = quantized_linear(weight, None, "int8-weight-only", "o_proj")
-    step = LoRAStep()
+    step = LoRAStep(slots=3)
     module = LoRALinear(base, [("q_proj", 32), ("k_proj", 16)], 64, step)
     pairs = {1: {"q_proj": (torch.randn(4, 64), torch.randn(32, 4))}, 2: {"k_proj": (torch.randn(2, 64),
                                                                                      torch.randn(16, 2))}}
@@ -68,4 +77,30 @@ def test_a_quantized_base_plus_each_adapter_on_its_rows_only():
     a, b = pairs[2]["k_proj"]
     want[5, 32:] += (x[5] @ a.T) @ b.T
     torch.testing.assert_close(got, want)
-    assert isinstance(step.groups[1][1], slice) and not isinstance(step.groups[0][1], slice)
+    assert step.rows.tolist() == [0, 1, 2, 6, 7, 8, 9, 5] and step.offsets.tolist() == [0, 7, 8]
+    step.set([2, 2, None], [1, 3, 2])  # contiguous rows: a slice, no gather
+    assert step.span == slice(0, 4) and step.slots.tolist() == [2]
+    module.remove_adapter(1)  # an emptied slot adds nothing
+    step.set([1], [10])
+    torch.testing.assert_close(module(x), base(x))
+
+
+@pytest.mark.skipif(not (expert_linear_available() and expand_available()), reason="the C++ operators did not build")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_shrink_and_expand_operators_equal_their_reference(dtype):
+    torch.manual_seed(0)
+    step = LoRAStep(slots=5)
+    step.set([3, None, 0, 4, 3], [1, 2, 1, 5, 1])
+    x, w = torch.randn(10, 72, dtype=dtype), torch.randn(5, 40, 72, dtype=dtype)
+    x = x.index_select(0, step.rows)
+    want = segment_matmul_reference(x.double(), w.double(), step.slots, step.offsets)
+    tolerance = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.02}
+    torch.testing.assert_close(segment_matmul(x, w, step.slots, step.offsets), want.to(dtype), **tolerance)
+    h, bt = torch.randn(8, 6, dtype=dtype), torch.randn(5, 6, 300, dtype=dtype)  # 300 columns: two blocks and a tail
+    spans = torch.tensor([[0, 300], [0, 300], [10, 270], [10, 270], [0, 0], [0, 0]], dtype=torch.int32).repeat(5, 1, 1)
+    bt[:, 2:4, :10], bt[:, 2:4, 270:], bt[:, 4:] = 0, 0, 0  # zero outside the spans, as LoRALinear holds it
+    y = torch.randn(10, 300, dtype=dtype)
+    want = y.double()
+    lora_expand_reference(want, h.double(), bt.double(), step)
+    lora_expand(y, h, bt, spans, step)
+    torch.testing.assert_close(y, want.to(dtype), **tolerance)

@@ -7,7 +7,7 @@ TEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 4 ? n : 4 )))
 
 .PHONY: install test test-exhaustive chat serve lint bench clean
 
-$(STAMP): pyproject.toml Makefile sobrio/csrc/paged_attention.cpp sobrio/csrc/cpu_ops.cpp sobrio/csrc/amx_linear.cpp sobrio/csrc/grouped_linear.cpp sobrio/csrc/vnni_linear.cpp sobrio/csrc/vec.h
+$(STAMP): pyproject.toml Makefile $(wildcard sobrio/csrc/*.cpp sobrio/csrc/*.h)
 	@echo "==> [1/7] virtual environment $(VENV), newest pip"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --progress-bar on --upgrade pip

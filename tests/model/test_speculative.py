@@ -100,8 +100,11 @@ def _no_blocks_held(llm: LLM) -> bool:
     return pool.num_free == pool.num_blocks and all(b.ref_count == 0 for b in pool.blocks)
 
 
+# Gemma's layer skip (its sliding windows while drafting into its own cache) costs ~70 s on 2 cores: behind
+# the exhaustive marker; Gemma's windows under drafts stay covered by gemma3-ngram, layer skip by smollm2's
 @pytest.mark.parametrize("alias, method", [
-    ("smollm2-135m", NGRAM), ("gemma3-270m", NGRAM), ("smollm2-135m", LAYER_SKIP), ("gemma3-270m", LAYER_SKIP),
+    ("smollm2-135m", NGRAM), ("gemma3-270m", NGRAM), ("smollm2-135m", LAYER_SKIP),
+    pytest.param("gemma3-270m", LAYER_SKIP, marks=pytest.mark.exhaustive),
     ("smollm2-135m", DRAFT_MODEL), ("smollm2-135m", EAGLE)],
     ids=["smollm2-ngram", "gemma3-ngram", "smollm2-layer_skip", "gemma3-layer_skip", "smollm2-draft_model",
          "smollm2-eagle"])

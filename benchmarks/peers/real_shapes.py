@@ -136,7 +136,7 @@ def main() -> int:
     write_hf(args.shape, folder, args.seed)
     print(folder)
     for qtype in args.gguf:
-        from benchmarks.peers.gguf_writer import write_gguf
+        from gguf_writer import write_gguf  # beside this script, which Python puts first on sys.path
 
         path = gguf_path(args.out, args.shape, qtype)
         if not path.is_file():

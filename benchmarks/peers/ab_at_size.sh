@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Issue 43's serving figures at a real size, sobrio against vLLM's CPU build on the same bf16 folder, each server
+# fresh, one after the other with quiet gaps, the same client and prompts (`sobrio bench serve`, random tokens,
+# EOS ignored):
+#   inflight16: 48 requests of 128 prompt tokens, 64 output tokens, 16 in flight (the issue's workload)
+#   inflight32: 64 requests of 128 / 64, 32 in flight
+#   ttft1000, ttft4000: 2 requests one at a time of 1,000 / 4,000 prompt tokens, 2 output tokens
+#   benchmarks/peers/ab_at_size.sh MODEL_FOLDER SEED...  -> results/at-size-{LABEL}-SEED-{workload}.json + a table
+# SERVERS lists the servers in the order run (default "sobrio sobrio-int8 vllm"); sobrio-int8 is
+# `--quantization int8` (its first start fills the quantization cache: start it once before timing).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+MODEL=${1:?model folder}
+shift
+SERVED=$(basename "$MODEL")
+SERVERS=${SERVERS:-sobrio sobrio-int8 vllm}
+mkdir -p results
+SERVER=
+trap 'if [ -n "$SERVER" ]; then kill "$SERVER" 2>/dev/null || true; fi' EXIT  # an interrupted run leaves no server behind
+wait_for() { for _ in $(seq 900); do curl -sf "$1" >/dev/null && return 0; sleep 1; done; echo "no answer from $1" >&2; return 1; }
+port_free() { if curl -s -o /dev/null "http://127.0.0.1:$1/"; then echo "something already answers on port $1: stop it first" >&2; exit 1; fi; }
+bench() {  # URL LABEL WORKLOAD SEED FLAGS...
+  local url=$1 out="results/at-size-$2-$4-$3.json" seed=$4
+  shift 4
+  .venv/bin/sobrio bench serve --base-url "$url" --model "$SERVED" --tokenizer "$MODEL" --ignore-eos --no-progress \
+    --seed "$seed" --result-json "$out" "$@" > /dev/null
+}
+start() {  # NAME PORT
+  case "$1" in
+    sobrio) .venv/bin/sobrio serve "$MODEL" --port "$2" > "results/at-size-$1-serve.log" 2>&1 & ;;
+    sobrio-int8) .venv/bin/sobrio serve "$MODEL" --port "$2" --quantization int8 > "results/at-size-$1-serve.log" 2>&1 & ;;
+    vllm) MAX_MODEL_LEN=8192 benchmarks/peers/vllm_server.sh "$MODEL" "$2" > "results/at-size-$1-serve.log" 2>&1 & ;;
+    *) echo "unknown server $1" >&2; exit 2 ;;
+  esac
+  SERVER=$!
+}
+for SEED in "$@"; do
+  for NAME in $SERVERS; do
+    PORT=8000; [ "$NAME" = vllm ] && PORT=8100
+    port_free "$PORT"
+    T0=$(date +%s)
+    start "$NAME" "$PORT"
+    wait_for "http://127.0.0.1:$PORT/v1/models"
+    echo "$NAME ready in $(($(date +%s) - T0)) s"
+    sleep 5
+    URL=http://127.0.0.1:$PORT
+    bench "$URL" "$NAME" inflight16 "$SEED" --num-prompts 48 --input-len 128 --output-len 64 --max-concurrency 16
+    bench "$URL" "$NAME" inflight32 "$((SEED + 1))" --num-prompts 64 --input-len 128 --output-len 64 --max-concurrency 32
+    bench "$URL" "$NAME" ttft1000 "$((SEED + 2))" --num-prompts 2 --input-len 1000 --output-len 2 --max-concurrency 1
+    bench "$URL" "$NAME" ttft4000 "$((SEED + 3))" --num-prompts 2 --input-len 4000 --output-len 2 --max-concurrency 1
+    kill "$SERVER"; wait "$SERVER" || true; SERVER=; sleep 15
+  done
+  .venv/bin/python - "$SEED" $SERVERS <<'PY'
+import json, sys
+seed, names = sys.argv[1], sys.argv[2:]
+load = lambda n, w: json.load(open(f"results/at-size-{n}-{seed}-{w}.json"))
+print(f"seed {seed}: output tok/s at 16 and 32 in flight, TTFT p50 at 1,000 and 4,000 prompt tokens")
+rows = {n: (load(n, "inflight16")["output_throughput"], load(n, "inflight32")["output_throughput"],
+            load(n, "ttft1000")["p50_ttft_ms"], load(n, "ttft4000")["p50_ttft_ms"]) for n in names}
+for n, (a, b, c, d) in rows.items():
+    print(f"  {n:12s} {a:7.1f} {b:7.1f} tok/s | TTFT {c:7.0f} {d:7.0f} ms")
+if "vllm" in rows:
+    v = rows["vllm"]
+    for n, r in rows.items():
+        if n != "vllm":
+            print(f"  {n} / vllm: {r[0] / v[0]:.2f}x {r[1] / v[1]:.2f}x tok/s | TTFT {r[2] / v[2]:.2f}x {r[3] / v[3]:.2f}x")
+PY
+done

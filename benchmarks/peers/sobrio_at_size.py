@@ -69,8 +69,9 @@ def bench(base: str, model: str, folder: str, result: Path, *flags: str) -> dict
 def serve_figures(args, extra: list[str]) -> dict:
     base, model = f"http://127.0.0.1:{args.port}", Path(args.folder).name
     start = time.monotonic()
+    log = open(args.result_json.with_suffix(".serve.log") if args.result_json else os.devnull, "w")  # no prompt text
     server = subprocess.Popen([str(BIN / "sobrio"), "serve", args.folder, "--port", str(args.port), *extra],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                              stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_ready(f"{base}/health", server)
         ready = time.monotonic() - start
@@ -78,10 +79,10 @@ def serve_figures(args, extra: list[str]) -> dict:
         figures = {"start_s": round(ready, 1), "start_to_first_token_s": round(time.monotonic() - start, 1)}
         figures |= resident(server.pid)
         with tempfile.TemporaryDirectory() as tmp:
-            one = bench(base, model, args.folder, Path(tmp) / "b1.json", "--num-prompts", "4", "--input-len", "80",
-                        "--output-len", "64", "--seed", "1")
+            one = bench(base, model, args.folder, Path(tmp) / "b1.json", "--num-prompts", str(args.batch1_prompts),
+                        "--input-len", "80", "--output-len", str(args.batch1_tokens), "--seed", "1")
             figures["batch1_tok_s"] = round(one["output_throughput"], 2)
-            for length in (1000, 4000):  # a failure is recorded, the figures so far kept
+            for length in args.ttft_lengths:  # a failure is recorded, the figures so far kept
                 try:
                     r = bench(base, model, args.folder, Path(tmp) / f"t{length}.json", "--num-prompts", "2",
                               "--input-len", str(length), "--output-len", "2", "--seed", "2")
@@ -93,6 +94,7 @@ def serve_figures(args, extra: list[str]) -> dict:
     finally:
         server.terminate()
         server.wait(timeout=60)
+        log.close()
 
 
 def roofline(folder: str, extra: list[str]) -> list[str]:
@@ -109,6 +111,10 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--result-json", type=Path, default=None)
     parser.add_argument("--no-roofline", action="store_true", help="skip `sobrio bench roofline`")
+    parser.add_argument("--batch1-prompts", type=int, default=4, help="batch-1 requests (default %(default)s)")
+    parser.add_argument("--batch1-tokens", type=int, default=64, help="tokens each batch-1 request decodes")
+    parser.add_argument("--ttft-lengths", type=int, nargs="*", default=[1000, 4000],
+                        help="prompt lengths whose time to first token is measured (default %(default)s)")
     args, extra = parser.parse_known_args()
     figures = {"cpu": cpu_name(), "cores": os.cpu_count(), "model": args.folder, "flags": extra}
     figures |= serve_figures(args, extra)

@@ -253,11 +253,13 @@ class CausalLM(torch.nn.Module):
         linears = [(parent_name, parent, name, child) for parent_name, parent in list(self.named_modules())
                    for name, child in list(parent.named_children()) if isinstance(child, Linear)]
         with log_step(logger, "quantizing %d Linears to %s%s", len(linears), method, " by GPTQ" if hessians else ""):
-            for parent_name, parent, name, child in linears:
+            while linears:  # popped: each float weight is freed once quantized, so the peak stays near bf16's size
+                parent_name, parent, name, child = linears.pop()
                 qualified = f"{parent_name}.{name}" if parent_name else name
                 setattr(parent, name, quantized_linear(child.weight, child.bias, method, qualified,
                                                        grouped_inputs=name == "down_proj",
                                                        hessian=hessians.pop(qualified, None)))
+                del child
         assert not hessians, f"GPTQ statistics for no Linear: {sorted(hessians)[:3]}"
         for name, module in list(self.named_modules()):
             if isinstance(module, FusedExperts):  # each expert as a dense Linear is (layers/moe.py)

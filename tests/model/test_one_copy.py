@@ -137,3 +137,29 @@ def test_resident_memory_after_load_is_weights_and_kv(checkpoint):
     assert got["weights"] <= floats * 2 * 1.01
     assert got["after"] - got["before"] <= 1.1 * (got["weights"] + got["kv"]) + (48 << 20), got
     assert not got["mapped"]
+
+
+def test_quantizing_frees_each_float_weight_as_it_goes(checkpoint, monkeypatch):
+    """`--quantization` at load: when a Linear is quantized, the float weights of those quantized before it are
+    gone, so the peak of a first start stays near the bf16 model's size (an 8B int8 first start held both
+    models, 24 GB, and was killed on a 24 GB machine)."""
+    import weakref
+
+    import sobrio.models.llama as llama
+    from sobrio.loader.load import load_model_files
+    from sobrio.models.registry import build_model
+
+    done: list[weakref.ref] = []
+    quantize = llama.quantized_linear
+
+    def checked(weight, *args, **kwargs):
+        alive = [ref for ref in done if ref() is not None]
+        assert not alive, f"{len(alive)} float weights quantized earlier are still held"
+        out = quantize(weight, *args, **kwargs)
+        done.append(weakref.ref(weight))
+        return out
+
+    monkeypatch.setattr(llama, "quantized_linear", checked)
+    files = load_model_files(str(checkpoint), tokenizer=False)
+    build_model(files.config, 256, files.iter_weights(), torch.bfloat16, "auto", quantization="int8-weight-only")
+    assert len(done) == 4 * 4 + 1  # qkv, o, gate_up, down per layer; the untied head

@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from quantization_start import cpu_name  # noqa: E402
+from quantization_start import avx512_flags, cpu_name  # noqa: E402
 
 POLL_S = 0.05
 TIMEOUT_S = 600.0
@@ -91,7 +91,7 @@ def main() -> int:
     args = parser.parse_args()
     checkouts = {"baseline": Path(args.baseline).resolve(), "candidate": Path(args.candidate).resolve()}
     warm(args.model)
-    print(f"CPU: {cpu_name()}, {os.cpu_count()} CPUs; load average before {os.getloadavg()[0]:.2f}; "
+    print(f"CPU: {cpu_name()} ({avx512_flags()}), {os.cpu_count()} CPUs; load average before {os.getloadavg()[0]:.2f}; "
           f"model {args.model}", flush=True)
     seconds: dict[str, list[float]] = {name: [] for name in checkouts}
     for round_ in range(args.rounds):

@@ -1,23 +1,32 @@
 """sobrio: a frugal LLM inference engine.
 
-The OpenMP thread policy is set first (`sobrio.openmp`), before anything imports torch.
+The OpenMP thread policy is set first (`sobrio.openmp`), before anything imports torch. The public names load
+on first use (PEP 562), so a process that needs only part of sobrio (the server before it starts its engine
+core, the engine core itself) does not import the offline engine with them.
 """
 
-from sobrio import openmp  # noqa: F401  (first: before anything imports torch)
-from sobrio.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from sobrio.errors import InvalidRequestError, SobrioError, UnknownModelError
-from sobrio.llm import LLM
-from sobrio.types.params import SamplingParams, StructuredOutputsParams
+import importlib
 
-__all__ = [
-    "LLM",
-    "CompletionOutput",
-    "InvalidRequestError",
-    "Logprob",
-    "RequestOutput",
-    "SamplingParams",
-    "SobrioError",
-    "StructuredOutputsParams",
-    "UnknownModelError",
-]
+from sobrio import openmp  # noqa: F401  (first: before anything imports torch)
+
+_EXPORTS = {
+    "LLM": "sobrio.llm",
+    "CompletionOutput": "sobrio.engine.outputs",
+    "Logprob": "sobrio.engine.outputs",
+    "RequestOutput": "sobrio.engine.outputs",
+    "InvalidRequestError": "sobrio.errors",
+    "SobrioError": "sobrio.errors",
+    "UnknownModelError": "sobrio.errors",
+    "SamplingParams": "sobrio.types.params",
+    "StructuredOutputsParams": "sobrio.types.params",
+}
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'sobrio' has no attribute {name!r}")

@@ -5,7 +5,10 @@ traceback; `sobrio serve [MODEL]` is `vllm serve [MODEL]` (server/serving.py).
 """
 
 import argparse
+import importlib
+import importlib.util
 import sys
+from collections.abc import Callable
 
 from sobrio.engine_args import add_engine_args, apply_config_file, config_file_of, engine_kwargs
 from sobrio.errors import ConfigError, SobrioError, UnknownModelError
@@ -115,35 +118,15 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """sobrio's parser; with `command` one of its subcommands, that subcommand's alone: each imports what its
+    flags need (the others import torch and transformers), and `sobrio serve` starts its engine cores before
+    this process imports them."""
     parser = argparse.ArgumentParser(prog="sobrio", description="A frugal LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_models(sub)
-    gen = sub.add_parser("generate", help="complete one or more prompts offline")
-    add_engine_args(gen)
-    add_sampling_args(gen)
-    gen.add_argument("--prompt", action="append", required=True)
-    gen.set_defaults(func=cmd_generate)
-    chat = sub.add_parser("chat", help="interactive chat, streamed")
-    add_engine_args(chat)
-    add_sampling_args(chat)
-    chat.set_defaults(func=cmd_chat)
-    _add_serve(sub)
-    _add_quantize(sub)
-    _add_train_draft(sub)
-    from sobrio.lora_train import add_train_lora_parser
-
-    add_train_lora_parser(sub)
-    from sobrio.agents.cli import add_agents_parser, add_skills_parser
-    from sobrio.bench.cli import add_bench_parser
-    from sobrio.gateway.admin import add_admin_parser
-    from sobrio.gateway.router_cli import add_router_parser
-
-    add_admin_parser(sub)
-    add_router_parser(sub)
-    add_bench_parser(sub)
-    add_skills_parser(sub)
-    add_agents_parser(sub)
+    adders = _subcommands()
+    for _, add in [a for a in adders if command in a[0]] or adders:
+        add(sub)
     parser.commands = sub.choices  # name -> subparser: `--config FILE` sets that parser's defaults
     return parser
 
@@ -231,15 +214,53 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     return 0
 
 
+def _subcommands() -> list[tuple[tuple[str, ...], Callable]]:
+    """(the subcommands, the function that adds their parsers), in `sobrio --help`'s order."""
+    def lora(sub):
+        from sobrio.lora_train import add_train_lora_parser
+
+        add_train_lora_parser(sub)
+
+    def imported(module: str, name: str) -> Callable:
+        return lambda sub: getattr(importlib.import_module(module), name)(sub)
+
+    return [(("models",), _add_models), (("generate", "chat"), _add_generate_and_chat), (("serve",), _add_serve),
+            (("quantize",), _add_quantize), (("train-draft",), _add_train_draft), (("train-lora",), lora),
+            (("admin",), imported("sobrio.gateway.admin", "add_admin_parser")),
+            (("router",), imported("sobrio.gateway.router_cli", "add_router_parser")),
+            (("bench",), imported("sobrio.bench.cli", "add_bench_parser")),
+            (("skills",), imported("sobrio.agents.cli", "add_skills_parser")),
+            (("agents",), imported("sobrio.agents.cli", "add_agents_parser"))]
+
+
+def _add_generate_and_chat(sub) -> None:
+    gen = sub.add_parser("generate", help="complete one or more prompts offline")
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.add_argument("--prompt", action="append", required=True)
+    gen.set_defaults(func=cmd_generate)
+    chat = sub.add_parser("chat", help="interactive chat, streamed")
+    add_engine_args(chat)
+    add_sampling_args(chat)
+    chat.set_defaults(func=cmd_chat)
+
+
 def _add_serve(sub) -> None:
     """`serve` only where the server's dependencies are installed; the agents' routes (/v1/agents/runs) join
-    the server's here, above both, so the server never imports the agents."""
-    try:
-        from sobrio.agents import routes as agent_routes
-        from sobrio.server.serving import add_serve_parser
-    except ImportError:
+    the server's here, above both, so the server never imports the agents. Nothing of the server is imported
+    yet: `sobrio serve` starts its engine cores first."""
+    if any(importlib.util.find_spec(package) is None for package in ("fastapi", "uvicorn", "httpx")):
         return
-    add_serve_parser(sub, extra_routes=(agent_routes.register,))
+    from sobrio.server.serving import add_serve_parser
+
+    add_serve_parser(sub, extra_routes=(_register_agent_routes,))
+
+
+def _register_agent_routes(app, server) -> None:
+    """The agents' routes, imported when the app is built (after the engine cores started)."""
+    from sobrio.agents import routes as agent_routes
+
+    agent_routes.register(app, server)
 
 
 def _read_turn(interactive: bool) -> str | None:
@@ -257,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command. A bad flag value or an unknown model exits 2 with its message (as argparse does), any
     other error sobrio raises on purpose exits 1 with its message: one line, without a traceback."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = build_parser()
+    parser = build_parser(argv[0] if argv else None)
     config_file = config_file_of(argv)
     command = parser.commands.get(argv[0]) if argv else None
     if config_file is not None and command is not None and "--config" in command._option_string_actions:

@@ -16,11 +16,13 @@ into it (`guard.CallbackGuard`), and if it dies anyway its requests fail at once
 """
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from sobrio.config import ServerConfig, SobrioConfig
 from sobrio.engine.client import EngineClient
@@ -31,8 +33,9 @@ from sobrio.engine.guard import CallbackGuard, where
 from sobrio.engine.llm_engine import LLMEngine
 from sobrio.engine.outputs import RequestOutput
 from sobrio.errors import EngineStepError, EngineUnavailableError, InvalidRequestError, SobrioError
-from sobrio.loader.load import load_model_files
+from sobrio.loader.load import LoadedModelFiles, load_model_files
 from sobrio.loader.lora import LoRARequest
+from sobrio.loader.resolve import core_may_start_first
 from sobrio.types.params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -329,18 +332,44 @@ class AsyncLLM(_ClientBase):
             self._deliver_all(outputs)
 
 
+def _files_and_cores(config: SobrioConfig, startup_timeout: float,
+                     started: CoreProcess | None = None) -> tuple[LoadedModelFiles, object]:
+    """The front's tokenizer and config, read here while the core(s) start (one process, data-parallel replicas,
+    or prefill + decode; `started`: one process started already, `launch.start_cores`) and load the weights:
+    the core's start is the longer, so it goes first. A GGUF not prepared yet is prepared here first (the
+    core reads what that writes). A failure on either side stops what the other started."""
+    if started is not None:
+        try:
+            files = load_model_files(config.model_config)
+        except BaseException:
+            started.close(timeout=1)
+            raise
+        return files, started.ready()
+    if not core_may_start_first(config.model_config.model):
+        files = load_model_files(config.model_config)
+        return files, open_cores(config, startup_timeout)
+    with ThreadPoolExecutor(1, thread_name_prefix="core-start") as pool:
+        cores = pool.submit(open_cores, config, startup_timeout)  # waits on a socket: this thread runs
+        try:
+            files = load_model_files(config.model_config)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                cores.result().close()
+            raise
+        return files, cores.result()
+
+
 class AsyncMPClient(_ClientBase):
     """The core in its own process: the thread receives each step's outputs and runs the front on them."""
 
     def __init__(self, config: SobrioConfig, max_restarts: int = ServerConfig.engine_restarts,
                  startup_timeout: float = 600.0, on_output: Callable[[RequestOutput, float], None] | None = None,
-                 on_fatal: Callable[[], None] | None = None):
+                 on_fatal: Callable[[], None] | None = None, started: CoreProcess | None = None):
+        """`started`: its core process, started already (`launch.start_cores`), which this client owns."""
         self.config, self.max_restarts, self.startup_timeout = config, max_restarts, startup_timeout
         self.on_fatal = on_fatal  # called when the core died more than max_restarts times
         self.restarts = 0
-        # tokenizer and config here; prepares a GGUF once, before the core
-        files = load_model_files(config.model_config)
-        core = open_cores(config, startup_timeout)  # one process, data-parallel replicas, or prefill + decode
+        files, core = _files_and_cores(config, startup_timeout, started)
         logger.info("engine layout of %s: %s", config.model_config.model, " | ".join(core.layout()))
         super().__init__(LLMEngine(config, core=core, files=files), on_output)
         self._thread.start()

@@ -5,7 +5,9 @@ Two ZMQ sockets over IPC (a private 0700 folder): API -> core carries `("add", E
 once, `("failed", why)` if start-up fails, and `("outputs", [EngineCoreOutput], stats)` after each step (or
 after inputs that changed something while idle). Messages are pickled: `benchmarks/ipc_overhead.py` measures the cost.
 
-The core process never sees text: the front tokenizes and detokenizes on the API side.
+The core process never sees text: the front tokenizes and detokenizes on the API side. This module imports
+neither torch nor the engine at its top, so `sobrio serve` starts a core (`CoreProcess(wait=False)`) before
+it imports its own heavy modules and reads the tokenizer, and both load at once.
 """
 
 import contextlib
@@ -21,16 +23,18 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import zmq
 
 from sobrio import openmp
 from sobrio.config import SobrioConfig
-from sobrio.engine.core import EngineCoreRequest
 from sobrio.engine.cpu_share import open_governor, spin_count_for_start
-from sobrio.engine.executor import ExecutorDeadError
 from sobrio.engine.orphan import exit_with_parent
 from sobrio.errors import SobrioError
+
+if TYPE_CHECKING:
+    from sobrio.engine.core import EngineCoreRequest
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +61,8 @@ def run_engine_core(config: SobrioConfig, input_addr: str, output_addr: str, log
     """Entry point of the engine-core process: load, report ready, then step while there is work.
     `watch_parent`: exit when the process that started this one (`parent_pid`, given by that process: one
     that died while this one imported is no longer its parent) is gone (a Ray actor: Ray does that)."""
+    from sobrio.engine.executor import ExecutorDeadError
+
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s")
     parent = (parent_pid or os.getppid()) if watch_parent else None
     if parent is not None:  # also while loading: a core must not outlive its API process
@@ -248,7 +254,8 @@ def _listening(path: Path) -> bool:
 class CoreProcess:
     """Starts the engine-core process and speaks to it; the front calls it like an in-process core."""
 
-    def __init__(self, config: SobrioConfig, startup_timeout: float = 600.0):
+    def __init__(self, config: SobrioConfig, startup_timeout: float = 600.0, wait: bool = True):
+        """Start the core's process; with `wait`, wait until it is ready (else call `ready()` before use)."""
         self.config, self.startup_timeout = config, startup_timeout
         if removed := sweep_stale_socket_folders():
             logger.info("removed %d socket folder(s) left by killed sobrio processes", removed)
@@ -261,8 +268,18 @@ class CoreProcess:
         self._closed, self._close_lock = False, threading.Lock()
         logger.info("starting the engine-core process of %s (it loads the weights)", config.model_config.model)
         self.process = self._start(input_addr, output_addr)
-        self.info = self._wait_ready(startup_timeout)
-        self.max_model_len = self.info.max_model_len
+        self._started = time.monotonic()
+        self.info: CoreInfo | None = None
+        if wait:
+            self.ready()
+
+    def ready(self) -> "CoreProcess":
+        """Wait, within the start-up timeout counted from the start, until the core has loaded; raise
+        SobrioError (the process stopped) if it failed or timed out."""
+        if self.info is None:
+            self.info = self._wait_ready(self.startup_timeout)
+            self.max_model_len = self.info.max_model_len
+        return self
 
     def _bind(self) -> tuple[str, str]:
         """Bind the two sockets; the addresses the core connects to."""
@@ -281,7 +298,7 @@ class CoreProcess:
         return process
 
     def _wait_ready(self, timeout: float) -> CoreInfo:
-        deadline = time.monotonic() + timeout
+        deadline = self._started + timeout
         while time.monotonic() < deadline:
             if self._outputs.poll(500):
                 kind, payload, *_ = decode(self._outputs.recv())
@@ -297,7 +314,7 @@ class CoreProcess:
         raise SobrioError(f"engine core for {self.config.model_config.model} not ready after {timeout:.0f}s")
 
     # the in-process core's interface, as the front uses it
-    def add_request(self, creq: EngineCoreRequest) -> None:
+    def add_request(self, creq: "EngineCoreRequest") -> None:
         self._send(("add", creq))
 
     def abort_requests(self, request_ids: list[str]) -> None:

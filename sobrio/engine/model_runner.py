@@ -126,7 +126,7 @@ class ModelRunner:
             if self.tp is None or files.config is not self.hf_config:  # a draft model is not split
                 cache = quantization_cache(self.config.model_config.quantization_cache, files, quantization,
                                            self.dtype)
-                return build_model(files.config, self.max_model_len, files.iter_weights(), self.dtype,
+                return build_model(files.config, self.max_model_len, files.iter_weights(in_place=True), self.dtype,
                                    self.config.model_config.attention_backend, batch_invariant, quantization,
                                    quantization_cache=cache)
             weights = shard_weights(files.iter_weights(), files.config, self.tp.shard)

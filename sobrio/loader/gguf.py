@@ -6,7 +6,6 @@ Hugging Face folder (config.json, tokenizer files, float32 model.safetensors) un
 read that folder in about a second.
 """
 
-import hashlib
 import os
 import re
 import shutil
@@ -18,7 +17,7 @@ import torch
 
 from sobrio.loader.gguf_glm4 import GLM4_LAYER_NAMES, glm4_config, glm4_tokenizer
 from sobrio.loader.gguf_moe import ROUTER, expert_weights, moe_config
-from sobrio.paths import cache_dir
+from sobrio.loader.resolve import prepared_path
 
 # GGUF tensor name (after `blk.N.`) -> Hugging Face name (after `model.layers.N.`), per architecture.
 _LAYER_NAMES = {
@@ -46,19 +45,12 @@ _TABLES = {"phi3": _PHI3_LAYER_NAMES, "glm4": _GLM4_LAYER_NAMES}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def _prepared_path(gguf_path: Path) -> Path:
-    """Where the GGUF's prepared folder lives: keyed by its path, size and mtime, so an edited file is redone."""
-    stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    return cache_dir() / "prepared" / f"{gguf_path.stem}-{key}"
-
-
 def gguf_tokenizer(gguf_path: Path):
     """The GGUF's tokenizer alone, for clients such as `sobrio bench` that never run the model: read from the
     prepared folder if one was made (about a second), else from the GGUF's metadata; writes nothing."""
     from transformers import AutoTokenizer
 
-    folder = _prepared_path(gguf_path)
+    folder = prepared_path(gguf_path)
     if (folder / "tokenizer_config.json").is_file():  # the folder appears whole (renamed into place)
         return AutoTokenizer.from_pretrained(folder)
     return _file_tokenizer(gguf_path, check_architecture(gguf_path))
@@ -103,7 +95,7 @@ def check_architecture(gguf_path: Path) -> str:
 def prepared_folder(gguf_path: Path, prepare: bool = True) -> Path | None:
     """A folder with config.json and tokenizer files derived from the GGUF, made once and cached (with
     `prepare=False`: the folder if it is made already, else None)."""
-    folder = _prepared_path(gguf_path)
+    folder = prepared_path(gguf_path)
     if (folder / "model.safetensors").is_file():
         return folder
     if not prepare:

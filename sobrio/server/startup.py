@@ -1,16 +1,21 @@
 """What `sobrio serve` does before and around the app: the listening socket (bound before any model loads),
 the names each model is served under, `--root-path`, and the periodic stats line (`--disable-log-stats`)."""
 
+from __future__ import annotations
+
 import errno
 import logging
 import socket
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from sobrio.config import ServerConfig
-from sobrio.engine.client import Served
 from sobrio.engine.outputs import RequestOutput
 from sobrio.errors import ConfigError, SobrioError
+
+if TYPE_CHECKING:
+    from sobrio.engine.client import Served
 
 logger = logging.getLogger("sobrio.server")
 

@@ -27,7 +27,7 @@ def test_a_prepared_folder_is_read_first(empty_cache):
     path = resolve_model("smollm2-135m").path
     tokenizer = gguf.gguf_tokenizer(path)
     tokenizer.add_tokens(["<only-in-the-prepared-folder>"])
-    tokenizer.save_pretrained(gguf._prepared_path(path))
+    tokenizer.save_pretrained(gguf.prepared_path(path))
     assert "<only-in-the-prepared-folder>" in load_tokenizer("smollm2-135m").get_vocab()
 
 

@@ -1,20 +1,20 @@
 """LoRA on top of any Linear (bf16, int8, int4, GGUF): the base module's output plus each adapter's (x @ A) @ B.
 
 Each resident adapter has a slot (`RunnerAdapters` assigns it), the same in every wrapped module, which holds
-every slot's A and B stacked in the model's dtype. A step's tokens are grouped by slot once (`LoRAStep.set`:
-their rows in slot order), and every module then computes all its adapters' products in two C++ calls,
-whatever the number of requests or adapters: the shrink h = x @ A.T (`expert_linear`, the segment matmul the
-mixture-of-experts MLP uses: rows grouped by matrix, each group against its own) and the expand
-y[rows] += h @ B.T (`lora_expand`, summed along the output columns and added into y in place). A packed
-module (q/k/v, gate/up) holds each adapter's A matrices stacked and its B matrices block-diagonal, so it too
-is one pair; the expand reads only B's non-zero blocks. Tokens of the base model run the base module alone.
-Where the C++ operators did not build, a loop over the step's adapters (one matmul pair each) computes the
-same: the reference the operators are tested against.
+every slot's A and B in the model's dtype. A step's tokens are grouped by slot once (`LoRAStep.set`: their
+rows in slot order, and each group's slot and bounds), and every module then adds all its adapters' products
+in one C++ call, whatever the number of requests or adapters (`lora_apply`, csrc/lora.cpp): the shrink
+h = x @ A.T and the expand y[rows] += h @ B.T, h kept in float32 inside. A packed module (q/k/v, gate/up) has
+one slice a projection; each slice holds up to R ranks (the largest rank held), A's rows stacked slice after
+slice and B packed in tiles of 64 output columns (`TILE`), so the expand reads each tile's ranks in one run
+and keeps its sums in registers. Only the ranks an adapter has in a slice are read (`ranks`). Tokens of the
+base model run the base module alone. Where the C++ operator did not build, a loop over the step's adapters
+(one matmul pair each) computes the same: the reference the operator is tested against.
 """
 
-import torch
+import functools
 
-from sobrio.layers.moe import expert_linear_available
+import torch
 
 
 class LoRAStep:
@@ -51,48 +51,44 @@ class LoRAStep:
         self.span = slice(ordered[0][0], ordered[-1][1]) if contiguous else None
 
 
-def segment_matmul(x: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Rows grouped by slot, each group @ w[its slot].T: x [rows, K], w [slots, N, K] -> [rows, N]. The C++
-    operator where it is built, else one matmul a group (the reference)."""
-    if expert_linear_available() and x.dtype in (torch.float32, torch.bfloat16):
+TILE = 64  # output columns of a tile of packed B (csrc/lora.cpp's kTile)
+
+
+def lora_apply(y: torch.Tensor, x: torch.Tensor, module: "LoRALinear", step: LoRAStep) -> None:
+    """y[rows] += (x[rows] @ A[slot].T) @ B[slot].T for each group of the step: the C++ operator where it is
+    built, else the reference."""
+    if (lora_apply_available() and y.dtype in (torch.float32, torch.bfloat16) and x.dtype == y.dtype == module.a.dtype
+            and y.is_contiguous()):
         from sobrio.layers.cpu_ops import cpu_ops
 
-        return cpu_ops().expert_linear(x.contiguous(), w, slots, offsets)
-    return segment_matmul_reference(x, w, slots, offsets)
-
-
-def segment_matmul_reference(x: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, offsets: torch.Tensor
-                             ) -> torch.Tensor:
-    out = x.new_empty(x.shape[0], w.shape[1])
-    bounds = offsets.tolist()
-    for g, slot in enumerate(slots.tolist()):
-        out[bounds[g]:bounds[g + 1]] = x[bounds[g]:bounds[g + 1]] @ w[slot].T
-    return out
-
-
-def lora_expand(y: torch.Tensor, h: torch.Tensor, bt: torch.Tensor, spans: torch.Tensor, step: LoRAStep) -> None:
-    """y[rows] += h @ bt[slot] for each group of the step (bt [slots, R, out]; spans [slots, R, 2] the output
-    columns each rank writes, zeros elsewhere in bt). The C++ operator where it is built, else the reference."""
-    if expand_available() and y.dtype in (torch.float32, torch.bfloat16) and y.is_contiguous():
-        from sobrio.layers.cpu_ops import cpu_ops
-
-        cpu_ops().lora_expand(y, h.contiguous(), bt, spans, step.rows, step.slots, step.offsets)
+        cpu_ops().lora_apply(y, x.contiguous(), module.a, module.b, module.ranks, module.widths, step.rows,
+                             step.slots, step.offsets)
     else:
-        lora_expand_reference(y, h, bt, step)
+        lora_apply_reference(y, x, module, step)
 
 
-def lora_expand_reference(y: torch.Tensor, h: torch.Tensor, bt: torch.Tensor, step: LoRAStep) -> None:
-    delta = y.new_empty(h.shape[0], y.shape[1])
+def lora_apply_reference(y: torch.Tensor, x: torch.Tensor, module: "LoRALinear", step: LoRAStep) -> None:
+    """One matmul pair a group, in y's dtype: what the C++ operator is tested against."""
+    xs = x[step.span] if step.span is not None else x.index_select(0, step.rows)
+    delta = y.new_empty(xs.shape[0], y.shape[1])
     bounds = step.offsets.tolist()
     for g, slot in enumerate(step.slots.tolist()):
-        delta[bounds[g]:bounds[g + 1]] = h[bounds[g]:bounds[g + 1]] @ bt[slot]
-    y.index_add_(0, step.rows, delta)
+        delta[bounds[g]:bounds[g + 1]] = (xs[bounds[g]:bounds[g + 1]] @ module.a[slot].T) @ module.dense_bt(slot)
+    y.index_add_(0, step.rows, delta.to(y.dtype))
 
 
-def expand_available() -> bool:
+@functools.cache
+def lora_apply_available() -> bool:
     from sobrio.layers.cpu_ops import cpu_ops
 
-    return hasattr(cpu_ops(), "lora_expand")
+    return hasattr(cpu_ops(), "lora_apply")
+
+
+def tile_view(packed: torch.Tensor, widths: list[int], rank: int, j: int) -> torch.Tensor:
+    """Slice j's tiles [tiles, rank, TILE] in one slot's packed B [P] (a view)."""
+    counts = [-(-width // TILE) for width in widths]
+    begin = sum(counts[:j]) * rank * TILE
+    return packed[begin:begin + counts[j] * rank * TILE].view(counts[j], rank, TILE)
 
 
 class LoRALinear(torch.nn.Module):
@@ -104,62 +100,84 @@ class LoRALinear(torch.nn.Module):
         super().__init__()
         self.base = base
         self.slices = slices
+        self.widths = [width for _, width in slices]
         self.in_features = in_features
-        self.out_features = sum(width for _, width in slices)
+        self.out_features = sum(self.widths)
         self.step = step
-        # Every slot's A [slots, R, in] and B.T [slots, R, out] (R: the largest stacked rank held; a smaller
-        # adapter, an empty slot or one whose adapter skips this module is zero there), and the output
-        # columns [begin, end) each rank writes (spans [slots, R, 2], int32). None: no adapter yet.
+        # Every slot's A [slots, S * R, in] (slice j's ranks at rows j * R ..), B packed [slots, P] (slice after
+        # slice, each [tiles, R, TILE]: `tiles`) and its rank in each slice (`ranks` [slots, S], int32; 0 where
+        # the adapter skips the projection or the slot is empty). R: the largest rank held. None: no adapter yet.
+        self.rank = 0
         self.a: torch.Tensor | None = None
-        self.bt: torch.Tensor | None = None
-        self.spans: torch.Tensor | None = None
+        self.b: torch.Tensor | None = None
+        self.ranks: torch.Tensor | None = None
+
+    def tiles(self, slot: int, j: int) -> torch.Tensor:
+        """Slice j's packed B of `slot`, [tiles, R, TILE] (a view)."""
+        return tile_view(self.b[slot], self.widths, self.rank, j)
+
+    def dense_bt(self, slot: int) -> torch.Tensor:
+        """B.T of `slot` unpacked, [S * R, out] (block-diagonal for a packed module): the reference's."""
+        bt = self.b.new_zeros(len(self.widths) * self.rank, self.out_features)
+        column = 0
+        for j, width in enumerate(self.widths):
+            tiles = self.tiles(slot, j)
+            bt[j * self.rank:(j + 1) * self.rank, column:column + width] = tiles.transpose(0, 1).reshape(self.rank, -1)[
+                :, :width]
+            column += width
+        return bt
 
     def add_adapter(self, slot: int, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """`pairs[target] = (A [r, in], B [out, r])` (B scaled) into `slot`; slices the adapter does not target
-        stay zero."""
-        present = [(name, pairs[name]) for name, _ in self.slices if name in pairs]
+        stay empty."""
+        present = {name: pairs[name] for name, _ in self.slices if name in pairs}
         if not present:
             self.remove_adapter(slot)
             return
-        self._reserve(sum(ab[0].shape[0] for _, ab in present), present[0][1][0].dtype)
+        self._reserve(max(a.shape[0] for a, _ in present.values()), next(iter(present.values()))[0].dtype)
         self.remove_adapter(slot)
-        row, col = 0, 0
-        for name, width in self.slices:
-            if name in pairs:
-                a, b = pairs[name]
-                self.a[slot, col:col + a.shape[0]] = a
-                self.bt[slot, col:col + a.shape[0], row:row + width] = b.T
-                self.spans[slot, col:col + a.shape[0]] = torch.tensor([row, row + width], dtype=torch.int32)
-                col += a.shape[0]
-            row += width
+        for j, (name, width) in enumerate(self.slices):
+            if name in present:
+                a, b = present[name]
+                r = a.shape[0]
+                self.a[slot, j * self.rank:j * self.rank + r] = a
+                tiles = self.tiles(slot, j)
+                padded = torch.nn.functional.pad(b.T, (0, tiles.shape[0] * TILE - width))
+                tiles[:, :r] = padded.view(r, -1, TILE).transpose(0, 1)
+                self.ranks[slot, j] = r
 
     def remove_adapter(self, slot: int) -> None:
         if self.a is not None:
             self.a[slot].zero_()
-            self.bt[slot].zero_()
-            self.spans[slot].zero_()
+            self.b[slot].zero_()
+            self.ranks[slot].zero_()
 
     def _reserve(self, rank: int, dtype: torch.dtype) -> None:
-        """Every slot with room for a stacked rank `rank` at least (grown rarely: the first adapter, or a
-        larger rank than any before)."""
-        if self.a is not None and self.a.shape[1] >= rank:
+        """Every slot with room for rank `rank` in each slice (grown rarely: the first adapter, or a larger
+        rank than any before; the slots held are repacked)."""
+        if self.rank >= rank:
             return
-        old = (self.a, self.bt, self.spans)
-        rank = rank if old[0] is None else max(rank, old[0].shape[1])
-        self.a = torch.zeros(self.step.capacity, rank, self.in_features, dtype=dtype)
-        self.bt = torch.zeros(self.step.capacity, rank, self.out_features, dtype=dtype)
-        self.spans = torch.zeros(self.step.capacity, rank, 2, dtype=torch.int32)
-        if old[0] is not None:
-            for new, held in zip((self.a, self.bt, self.spans), old):
-                new[:, :held.shape[1]] = held
+        old = (self.a, self.b, self.ranks, self.rank)
+        tiles = sum(-(-w // TILE) for w in self.widths)
+        self.rank = rank
+        slots, count = self.step.capacity, len(self.widths)
+        self.a = torch.zeros(slots, count * rank, self.in_features, dtype=dtype)
+        self.b = torch.zeros(slots, tiles * rank * TILE, dtype=dtype)
+        self.ranks = torch.zeros(slots, count, dtype=torch.int32) if old[2] is None else old[2]
+        if old[0] is None:
+            return
+        held = old[3]
+        for slot in range(slots):
+            for j in range(count):
+                self.a[slot, j * rank:j * rank + held] = old[0][slot, j * held:(j + 1) * held]
+                self.tiles(slot, j)[:, :held] = tile_view(old[1][slot], self.widths, held, j)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         step = self.step
         if step.rows is None or self.a is None:
             return y
-        xs = x[step.span] if step.span is not None else x.index_select(0, step.rows)
-        lora_expand(y, segment_matmul(xs, self.a, step.slots, step.offsets), self.bt, self.spans, step)
+        lora_apply(y, x, self, step)
         return y
 
 

@@ -9,16 +9,8 @@ import torch
 
 from sobrio.config.lora import LoRAConfig
 from sobrio.errors import ConfigError, InvalidRequestError
-from sobrio.layers.lora import (
-    LoRALinear,
-    LoRAStep,
-    expand_available,
-    lora_expand,
-    lora_expand_reference,
-    segment_matmul,
-    segment_matmul_reference,
-)
-from sobrio.layers.moe import expert_linear_available
+from sobrio.layers.cpu_ops import cpu_ops
+from sobrio.layers.lora import LoRALinear, LoRAStep, lora_apply_available, lora_apply_reference
 from sobrio.layers.quantization import quantized_linear
 from sobrio.loader.lora import read_adapter_config
 
@@ -85,22 +77,39 @@ def test_a_quantized_base_plus_each_adapter_on_its_rows_only():
     torch.testing.assert_close(module(x), base(x))
 
 
-@pytest.mark.skipif(not (expert_linear_available() and expand_available()), reason="the C++ operators did not build")
+@pytest.mark.skipif(not lora_apply_available(), reason="the C++ operators did not build")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_shrink_and_expand_operators_equal_their_reference(dtype):
+def test_the_lora_operator_equals_its_reference(dtype):
+    """Slices of widths off the 64-column tiles, adapters of three ranks (the slots repacked as the rank
+    grows), one skipping two projections; rows of several groups, one group of many rows, and one or two
+    threads (a lone group's tiles split between them)."""
     torch.manual_seed(0)
     step = LoRAStep(slots=5)
-    step.set([3, None, 0, 4, 3], [1, 2, 1, 5, 1])
-    x, w = torch.randn(10, 72, dtype=dtype), torch.randn(5, 40, 72, dtype=dtype)
-    x = x.index_select(0, step.rows)
-    want = segment_matmul_reference(x.double(), w.double(), step.slots, step.offsets)
+    module = LoRALinear(torch.nn.Linear(72, 300, bias=False).to(dtype), [("q_proj", 100), ("k_proj", 70),
+                                                                          ("v_proj", 130)], 72, step)
+
+    def pair(rank, width):
+        return torch.randn(rank, 72, dtype=dtype), torch.randn(width, rank, dtype=dtype)
+
+    module.add_adapter(3, {"q_proj": pair(4, 100), "v_proj": pair(4, 130)})
+    module.add_adapter(0, {"k_proj": pair(8, 70)})
+    module.add_adapter(4, {name: pair(6, width) for name, width in module.slices})
+    reference = LoRALinear(module.base, module.slices, 72, step)  # the same slots, in float64
+    reference.rank, reference.ranks = module.rank, module.ranks
+    reference.a, reference.b = module.a.double(), module.b.double()
     tolerance = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.02}
-    torch.testing.assert_close(segment_matmul(x, w, step.slots, step.offsets), want.to(dtype), **tolerance)
-    h, bt = torch.randn(8, 6, dtype=dtype), torch.randn(5, 6, 300, dtype=dtype)  # 300 columns: two blocks and a tail
-    spans = torch.tensor([[0, 300], [0, 300], [10, 270], [10, 270], [0, 0], [0, 0]], dtype=torch.int32).repeat(5, 1, 1)
-    bt[:, 2:4, :10], bt[:, 2:4, 270:], bt[:, 4:] = 0, 0, 0  # zero outside the spans, as LoRALinear holds it
-    y = torch.randn(10, 300, dtype=dtype)
-    want = y.double()
-    lora_expand_reference(want, h.double(), bt.double(), step)
-    lora_expand(y, h, bt, spans, step)
-    torch.testing.assert_close(y, want.to(dtype), **tolerance)
+    threads = torch.get_num_threads()
+    try:
+        for slots, lengths in [([3, None, 0, 4, 3], [1, 2, 1, 5, 1]), ([4], [40]), ([0, 3], [1, 1])]:
+            step.set(slots, lengths)
+            x, y = torch.randn(sum(lengths), 72, dtype=dtype), torch.randn(sum(lengths), 300, dtype=dtype)
+            want = y.double()
+            lora_apply_reference(want, x.double(), reference, step)
+            for count in (1, 2):
+                torch.set_num_threads(count)
+                got = y.clone()
+                cpu_ops().lora_apply(got, x, module.a, module.b, module.ranks, module.widths, step.rows, step.slots,
+                                     step.offsets)
+                torch.testing.assert_close(got, want.to(dtype), **tolerance)
+    finally:
+        torch.set_num_threads(threads)

@@ -74,7 +74,7 @@ def lora_apply_reference(y: torch.Tensor, x: torch.Tensor, module: "LoRALinear",
     bounds = step.offsets.tolist()
     for g, slot in enumerate(step.slots.tolist()):
         delta[bounds[g]:bounds[g + 1]] = (xs[bounds[g]:bounds[g + 1]] @ module.a[slot].T) @ module.dense_bt(slot)
-    y.index_add_(0, step.rows, delta.to(y.dtype))
+    y.index_add_(0, step.rows, delta)
 
 
 @functools.cache
@@ -96,11 +96,14 @@ class LoRALinear(torch.nn.Module):
     PEFT target names of its output slices in order (["q_proj", "k_proj", "v_proj"] for a packed module)
     and their widths."""
 
-    def __init__(self, base: torch.nn.Module, slices: list[tuple[str, int]], in_features: int, step: LoRAStep):
+    def __init__(self, base: torch.nn.Module, slices: list[tuple[str, int]], in_features: int, step: LoRAStep,
+                 dtype: torch.dtype):
         super().__init__()
         self.base = base
         self.slices = slices
+        self.targets = [name for name, _ in slices]
         self.widths = [width for _, width in slices]
+        self.dtype = dtype
         self.in_features = in_features
         self.out_features = sum(self.widths)
         self.step = step
@@ -121,30 +124,27 @@ class LoRALinear(torch.nn.Module):
         bt = self.b.new_zeros(len(self.widths) * self.rank, self.out_features)
         column = 0
         for j, width in enumerate(self.widths):
-            tiles = self.tiles(slot, j)
-            bt[j * self.rank:(j + 1) * self.rank, column:column + width] = tiles.transpose(0, 1).reshape(self.rank, -1)[
-                :, :width]
+            rows = self.tiles(slot, j).transpose(0, 1).reshape(self.rank, -1)  # [R, tiles * TILE]
+            bt[j * self.rank:(j + 1) * self.rank, column:column + width] = rows[:, :width]
             column += width
         return bt
 
-    def add_adapter(self, slot: int, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """`pairs[target] = (A [r, in], B [out, r])` (B scaled) into `slot`; slices the adapter does not target
-        stay empty."""
-        present = {name: pairs[name] for name, _ in self.slices if name in pairs}
-        if not present:
-            self.remove_adapter(slot)
-            return
-        self._reserve(max(a.shape[0] for a, _ in present.values()), next(iter(present.values()))[0].dtype)
-        self.remove_adapter(slot)
-        for j, (name, width) in enumerate(self.slices):
-            if name in present:
-                a, b = present[name]
-                r = a.shape[0]
-                self.a[slot, j * self.rank:j * self.rank + r] = a
-                tiles = self.tiles(slot, j)
-                padded = torch.nn.functional.pad(b.T, (0, tiles.shape[0] * TILE - width))
-                tiles[:, :r] = padded.view(r, -1, TILE).transpose(0, 1)
-                self.ranks[slot, j] = r
+    def add(self, slot: int, target: str, a: torch.Tensor, b: torch.Tensor, scaling: float = 1.0) -> None:
+        """One projection's A [r, in] and B [out, r] into an empty `slot`, straight into the packed layout: in
+        the model's dtype, B times `scaling` (rounded once)."""
+        j = self.targets.index(target)
+        r, width = a.shape[0], self.widths[j]
+        self._reserve(r)
+        self.a[slot].narrow(0, j * self.rank, r).copy_(a)
+        tiles = self.tiles(slot, j)[:, :r]
+        if b.dtype != self.dtype:
+            b, scaling = b.float() * scaling, 1.0
+        if width % TILE:
+            b = torch.nn.functional.pad(b, (0, 0, 0, tiles.shape[0] * TILE - width))
+        tiles.copy_(b.contiguous().view(tiles.shape[0], TILE, r).transpose(1, 2))
+        if scaling != 1.0:
+            tiles.mul_(scaling)
+        self.rank_table[slot, j] = r  # `ranks` itself, through numpy: a tensor's element write costs ~10 us
 
     def remove_adapter(self, slot: int) -> None:
         if self.a is not None:
@@ -152,25 +152,24 @@ class LoRALinear(torch.nn.Module):
             self.b[slot].zero_()
             self.ranks[slot].zero_()
 
-    def _reserve(self, rank: int, dtype: torch.dtype) -> None:
+    def _reserve(self, rank: int) -> None:
         """Every slot with room for rank `rank` in each slice (grown rarely: the first adapter, or a larger
         rank than any before; the slots held are repacked)."""
         if self.rank >= rank:
             return
-        old = (self.a, self.b, self.ranks, self.rank)
-        tiles = sum(-(-w // TILE) for w in self.widths)
+        held, old_a, old_b = self.rank, self.a, self.b
+        slots, count, tiles = self.step.capacity, len(self.widths), sum(-(-w // TILE) for w in self.widths)
         self.rank = rank
-        slots, count = self.step.capacity, len(self.widths)
-        self.a = torch.zeros(slots, count * rank, self.in_features, dtype=dtype)
-        self.b = torch.zeros(slots, tiles * rank * TILE, dtype=dtype)
-        self.ranks = torch.zeros(slots, count, dtype=torch.int32) if old[2] is None else old[2]
-        if old[0] is None:
+        self.a = torch.zeros(slots, count * rank, self.in_features, dtype=self.dtype)
+        self.b = torch.zeros(slots, tiles * rank * TILE, dtype=self.dtype)
+        if self.ranks is None:
+            self.ranks = torch.zeros(slots, count, dtype=torch.int32)
+            self.rank_table = self.ranks.numpy()
             return
-        held = old[3]
         for slot in range(slots):
             for j in range(count):
-                self.a[slot, j * rank:j * rank + held] = old[0][slot, j * held:(j + 1) * held]
-                self.tiles(slot, j)[:, :held] = tile_view(old[1][slot], self.widths, held, j)
+                self.a[slot, j * rank:j * rank + held] = old_a[slot, j * held:(j + 1) * held]
+                self.tiles(slot, j)[:, :held] = tile_view(old_b[slot], self.widths, held, j)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -181,8 +180,8 @@ class LoRALinear(torch.nn.Module):
         return y
 
 
-def attach_lora(layers: torch.nn.ModuleList, shapes: dict[str, tuple[int, int]], step: LoRAStep
-                ) -> list[dict[str, LoRALinear]]:
+def attach_lora(layers: torch.nn.ModuleList, shapes: dict[str, tuple[int, int]], step: LoRAStep,
+                dtype: torch.dtype) -> list[dict[str, LoRALinear]]:
     """Wrap each layer's q/k/v/o and gate/up/down modules named in `shapes` (target -> (out, in) features;
     a mixture-of-experts MLP has no dense gate/up/down there and keeps its own). Returns each layer's wrapped
     modules by PEFT target."""
@@ -196,7 +195,7 @@ def attach_lora(layers: torch.nn.ModuleList, shapes: dict[str, tuple[int, int]],
                 continue
             block = getattr(layer, block_name)
             slices = [(name, shapes[name][0]) for name in names]
-            module = LoRALinear(getattr(block, attr), slices, shapes[names[0]][1], step)
+            module = LoRALinear(getattr(block, attr), slices, shapes[names[0]][1], step, dtype)
             setattr(block, attr, module)
             targets |= {name: module for name in names}
         wrapped.append(targets)

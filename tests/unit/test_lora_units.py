@@ -54,11 +54,12 @@ def test_a_quantized_base_plus_each_adapter_on_its_rows_only():
     weight = torch.randn(48, 64)
     base = quantized_linear(weight, None, "int8-weight-only", "o_proj")
     step = LoRAStep(slots=3)
-    module = LoRALinear(base, [("q_proj", 32), ("k_proj", 16)], 64, step)
+    module = LoRALinear(base, [("q_proj", 32), ("k_proj", 16)], 64, step, torch.float32)
     pairs = {1: {"q_proj": (torch.randn(4, 64), torch.randn(32, 4))}, 2: {"k_proj": (torch.randn(2, 64),
                                                                                      torch.randn(16, 2))}}
     for adapter_id, p in pairs.items():
-        module.add_adapter(adapter_id, p)
+        for target, (a, b) in p.items():
+            module.add(adapter_id, target, a, b)
     x = torch.randn(10, 64)
     step.set([1, None, 2, 1], [3, 2, 1, 4])  # adapter 1 on rows 0-2 and 6-9, adapter 2 on row 5
     got, plain = module(x), base(x)
@@ -86,15 +87,12 @@ def test_the_lora_operator_equals_its_reference(dtype):
     torch.manual_seed(0)
     step = LoRAStep(slots=5)
     module = LoRALinear(torch.nn.Linear(72, 300, bias=False).to(dtype), [("q_proj", 100), ("k_proj", 70),
-                                                                          ("v_proj", 130)], 72, step)
-
-    def pair(rank, width):
-        return torch.randn(rank, 72, dtype=dtype), torch.randn(width, rank, dtype=dtype)
-
-    module.add_adapter(3, {"q_proj": pair(4, 100), "v_proj": pair(4, 130)})
-    module.add_adapter(0, {"k_proj": pair(8, 70)})
-    module.add_adapter(4, {name: pair(6, width) for name, width in module.slices})
-    reference = LoRALinear(module.base, module.slices, 72, step)  # the same slots, in float64
+                                                                          ("v_proj", 130)], 72, step, dtype)
+    for slot, rank, targets in [(3, 4, ["q_proj", "v_proj"]), (0, 8, ["k_proj"]), (4, 6, module.targets)]:
+        for target in targets:
+            width = module.widths[module.targets.index(target)]
+            module.add(slot, target, torch.randn(rank, 72, dtype=dtype), torch.randn(width, rank), scaling=0.5)
+    reference = LoRALinear(module.base, module.slices, 72, step, torch.float64)  # the same slots, in float64
     reference.rank, reference.ranks = module.rank, module.ranks
     reference.a, reference.b = module.a.double(), module.b.double()
     tolerance = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.02}

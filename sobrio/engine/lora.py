@@ -43,7 +43,8 @@ class RunnerAdapters:
         self.fused_decode = self.decoder.fused_decode  # off in a step with an adapter: it has no LoRA products
         self.shapes = target_shapes(hf_config)
         self.step = LoRAStep(max_resident)
-        self.layers = attach_lora(self.decoder.layers, self.shapes, self.step, dtype)
+        self.num_layers = len(self.decoder.layers)
+        self.banks = attach_lora(self.decoder.layers, self.shapes, self.step, dtype)
         self.max_rank, self.max_resident = max_rank, max_resident
         self.resident: OrderedDict[int, int] = OrderedDict()  # id -> slot, least recently used first
         self.free = list(range(max_resident - 1, -1, -1))  # slots no adapter holds (popped from the end)
@@ -69,9 +70,9 @@ class RunnerAdapters:
         slot = self.free[-1]
         with log_step(logger, "loading LoRA adapter %s", adapter.lora_name):
             try:
-                for layer, target, a, b, scaling in adapter_tensors(adapter.lora_path, self.max_rank,
-                                                                    len(self.layers), self.shapes):
-                    self.layers[layer][target].add(slot, target, a, b, scaling)
+                scaling, pairs = adapter_tensors(adapter.lora_path, self.max_rank, self.num_layers, self.shapes)
+                for target, layers in pairs.items():  # every layer's pair of a target in one go
+                    self.banks[target].add(slot, target, [a for a, _ in layers], [b for _, b in layers], scaling)
             except BaseException:
                 self._clear(slot)
                 raise
@@ -83,6 +84,5 @@ class RunnerAdapters:
         self.free.append(slot)
 
     def _clear(self, slot: int) -> None:
-        for targets in self.layers:
-            for module in dict.fromkeys(targets.values()):
-                module.remove_adapter(slot)
+        for bank in dict.fromkeys(self.banks.values()):
+            bank.remove(slot)

@@ -54,26 +54,27 @@ class LoRAStep:
 TILE = 64  # output columns of a tile of packed B (csrc/lora.cpp's kTile)
 
 
-def lora_apply(y: torch.Tensor, x: torch.Tensor, module: "LoRALinear", step: LoRAStep) -> None:
-    """y[rows] += (x[rows] @ A[slot].T) @ B[slot].T for each group of the step: the C++ operator where it is
-    built, else the reference."""
-    if (lora_apply_available() and y.dtype in (torch.float32, torch.bfloat16) and x.dtype == y.dtype == module.a.dtype
+def lora_apply(y: torch.Tensor, x: torch.Tensor, bank: "LoRABank", layer: int, step: LoRAStep) -> None:
+    """y[rows] += (x[rows] @ A[slot].T) @ B[slot].T for each group of the step, with layer `layer`'s A and B:
+    the C++ operator where it is built, else the reference."""
+    if (lora_apply_available() and y.dtype in (torch.float32, torch.bfloat16) and x.dtype == y.dtype == bank.dtype
             and y.is_contiguous()):
         from sobrio.layers.cpu_ops import cpu_ops
 
-        cpu_ops().lora_apply(y, x.contiguous(), module.a, module.b, module.ranks, module.widths, step.rows,
-                             step.slots, step.offsets)
+        cpu_ops().lora_apply(y, x.contiguous(), bank.a_of[layer], bank.b_of[layer], bank.ranks, bank.widths,
+                             step.rows, step.slots, step.offsets)
     else:
-        lora_apply_reference(y, x, module, step)
+        lora_apply_reference(y, x, bank, layer, step)
 
 
-def lora_apply_reference(y: torch.Tensor, x: torch.Tensor, module: "LoRALinear", step: LoRAStep) -> None:
+def lora_apply_reference(y: torch.Tensor, x: torch.Tensor, bank: "LoRABank", layer: int, step: LoRAStep) -> None:
     """One matmul pair a group, in y's dtype: what the C++ operator is tested against."""
     xs = x[step.span] if step.span is not None else x.index_select(0, step.rows)
     delta = y.new_empty(xs.shape[0], y.shape[1])
     bounds = step.offsets.tolist()
     for g, slot in enumerate(step.slots.tolist()):
-        delta[bounds[g]:bounds[g + 1]] = (xs[bounds[g]:bounds[g + 1]] @ module.a[slot].T) @ module.dense_bt(slot)
+        a, bt = bank.a_of[layer][slot] * bank.in_use(slot)[:, None], bank.dense_bt(layer, slot)
+        delta[bounds[g]:bounds[g + 1]] = (xs[bounds[g]:bounds[g + 1]] @ a.T) @ bt
     y.index_add_(0, step.rows, delta)
 
 
@@ -84,119 +85,124 @@ def lora_apply_available() -> bool:
     return hasattr(cpu_ops(), "lora_apply")
 
 
-def tile_view(packed: torch.Tensor, widths: list[int], rank: int, j: int) -> torch.Tensor:
-    """Slice j's tiles [tiles, rank, TILE] in one slot's packed B [P] (a view)."""
-    counts = [-(-width // TILE) for width in widths]
+def tile_view(packed: torch.Tensor, counts: list[int], rank: int, j: int) -> torch.Tensor:
+    """Slice j's tiles [..., counts[j], rank, TILE] in packed B [..., P] (a view)."""
     begin = sum(counts[:j]) * rank * TILE
-    return packed[begin:begin + counts[j] * rank * TILE].view(counts[j], rank, TILE)
+    return packed[..., begin:begin + counts[j] * rank * TILE].unflatten(-1, (counts[j], rank, TILE))
 
 
-class LoRALinear(torch.nn.Module):
-    """`base` (any module computing x -> y) plus the LoRA products of the step's adapters. `slices`: the
-    PEFT target names of its output slices in order (["q_proj", "k_proj", "v_proj"] for a packed module)
-    and their widths."""
+class LoRABank:
+    """The adapters of one kind of module (q/k/v, o, gate/up or down) in every layer, so that an adapter is
+    placed in a few operations a kind whatever the number of layers. `slices`: the PEFT target names of the
+    module's output slices in order (["q_proj", "k_proj", "v_proj"] for a packed module) and their widths.
 
-    def __init__(self, base: torch.nn.Module, slices: list[tuple[str, int]], in_features: int, step: LoRAStep,
+    A [layers, slots, S * R, in] (slice j's ranks at rows j * R ..), B packed [layers, slots, P] (slice after
+    slice, each [tiles, R, TILE]) and each slot's rank in each slice (`ranks` [slots, S], int32; the same in
+    every layer, as PEFT's rank_pattern and layers_to_transform are refused; 0 where the adapter skips the
+    projection or the slot is empty). R: the largest rank held. None until the first adapter."""
+
+    def __init__(self, slices: list[tuple[str, int]], in_features: int, layers: int, slots: int,
                  dtype: torch.dtype):
-        super().__init__()
-        self.base = base
-        self.slices = slices
         self.targets = [name for name, _ in slices]
         self.widths = [width for _, width in slices]
-        self.dtype = dtype
-        self.in_features = in_features
-        self.out_features = sum(self.widths)
-        self.step = step
-        # Every slot's A [slots, S * R, in] (slice j's ranks at rows j * R ..), B packed [slots, P] (slice after
-        # slice, each [tiles, R, TILE]: `tiles`) and its rank in each slice (`ranks` [slots, S], int32; 0 where
-        # the adapter skips the projection or the slot is empty). R: the largest rank held. None: no adapter yet.
+        self.counts = [-(-width // TILE) for width in self.widths]  # tiles of each slice
+        self.in_features, self.out_features = in_features, sum(self.widths)
+        self.layers, self.slots, self.dtype = layers, slots, dtype
         self.rank = 0
         self.a: torch.Tensor | None = None
         self.b: torch.Tensor | None = None
         self.ranks: torch.Tensor | None = None
+        self.a_of: list[torch.Tensor] = []  # each layer's A and B (views): what a module's forward reads
+        self.b_of: list[torch.Tensor] = []
 
-    def tiles(self, slot: int, j: int) -> torch.Tensor:
-        """Slice j's packed B of `slot`, [tiles, R, TILE] (a view)."""
-        return tile_view(self.b[slot], self.widths, self.rank, j)
-
-    def dense_bt(self, slot: int) -> torch.Tensor:
-        """B.T of `slot` unpacked, [S * R, out] (block-diagonal for a packed module): the reference's."""
-        bt = self.b.new_zeros(len(self.widths) * self.rank, self.out_features)
-        column = 0
-        for j, width in enumerate(self.widths):
-            rows = self.tiles(slot, j).transpose(0, 1).reshape(self.rank, -1)  # [R, tiles * TILE]
-            bt[j * self.rank:(j + 1) * self.rank, column:column + width] = rows[:, :width]
-            column += width
-        return bt
-
-    def add(self, slot: int, target: str, a: torch.Tensor, b: torch.Tensor, scaling: float = 1.0) -> None:
-        """One projection's A [r, in] and B [out, r] into an empty `slot`, straight into the packed layout: in
-        the model's dtype, B times `scaling` (rounded once)."""
+    def add(self, slot: int, target: str, a: list[torch.Tensor], b: list[torch.Tensor], scaling: float = 1.0
+            ) -> None:
+        """One projection's A [r, in] and B [out, r] of every layer (in layer order) into an empty `slot`,
+        stacked straight into the packed layout (no copy of the adapter in between): in the model's dtype, B
+        times `scaling` (rounded once)."""
         j = self.targets.index(target)
-        r, width = a.shape[0], self.widths[j]
+        r, width, count = a[0].shape[0], self.widths[j], self.counts[j]
         self._reserve(r)
-        self.a[slot].narrow(0, j * self.rank, r).copy_(a)
-        tiles = self.tiles(slot, j)[:, :r]
-        if b.dtype != self.dtype:
-            b, scaling = b.float() * scaling, 1.0
+        if b[0].dtype != self.dtype:
+            b, scaling = [(t.float() * scaling).to(self.dtype) for t in b], 1.0
         if width % TILE:
-            b = torch.nn.functional.pad(b, (0, 0, 0, tiles.shape[0] * TILE - width))
-        tiles.copy_(b.contiguous().view(tiles.shape[0], TILE, r).transpose(1, 2))
+            b = [torch.nn.functional.pad(t, (0, 0, 0, count * TILE - width)) for t in b]
+        torch.stack([t.to(self.dtype) for t in a], out=self.a[:, slot].narrow(1, j * self.rank, r))
+        tiles = tile_view(self.b[:, slot], self.counts, self.rank, j)[:, :, :r]  # [layers, tiles, r, TILE]
+        torch.stack([t.contiguous().view(count, TILE, r).transpose(1, 2) for t in b], out=tiles)
         if scaling != 1.0:
             tiles.mul_(scaling)
         self.rank_table[slot, j] = r  # `ranks` itself, through numpy: a tensor's element write costs ~10 us
 
-    def remove_adapter(self, slot: int) -> None:
-        if self.a is not None:
-            self.a[slot].zero_()
-            self.b[slot].zero_()
+    def remove(self, slot: int) -> None:
+        """Empty `slot`: its ranks 0, so nothing of it is read (its A and B stay until overwritten)."""
+        if self.ranks is not None:
             self.ranks[slot].zero_()
 
+    def in_use(self, slot: int) -> torch.Tensor:
+        """Which of the S * R rows of `slot`'s A (and of its B.T) hold its adapter's ranks, [S * R] bool."""
+        return (torch.arange(self.rank)[None, :] < self.ranks[slot, :, None]).reshape(-1)
+
+    def dense_bt(self, layer: int, slot: int) -> torch.Tensor:
+        """B.T of `slot` in `layer` unpacked, [S * R, out] (block-diagonal for a packed module): the reference's."""
+        bt = self.b.new_zeros(len(self.widths) * self.rank, self.out_features)
+        column = 0
+        for j, width in enumerate(self.widths):
+            rows = tile_view(self.b[layer, slot], self.counts, self.rank, j).transpose(0, 1).reshape(self.rank, -1)
+            bt[j * self.rank:(j + 1) * self.rank, column:column + width] = rows[:, :width]
+            column += width
+        return bt
+
     def _reserve(self, rank: int) -> None:
-        """Every slot with room for rank `rank` in each slice (grown rarely: the first adapter, or a larger
-        rank than any before; the slots held are repacked)."""
+        """Room for rank `rank` in each slice (grown rarely: the first adapter, or a larger rank than any
+        before; the slots held are repacked)."""
         if self.rank >= rank:
             return
         held, old_a, old_b = self.rank, self.a, self.b
-        slots, count, tiles = self.step.capacity, len(self.widths), sum(-(-w // TILE) for w in self.widths)
-        self.rank = rank
-        self.a = torch.zeros(slots, count * rank, self.in_features, dtype=self.dtype)
-        self.b = torch.zeros(slots, tiles * rank * TILE, dtype=self.dtype)
-        if self.ranks is None:
-            self.ranks = torch.zeros(slots, count, dtype=torch.int32)
+        self.rank, count = rank, len(self.widths)
+        self.a = torch.zeros(self.layers, self.slots, count * rank, self.in_features, dtype=self.dtype)
+        self.b = torch.zeros(self.layers, self.slots, sum(self.counts) * rank * TILE, dtype=self.dtype)
+        if old_a is None:
+            self.ranks = torch.zeros(self.slots, count, dtype=torch.int32)
             self.rank_table = self.ranks.numpy()
-            return
-        for slot in range(slots):
+        else:
             for j in range(count):
-                self.a[slot, j * rank:j * rank + held] = old_a[slot, j * held:(j + 1) * held]
-                self.tiles(slot, j)[:, :held] = tile_view(old_b[slot], self.widths, held, j)
+                self.a[:, :, j * rank:j * rank + held] = old_a[:, :, j * held:(j + 1) * held]
+                tile_view(self.b, self.counts, rank, j)[..., :held, :] = tile_view(old_b, self.counts, held, j)
+        self.a_of, self.b_of = list(self.a.unbind(0)), list(self.b.unbind(0))
+
+
+class LoRALinear(torch.nn.Module):
+    """`base` (any module computing x -> y) plus the LoRA products of the step's adapters, from layer
+    `layer`'s share of `bank`."""
+
+    def __init__(self, base: torch.nn.Module, bank: LoRABank, layer: int, step: LoRAStep):
+        super().__init__()
+        self.base, self.bank, self.layer, self.step = base, bank, layer, step
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        step = self.step
-        if step.rows is None or self.a is None:
+        if self.step.rows is None or self.bank.a is None:
             return y
-        lora_apply(y, x, self, step)
+        lora_apply(y, x, self.bank, self.layer, self.step)
         return y
 
 
 def attach_lora(layers: torch.nn.ModuleList, shapes: dict[str, tuple[int, int]], step: LoRAStep,
-                dtype: torch.dtype) -> list[dict[str, LoRALinear]]:
+                dtype: torch.dtype) -> dict[str, LoRABank]:
     """Wrap each layer's q/k/v/o and gate/up/down modules named in `shapes` (target -> (out, in) features;
-    a mixture-of-experts MLP has no dense gate/up/down there and keeps its own). Returns each layer's wrapped
-    modules by PEFT target."""
+    a mixture-of-experts MLP has no dense gate/up/down there and keeps its own). Returns the bank of each
+    PEFT target (q/k/v share one, gate/up another)."""
     plan = [("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")), ("self_attn", "o_proj", ("o_proj",)),
             ("mlp", "gate_up_proj", ("gate_proj", "up_proj")), ("mlp", "down_proj", ("down_proj",))]
-    wrapped = []
-    for layer in layers:
-        targets: dict[str, LoRALinear] = {}
-        for block_name, attr, names in plan:
-            if not all(name in shapes for name in names):
-                continue
+    banks: dict[str, LoRABank] = {}
+    for block_name, attr, names in plan:
+        if not all(name in shapes for name in names):
+            continue
+        bank = LoRABank([(name, shapes[name][0]) for name in names], shapes[names[0]][1], len(layers),
+                        step.capacity, dtype)
+        for i, layer in enumerate(layers):
             block = getattr(layer, block_name)
-            slices = [(name, shapes[name][0]) for name in names]
-            module = LoRALinear(getattr(block, attr), slices, shapes[names[0]][1], step, dtype)
-            setattr(block, attr, module)
-            targets |= {name: module for name in names}
-        wrapped.append(targets)
-    return wrapped
+            setattr(block, attr, LoRALinear(getattr(block, attr), bank, i, step))
+        banks |= {name: bank for name in names}
+    return banks

@@ -9,7 +9,6 @@ an adapter is never served half-applied.
 import json
 import math
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,11 +142,13 @@ def check_adapter(path: str | Path, max_rank: int, num_layers: int, shapes: dict
 
 
 def adapter_tensors(path: str | Path, max_rank: int, num_layers: int, shapes: dict[str, tuple[int, int]]
-                    ) -> Iterator[tuple[int, str, torch.Tensor, torch.Tensor, float]]:
-    """Each targeted module's (layer, target, A [r, in], B [out, r], scaling) as the file stores them, read one
-    module at a time once the whole adapter is checked (`check_adapter`): its reader puts them where it
-    computes, with no copy of the whole adapter in between."""
+                    ) -> tuple[float, dict[str, list[tuple[torch.Tensor, torch.Tensor]]]]:
+    """The adapter's scaling and, for each target, every layer's (A [r, in], B [out, r]) in layer order as the
+    file stores them, once the whole adapter is checked (`check_adapter`). The file is mapped: the bytes are
+    read when the caller first touches them, straight into where it computes with them."""
     cfg, names = check_adapter(path, max_rank, num_layers, shapes)
+    pairs: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     with safe_open(str(Path(path) / "adapter_model.safetensors"), framework="pt") as f:
-        for (layer, target), (a, b) in names.items():
-            yield layer, target, f.get_tensor(a), f.get_tensor(b), cfg.scaling
+        for (_, target), (a, b) in names.items():  # layer by layer
+            pairs.setdefault(target, []).append((f.get_tensor(a), f.get_tensor(b)))
+    return cfg.scaling, pairs

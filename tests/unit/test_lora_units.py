@@ -10,7 +10,7 @@ import torch
 from sobrio.config.lora import LoRAConfig
 from sobrio.errors import ConfigError, InvalidRequestError
 from sobrio.layers.cpu_ops import cpu_ops
-from sobrio.layers.lora import LoRALinear, LoRAStep, lora_apply_available, lora_apply_reference
+from sobrio.layers.lora import LoRABank, LoRALinear, LoRAStep, lora_apply_available, lora_apply_reference
 from sobrio.layers.quantization import quantized_linear
 from sobrio.loader.lora import read_adapter_config
 
@@ -54,12 +54,13 @@ def test_a_quantized_base_plus_each_adapter_on_its_rows_only():
     weight = torch.randn(48, 64)
     base = quantized_linear(weight, None, "int8-weight-only", "o_proj")
     step = LoRAStep(slots=3)
-    module = LoRALinear(base, [("q_proj", 32), ("k_proj", 16)], 64, step, torch.float32)
+    bank = LoRABank([("q_proj", 32), ("k_proj", 16)], 64, layers=1, slots=3, dtype=torch.float32)
+    module = LoRALinear(base, bank, 0, step)
     pairs = {1: {"q_proj": (torch.randn(4, 64), torch.randn(32, 4))}, 2: {"k_proj": (torch.randn(2, 64),
                                                                                      torch.randn(16, 2))}}
     for adapter_id, p in pairs.items():
         for target, (a, b) in p.items():
-            module.add(adapter_id, target, a, b)
+            bank.add(adapter_id, target, [a], [b])
     x = torch.randn(10, 64)
     step.set([1, None, 2, 1], [3, 2, 1, 4])  # adapter 1 on rows 0-2 and 6-9, adapter 2 on row 5
     got, plain = module(x), base(x)
@@ -73,7 +74,7 @@ def test_a_quantized_base_plus_each_adapter_on_its_rows_only():
     assert step.rows.tolist() == [0, 1, 2, 6, 7, 8, 9, 5] and step.offsets.tolist() == [0, 7, 8]
     step.set([2, 2, None], [1, 3, 2])  # contiguous rows: a slice, no gather
     assert step.span == slice(0, 4) and step.slots.tolist() == [2]
-    module.remove_adapter(1)  # an emptied slot adds nothing
+    bank.remove(1)  # an emptied slot adds nothing
     step.set([1], [10])
     torch.testing.assert_close(module(x), base(x))
 
@@ -86,15 +87,16 @@ def test_the_lora_operator_equals_its_reference(dtype):
     threads (a lone group's tiles split between them)."""
     torch.manual_seed(0)
     step = LoRAStep(slots=5)
-    module = LoRALinear(torch.nn.Linear(72, 300, bias=False).to(dtype), [("q_proj", 100), ("k_proj", 70),
-                                                                          ("v_proj", 130)], 72, step, dtype)
-    for slot, rank, targets in [(3, 4, ["q_proj", "v_proj"]), (0, 8, ["k_proj"]), (4, 6, module.targets)]:
+    slices = [("q_proj", 100), ("k_proj", 70), ("v_proj", 130)]
+    bank = LoRABank(slices, 72, layers=2, slots=5, dtype=dtype)
+    reference = LoRABank(slices, 72, layers=2, slots=5, dtype=torch.float64)  # the same adapters, in float64
+    for slot, rank, targets in [(3, 4, ["q_proj", "v_proj"]), (0, 8, ["k_proj"]), (4, 6, bank.targets)]:
         for target in targets:
-            width = module.widths[module.targets.index(target)]
-            module.add(slot, target, torch.randn(rank, 72, dtype=dtype), torch.randn(width, rank), scaling=0.5)
-    reference = LoRALinear(module.base, module.slices, 72, step, torch.float64)  # the same slots, in float64
-    reference.rank, reference.ranks = module.rank, module.ranks
-    reference.a, reference.b = module.a.double(), module.b.double()
+            width = bank.widths[bank.targets.index(target)]
+            a = torch.randn(2, rank, 72, dtype=dtype)
+            b = torch.randn(2, width, rank).to(dtype).float()  # float32 into bf16: converted as placed
+            bank.add(slot, target, list(a), list(b), scaling=0.5)
+            reference.add(slot, target, list(a), list(b), scaling=0.5)
     tolerance = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.02}
     threads = torch.get_num_threads()
     try:
@@ -102,12 +104,12 @@ def test_the_lora_operator_equals_its_reference(dtype):
             step.set(slots, lengths)
             x, y = torch.randn(sum(lengths), 72, dtype=dtype), torch.randn(sum(lengths), 300, dtype=dtype)
             want = y.double()
-            lora_apply_reference(want, x.double(), reference, step)
+            lora_apply_reference(want, x.double(), reference, 1, step)
             for count in (1, 2):
                 torch.set_num_threads(count)
                 got = y.clone()
-                cpu_ops().lora_apply(got, x, module.a, module.b, module.ranks, module.widths, step.rows, step.slots,
-                                     step.offsets)
+                cpu_ops().lora_apply(got, x, bank.a_of[1], bank.b_of[1], bank.ranks, bank.widths, step.rows,
+                                     step.slots, step.offsets)
                 torch.testing.assert_close(got, want.to(dtype), **tolerance)
     finally:
         torch.set_num_threads(threads)

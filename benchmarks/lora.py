@@ -20,10 +20,11 @@ import sobrio  # noqa: F401  (first: it sets the OpenMP thread policy before tor
 # isort: on
 
 import torch  # noqa: E402
+from lora_step import read_from_disk  # noqa: E402  (benchmarks/ is the script's folder)
 
 from sobrio import LLM, SamplingParams  # noqa: E402
 from sobrio.loader.load import load_model_files  # noqa: E402
-from sobrio.loader.lora import LoRARequest, adapter_tensors, target_shapes  # noqa: E402
+from sobrio.loader.lora import LoRARequest, target_shapes  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SENTENCES = ["The cat sat on the warm mat by the window.", "Rivers carry water and sand down to the sea.",
@@ -86,9 +87,7 @@ def first_request(llm: LLM, fresh: LoRARequest, resident: LoRARequest, hf_config
         times.append(time.perf_counter() - start)
     times = [times[1], times[2]]
     start = time.perf_counter()
-    _, pairs = adapter_tensors(fresh.lora_path, 64, hf_config.num_hidden_layers, target_shapes(hf_config))
-    for a, b in (pair for layers in pairs.values() for pair in layers):
-        a.clone(), b.clone()  # safetensors maps the file: the bytes are read when first touched
+    read_from_disk(fresh.lora_path, 64, hf_config.num_hidden_layers, target_shapes(hf_config))
     return times[0], times[1], time.perf_counter() - start
 
 

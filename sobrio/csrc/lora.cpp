@@ -1,5 +1,5 @@
-// A module's LoRA products for the step's adapters in one call: y[rows[i]] += (x[rows[i]] @ A[s].T) @ B[s].T,
-// s the adapter slot of row i's group (layers/lora.py groups the step's rows by slot once a step).
+// A module's LoRA products for the step's adapters in one call: y[rows[i]] += scales[s] * (x[rows[i]] @ A[s].T)
+// @ B[s].T, s the adapter slot of row i's group (layers/lora.py groups the step's rows by slot once a step).
 //
 // A decode step is bound by reading the adapters' matrices (8 adapters of rank 16 on every target: about a
 // third of the base model's bytes), so both halves read them front to back and keep their sums in registers:
@@ -9,7 +9,8 @@
 //   after another: `b` [slots, P]), so a tile's ranks are one sequential run and its 64 sums (4 vectors a row)
 //   stay in registers over the ranks, and each y element is read, added and rounded once.
 // `ranks[s, j]` is the rank slot s's adapter has in slice j (0: that projection is not targeted); only those
-// rows of A and B are read. A packed module (q/k/v, gate/up) has one slice a projection, `widths` their
+// rows of A and B are read. `scales[s]` is the adapter's scaling (alpha / r), applied to h in float32 as PEFT
+// applies it to the product, so B is placed as the file stores it. A packed module (q/k/v, gate/up) has one slice a projection, `widths` their
 // output columns. Work items are (group, up to kRowBlock of its rows) over the threads; where there are fewer
 // items than threads, each item's tiles are split in parts (a part computes h for its slices only).
 #include <torch/extension.h>
@@ -40,13 +41,15 @@ struct Operands {
   const T* a;
   const T* b;
   const int32_t* ranks;      // [slots, S]
+  const float* scales;       // [slots]
   std::vector<Slice> slices;
   int64_t K, N, R, P;        // in, out features; rank capacity a slice; packed elements of b a slot
 };
 
 // h[i * S*R + j*R + r] = x row i . A[j*R + r] for slice j's ranks in use, M rows (xf: x rows in float32).
 template <typename T, int M>
-void shrink(const Operands<T>& p, const float* xf, const T* a, const int32_t* ranks, int64_t j, float* h) {
+void shrink(const Operands<T>& p, const float* xf, const T* a, const int32_t* ranks, int64_t j, float scale,
+            float* h) {
   const int64_t stride = static_cast<int64_t>(p.slices.size()) * p.R;
   for (int64_t r = j * p.R; r < j * p.R + ranks[j]; ++r) {
     const T* ar = a + r * p.K;
@@ -68,7 +71,7 @@ void shrink(const Operands<T>& p, const float* xf, const T* a, const int32_t* ra
 #endif
     for (; k < p.K; ++k)
       for (int i = 0; i < M; ++i) sum[i] += xf[i * p.K + k] * to_float(ar[k]);
-    for (int i = 0; i < M; ++i) h[i * stride + r] = sum[i];
+    for (int i = 0; i < M; ++i) h[i * stride + r] = sum[i] * scale;
   }
 }
 
@@ -150,7 +153,7 @@ void rows_through(const Operands<T>& p, int64_t slot, const int64_t* rows, int64
   const auto [j0, first] = locate(p.slices, t0);
   const auto [j1, last] = locate(p.slices, t1 - 1);
   for (int64_t j = j0; j <= j1; ++j)
-    if (ranks[j] > 0) shrink<T, M>(p, xf, a, ranks, j, h);
+    if (ranks[j] > 0) shrink<T, M>(p, xf, a, ranks, j, p.scales[slot], h);
   for (int64_t j = j0; j <= j1; ++j) {
     if (ranks[j] == 0) continue;
     const int64_t begin = j == j0 ? first : 0, end = j == j1 ? last + 1 : p.slices[j].tiles;
@@ -208,7 +211,7 @@ std::vector<Slice> slices_of(const std::vector<int64_t>& widths, int64_t R) {
 }
 
 void check(const torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& b,
-           const torch::Tensor& ranks, const std::vector<Slice>& slices, int64_t R, const torch::Tensor& rows,
+           const torch::Tensor& ranks, const torch::Tensor& scales, const std::vector<Slice>& slices, int64_t R, const torch::Tensor& rows,
            const torch::Tensor& slots, const torch::Tensor& offsets) {
   const auto dtype = y.scalar_type();
   const int64_t S = static_cast<int64_t>(slices.size());
@@ -222,6 +225,8 @@ void check(const torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& 
               "lora_apply: shapes disagree (widths, a, b, y)");
   TORCH_CHECK(ranks.scalar_type() == at::kInt && ranks.is_contiguous() && ranks.numel() == a.size(0) * S,
               "lora_apply: ranks int32 [slots, S]");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == a.size(0),
+              "lora_apply: scales float32 [slots]");
   TORCH_CHECK(rows.scalar_type() == at::kLong && slots.scalar_type() == at::kLong &&
                   offsets.scalar_type() == at::kLong && rows.is_contiguous() && slots.is_contiguous() &&
                   offsets.is_contiguous() && offsets.numel() == slots.numel() + 1,
@@ -239,26 +244,27 @@ void check(const torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& 
 
 template <typename T>
 void apply_typed(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& b,
-                 const torch::Tensor& ranks, std::vector<Slice> slices, int64_t R, const torch::Tensor& rows,
+                 const torch::Tensor& ranks, const torch::Tensor& scales, std::vector<Slice> slices, int64_t R, const torch::Tensor& rows,
                  const std::vector<Item>& items) {
   const Operands<T> p{y.data_ptr<T>(), x.data_ptr<T>(), a.data_ptr<T>(), b.data_ptr<T>(), ranks.data_ptr<int32_t>(),
-                      std::move(slices), x.size(1), y.size(1), R, b.size(1)};
+                      scales.data_ptr<float>(), std::move(slices), x.size(1), y.size(1), R, b.size(1)};
   apply_run<T>(p, rows.data_ptr<int64_t>(), items);
 }
 
 void lora_apply(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor b, torch::Tensor ranks,
-                std::vector<int64_t> widths, torch::Tensor rows, torch::Tensor slots, torch::Tensor offsets) {
+                torch::Tensor scales, std::vector<int64_t> widths, torch::Tensor rows, torch::Tensor slots, torch::Tensor offsets) {
   TORCH_CHECK(!widths.empty() && a.dim() == 3 && a.size(1) % static_cast<int64_t>(widths.size()) == 0,
               "lora_apply: a [slots, S * R, K] for S = len(widths) slices");
   const int64_t R = a.size(1) / static_cast<int64_t>(widths.size());
   auto slices = slices_of(widths, R);
-  check(y, x, a, b, ranks, slices, R, rows, slots, offsets);
+  check(y, x, a, b, ranks, scales, slices, R, rows, slots, offsets);
   int64_t tiles = 0;
   for (const Slice& s : slices) tiles += s.tiles;
   const auto items = work_items(slots.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(), slots.numel(), tiles);
   switch (y.scalar_type()) {
-    case at::kFloat: return apply_typed<float>(y, x, a, b, ranks, std::move(slices), R, rows, items);
-    case at::kBFloat16: return apply_typed<c10::BFloat16>(y, x, a, b, ranks, std::move(slices), R, rows, items);
+    case at::kFloat: return apply_typed<float>(y, x, a, b, ranks, scales, std::move(slices), R, rows, items);
+    case at::kBFloat16:
+      return apply_typed<c10::BFloat16>(y, x, a, b, ranks, scales, std::move(slices), R, rows, items);
     default: TORCH_CHECK(false, "lora_apply takes float32 or bf16");
   }
 }
@@ -267,7 +273,7 @@ void lora_apply(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor
 
 void register_lora_ops(pybind11::module& m) {
   m.def("lora_apply", &lora_apply,
-        "y[rows] += (x[rows] @ a[slot].T) @ B[slot].T by adapter group; B packed in tiles of 64 columns a slice",
-        py::arg("y"), py::arg("x"), py::arg("a"), py::arg("b"), py::arg("ranks"), py::arg("widths"), py::arg("rows"),
-        py::arg("slots"), py::arg("offsets"));
+        "y[rows] += scale * (x[rows] @ a[slot].T) @ B[slot].T by adapter group; B packed in tiles of 64 columns a slice",
+        py::arg("y"), py::arg("x"), py::arg("a"), py::arg("b"), py::arg("ranks"), py::arg("scales"), py::arg("widths"),
+        py::arg("rows"), py::arg("slots"), py::arg("offsets"));
 }

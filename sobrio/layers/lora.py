@@ -61,8 +61,8 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, bank: "LoRABank", layer: int, s
             and y.is_contiguous()):
         from sobrio.layers.cpu_ops import cpu_ops
 
-        cpu_ops().lora_apply(y, x.contiguous(), bank.a_of[layer], bank.b_of[layer], bank.ranks, bank.widths,
-                             step.rows, step.slots, step.offsets)
+        cpu_ops().lora_apply(y, x.contiguous(), bank.a_of[layer], bank.b_of[layer], bank.ranks, bank.scales,
+                             bank.widths, step.rows, step.slots, step.offsets)
     else:
         lora_apply_reference(y, x, bank, layer, step)
 
@@ -74,7 +74,7 @@ def lora_apply_reference(y: torch.Tensor, x: torch.Tensor, bank: "LoRABank", lay
     bounds = step.offsets.tolist()
     for g, slot in enumerate(step.slots.tolist()):
         a, bt = bank.a_of[layer][slot] * bank.in_use(slot)[:, None], bank.dense_bt(layer, slot)
-        delta[bounds[g]:bounds[g + 1]] = (xs[bounds[g]:bounds[g + 1]] @ a.T) @ bt
+        delta[bounds[g]:bounds[g + 1]] = (xs[bounds[g]:bounds[g + 1]] @ a.T * bank.scales[slot].item()) @ bt
     y.index_add_(0, step.rows, delta)
 
 
@@ -97,9 +97,10 @@ class LoRABank:
     module's output slices in order (["q_proj", "k_proj", "v_proj"] for a packed module) and their widths.
 
     A [layers, slots, S * R, in] (slice j's ranks at rows j * R ..), B packed [layers, slots, P] (slice after
-    slice, each [tiles, R, TILE]) and each slot's rank in each slice (`ranks` [slots, S], int32; the same in
-    every layer, as PEFT's rank_pattern and layers_to_transform are refused; 0 where the adapter skips the
-    projection or the slot is empty). R: the largest rank held. None until the first adapter."""
+    slice, each [tiles, R, TILE]), each slot's rank in each slice (`ranks` [slots, S], int32; the same in every
+    layer, as PEFT's rank_pattern and layers_to_transform are refused; 0 where the adapter skips the projection
+    or the slot is empty) and its scaling (`scales` [slots], float32: applied to x @ A.T, as PEFT applies it to
+    the product, so B is placed as stored). R: the largest rank held. None until the first adapter."""
 
     def __init__(self, slices: list[tuple[str, int]], in_features: int, layers: int, slots: int,
                  dtype: torch.dtype):
@@ -112,27 +113,25 @@ class LoRABank:
         self.a: torch.Tensor | None = None
         self.b: torch.Tensor | None = None
         self.ranks: torch.Tensor | None = None
+        self.scales: torch.Tensor | None = None
         self.a_of: list[torch.Tensor] = []  # each layer's A and B (views): what a module's forward reads
         self.b_of: list[torch.Tensor] = []
 
     def add(self, slot: int, target: str, a: list[torch.Tensor], b: list[torch.Tensor], scaling: float = 1.0
             ) -> None:
         """One projection's A [r, in] and B [out, r] of every layer (in layer order) into an empty `slot`,
-        stacked straight into the packed layout (no copy of the adapter in between): in the model's dtype, B
-        times `scaling` (rounded once)."""
+        stacked straight into the packed layout in the model's dtype (no copy of the adapter in between); the
+        product is scaled by `scaling`."""
         j = self.targets.index(target)
         r, width, count = a[0].shape[0], self.widths[j], self.counts[j]
         self._reserve(r)
-        if b[0].dtype != self.dtype:
-            b, scaling = [(t.float() * scaling).to(self.dtype) for t in b], 1.0
         if width % TILE:
             b = [torch.nn.functional.pad(t, (0, 0, 0, count * TILE - width)) for t in b]
         torch.stack([t.to(self.dtype) for t in a], out=self.a[:, slot].narrow(1, j * self.rank, r))
         tiles = tile_view(self.b[:, slot], self.counts, self.rank, j)[:, :, :r]  # [layers, tiles, r, TILE]
-        torch.stack([t.contiguous().view(count, TILE, r).transpose(1, 2) for t in b], out=tiles)
-        if scaling != 1.0:
-            tiles.mul_(scaling)
+        torch.stack([t.to(self.dtype).contiguous().view(count, TILE, r).transpose(1, 2) for t in b], out=tiles)
         self.rank_table[slot, j] = r  # `ranks` itself, through numpy: a tensor's element write costs ~10 us
+        self.scale_table[slot] = scaling
 
     def remove(self, slot: int) -> None:
         """Empty `slot`: its ranks 0, so nothing of it is read (its A and B stay until overwritten)."""
@@ -164,7 +163,8 @@ class LoRABank:
         self.b = torch.zeros(self.layers, self.slots, sum(self.counts) * rank * TILE, dtype=self.dtype)
         if old_a is None:
             self.ranks = torch.zeros(self.slots, count, dtype=torch.int32)
-            self.rank_table = self.ranks.numpy()
+            self.scales = torch.zeros(self.slots, dtype=torch.float32)
+            self.rank_table, self.scale_table = self.ranks.numpy(), self.scales.numpy()
         else:
             for j in range(count):
                 self.a[:, :, j * rank:j * rank + held] = old_a[:, :, j * held:(j + 1) * held]

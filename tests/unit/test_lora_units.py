@@ -108,8 +108,8 @@ def test_the_lora_operator_equals_its_reference(dtype):
             for count in (1, 2):
                 torch.set_num_threads(count)
                 got = y.clone()
-                cpu_ops().lora_apply(got, x, bank.a_of[1], bank.b_of[1], bank.ranks, bank.widths, step.rows,
-                                     step.slots, step.offsets)
+                cpu_ops().lora_apply(got, x, bank.a_of[1], bank.b_of[1], bank.ranks, bank.scales, bank.widths,
+                                     step.rows, step.slots, step.offsets)
                 torch.testing.assert_close(got, want.to(dtype), **tolerance)
     finally:
         torch.set_num_threads(threads)

@@ -20,10 +20,11 @@ import sobrio  # noqa: F401  (first: it sets the OpenMP thread policy before tor
 # isort: on
 
 import torch  # noqa: E402
+from lora_step import read_from_disk  # noqa: E402  (benchmarks/ is the script's folder)
 
 from sobrio import LLM, SamplingParams  # noqa: E402
 from sobrio.loader.load import load_model_files  # noqa: E402
-from sobrio.loader.lora import LoRARequest, read_adapter, target_shapes  # noqa: E402
+from sobrio.loader.lora import LoRARequest, target_shapes  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SENTENCES = ["The cat sat on the warm mat by the window.", "Rivers carry water and sand down to the sea.",
@@ -77,7 +78,7 @@ def throughput(llm: LLM, prompts: list[str], params: SamplingParams, loras: list
 
 def first_request(llm: LLM, fresh: LoRARequest, resident: LoRARequest, hf_config) -> tuple[float, float, float]:
     """Seconds of one 1-token request with a never-seen adapter, with a resident one, and of reading the
-    adapter from disk alone."""
+    adapter from disk alone (its config checked, every tensor copied into memory as stored)."""
     params = SamplingParams(temperature=0, max_tokens=1)
     times = []
     for lora in (resident, fresh, resident):  # the resident one first too: the kernels' first call at its shape
@@ -86,7 +87,7 @@ def first_request(llm: LLM, fresh: LoRARequest, resident: LoRARequest, hf_config
         times.append(time.perf_counter() - start)
     times = [times[1], times[2]]
     start = time.perf_counter()
-    read_adapter(fresh.lora_path, 64, hf_config.num_hidden_layers, target_shapes(hf_config), torch.bfloat16)
+    read_from_disk(fresh.lora_path, 64, hf_config.num_hidden_layers, target_shapes(hf_config))
     return times[0], times[1], time.perf_counter() - start
 
 

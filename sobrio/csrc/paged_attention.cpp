@@ -481,7 +481,7 @@ void register_grouped_ops(pybind11::module& m);  // grouped_linear.cpp
 void register_vnni_ops(pybind11::module& m);  // vnni_linear.cpp
 void register_fused_decode(pybind11::module& m);  // fused_decode.cpp
 void register_blocked_ops(pybind11::module& m);  // blocked_gemv.cpp
-void register_lora_ops(pybind11::module& m);  // lora_expand.cpp
+void register_lora_ops(pybind11::module& m);  // lora.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)", py::arg("query"),

@@ -1,8 +1,10 @@
 """The front's LoRA adapters: names a request may use as its model, each checked once when registered.
 
-Registering reads the whole PEFT folder against the base model's shapes, so a request never reaches the
-engine core with an adapter it would fail to load. Each registration gets a new id (`LoRARequest.lora_int_id`):
-an adapter unloaded and loaded again under its name shares no KV blocks or resident weights with the old one.
+Registering checks the PEFT folder (its config, and its tensors' names and shapes from the safetensors
+header, no tensor read) against the base model, so a request never reaches the engine core with an adapter
+it would fail to load; the engine core reads the tensors once, when a step first needs the adapter. Each
+registration gets a new id (`LoRARequest.lora_int_id`): an adapter unloaded and loaded again under its name
+shares no KV blocks or resident weights with the old one.
 """
 
 import itertools
@@ -10,11 +12,9 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from sobrio.config.lora import LoRAConfig
 from sobrio.errors import ConfigError, InvalidRequestError, UnknownModelError
-from sobrio.loader.lora import LoRARequest, read_adapter, target_shapes
+from sobrio.loader.lora import LoRARequest, check_adapter, target_shapes
 
 
 @dataclass(frozen=True)
@@ -63,12 +63,12 @@ class AdapterRegistry:
         return None if adapter is None else adapter.request
 
     def check(self, request: LoRARequest) -> None:
-        """Read the adapter once against the base model; a request with one already read passes at once."""
+        """Check the adapter once against the base model; a request with one already checked passes at once."""
         self._require_enabled()
         if request in self._checked:
             return
-        read_adapter(request.lora_path, self.config.max_lora_rank, self.hf_config.num_hidden_layers,
-                     target_shapes(self.hf_config), torch.float32)
+        check_adapter(request.lora_path, self.config.max_lora_rank, self.hf_config.num_hidden_layers,
+                      target_shapes(self.hf_config))
         self._checked.add(request)
 
     def _require_enabled(self) -> None:

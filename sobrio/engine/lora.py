@@ -9,7 +9,7 @@ import torch
 from sobrio.config import SobrioConfig
 from sobrio.errors import ConfigError
 from sobrio.layers.lora import LoRAStep, attach_lora
-from sobrio.loader.lora import LoRARequest, read_adapter, target_shapes
+from sobrio.loader.lora import LoRARequest, adapter_tensors, target_shapes
 from sobrio.timing import log_step
 
 logger = logging.getLogger(__name__)
@@ -43,8 +43,9 @@ class RunnerAdapters:
         self.fused_decode = self.decoder.fused_decode  # off in a step with an adapter: it has no LoRA products
         self.shapes = target_shapes(hf_config)
         self.step = LoRAStep(max_resident)
-        self.layers = attach_lora(self.decoder.layers, self.shapes, self.step)
-        self.dtype, self.max_rank, self.max_resident = dtype, max_rank, max_resident
+        self.num_layers = len(self.decoder.layers)
+        self.banks = attach_lora(self.decoder.layers, self.shapes, self.step, dtype)
+        self.max_rank, self.max_resident = max_rank, max_resident
         self.resident: OrderedDict[int, int] = OrderedDict()  # id -> slot, least recently used first
         self.free = list(range(max_resident - 1, -1, -1))  # slots no adapter holds (popped from the end)
 
@@ -60,22 +61,28 @@ class RunnerAdapters:
         self.decoder.fused_decode = None if self.step.rows is not None else self.fused_decode
 
     def _ensure(self, adapter: LoRARequest) -> None:
+        """Read the adapter from disk into a free slot (evicting the least recently used adapter if none is),
+        each module's pair straight into the slot; a read that fails leaves the slot empty."""
         if adapter.lora_int_id in self.resident:
             return
-        with log_step(logger, "loading LoRA adapter %s", adapter.lora_name):
-            weights = read_adapter(adapter.lora_path, self.max_rank, len(self.layers), self.shapes, self.dtype)
         if not self.free:
             self._evict(next(iter(self.resident)))
-        slot = self.free.pop()
-        for i, targets in enumerate(self.layers):
-            for module in dict.fromkeys(targets.values()):
-                module.add_adapter(slot, {name: ab for (layer, name), ab in weights.items()
-                                          if layer == i and name in targets})
-        self.resident[adapter.lora_int_id] = slot
+        slot = self.free[-1]
+        with log_step(logger, "loading LoRA adapter %s", adapter.lora_name):
+            try:
+                scaling, pairs = adapter_tensors(adapter.lora_path, self.max_rank, self.num_layers, self.shapes)
+                for target, layers in pairs.items():  # every layer's pair of a target in one go
+                    self.banks[target].add(slot, target, [a for a, _ in layers], [b for _, b in layers], scaling)
+            except BaseException:
+                self._clear(slot)
+                raise
+        self.resident[adapter.lora_int_id] = self.free.pop()
 
     def _evict(self, adapter_id: int) -> None:
         slot = self.resident.pop(adapter_id)
-        for targets in self.layers:
-            for module in dict.fromkeys(targets.values()):
-                module.remove_adapter(slot)
+        self._clear(slot)
         self.free.append(slot)
+
+    def _clear(self, slot: int) -> None:
+        for bank in dict.fromkeys(self.banks.values()):
+            bank.remove(slot)

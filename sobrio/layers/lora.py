@@ -1,20 +1,20 @@
 """LoRA on top of any Linear (bf16, int8, int4, GGUF): the base module's output plus each adapter's (x @ A) @ B.
 
 Each resident adapter has a slot (`RunnerAdapters` assigns it), the same in every wrapped module, which holds
-every slot's A and B stacked in the model's dtype. A step's tokens are grouped by slot once (`LoRAStep.set`:
-their rows in slot order), and every module then computes all its adapters' products in two C++ calls,
-whatever the number of requests or adapters: the shrink h = x @ A.T (`expert_linear`, the segment matmul the
-mixture-of-experts MLP uses: rows grouped by matrix, each group against its own) and the expand
-y[rows] += h @ B.T (`lora_expand`, summed along the output columns and added into y in place). A packed
-module (q/k/v, gate/up) holds each adapter's A matrices stacked and its B matrices block-diagonal, so it too
-is one pair; the expand reads only B's non-zero blocks. Tokens of the base model run the base module alone.
-Where the C++ operators did not build, a loop over the step's adapters (one matmul pair each) computes the
-same: the reference the operators are tested against.
+every slot's A and B in the model's dtype. A step's tokens are grouped by slot once (`LoRAStep.set`: their
+rows in slot order, and each group's slot and bounds), and every module then adds all its adapters' products
+in one C++ call, whatever the number of requests or adapters (`lora_apply`, csrc/lora.cpp): the shrink
+h = x @ A.T and the expand y[rows] += h @ B.T, h kept in float32 inside. A packed module (q/k/v, gate/up) has
+one slice a projection; each slice holds up to R ranks (the largest rank held), A's rows stacked slice after
+slice and B packed in tiles of 64 output columns (`TILE`), so the expand reads each tile's ranks in one run
+and keeps its sums in registers. Only the ranks an adapter has in a slice are read (`ranks`). Tokens of the
+base model run the base module alone. Where the C++ operator did not build, a loop over the step's adapters
+(one matmul pair each) computes the same: the reference the operator is tested against.
 """
 
-import torch
+import functools
 
-from sobrio.layers.moe import expert_linear_available
+import torch
 
 
 class LoRAStep:
@@ -51,135 +51,158 @@ class LoRAStep:
         self.span = slice(ordered[0][0], ordered[-1][1]) if contiguous else None
 
 
-def segment_matmul(x: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Rows grouped by slot, each group @ w[its slot].T: x [rows, K], w [slots, N, K] -> [rows, N]. The C++
-    operator where it is built, else one matmul a group (the reference)."""
-    if expert_linear_available() and x.dtype in (torch.float32, torch.bfloat16):
+TILE = 64  # output columns of a tile of packed B (csrc/lora.cpp's kTile)
+
+
+def lora_apply(y: torch.Tensor, x: torch.Tensor, bank: "LoRABank", layer: int, step: LoRAStep) -> None:
+    """y[rows] += (x[rows] @ A[slot].T) @ B[slot].T for each group of the step, with layer `layer`'s A and B:
+    the C++ operator where it is built, else the reference."""
+    if (lora_apply_available() and y.dtype in (torch.float32, torch.bfloat16) and x.dtype == y.dtype == bank.dtype
+            and y.is_contiguous()):
         from sobrio.layers.cpu_ops import cpu_ops
 
-        return cpu_ops().expert_linear(x.contiguous(), w, slots, offsets)
-    return segment_matmul_reference(x, w, slots, offsets)
-
-
-def segment_matmul_reference(x: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, offsets: torch.Tensor
-                             ) -> torch.Tensor:
-    out = x.new_empty(x.shape[0], w.shape[1])
-    bounds = offsets.tolist()
-    for g, slot in enumerate(slots.tolist()):
-        out[bounds[g]:bounds[g + 1]] = x[bounds[g]:bounds[g + 1]] @ w[slot].T
-    return out
-
-
-def lora_expand(y: torch.Tensor, h: torch.Tensor, bt: torch.Tensor, spans: torch.Tensor, step: LoRAStep) -> None:
-    """y[rows] += h @ bt[slot] for each group of the step (bt [slots, R, out]; spans [slots, R, 2] the output
-    columns each rank writes, zeros elsewhere in bt). The C++ operator where it is built, else the reference."""
-    if expand_available() and y.dtype in (torch.float32, torch.bfloat16) and y.is_contiguous():
-        from sobrio.layers.cpu_ops import cpu_ops
-
-        cpu_ops().lora_expand(y, h.contiguous(), bt, spans, step.rows, step.slots, step.offsets)
+        cpu_ops().lora_apply(y, x.contiguous(), bank.a_of[layer], bank.b_of[layer], bank.ranks, bank.scales,
+                             bank.widths, step.rows, step.slots, step.offsets)
     else:
-        lora_expand_reference(y, h, bt, step)
+        lora_apply_reference(y, x, bank, layer, step)
 
 
-def lora_expand_reference(y: torch.Tensor, h: torch.Tensor, bt: torch.Tensor, step: LoRAStep) -> None:
-    delta = y.new_empty(h.shape[0], y.shape[1])
+def lora_apply_reference(y: torch.Tensor, x: torch.Tensor, bank: "LoRABank", layer: int, step: LoRAStep) -> None:
+    """One matmul pair a group, in y's dtype: what the C++ operator is tested against."""
+    xs = x[step.span] if step.span is not None else x.index_select(0, step.rows)
+    delta = y.new_empty(xs.shape[0], y.shape[1])
     bounds = step.offsets.tolist()
     for g, slot in enumerate(step.slots.tolist()):
-        delta[bounds[g]:bounds[g + 1]] = h[bounds[g]:bounds[g + 1]] @ bt[slot]
+        a, bt = bank.a_of[layer][slot] * bank.in_use(slot)[:, None], bank.dense_bt(layer, slot)
+        delta[bounds[g]:bounds[g + 1]] = (xs[bounds[g]:bounds[g + 1]] @ a.T * bank.scales[slot].item()) @ bt
     y.index_add_(0, step.rows, delta)
 
 
-def expand_available() -> bool:
+@functools.cache
+def lora_apply_available() -> bool:
     from sobrio.layers.cpu_ops import cpu_ops
 
-    return hasattr(cpu_ops(), "lora_expand")
+    return hasattr(cpu_ops(), "lora_apply")
+
+
+def tile_view(packed: torch.Tensor, counts: list[int], rank: int, j: int) -> torch.Tensor:
+    """Slice j's tiles [..., counts[j], rank, TILE] in packed B [..., P] (a view)."""
+    begin = sum(counts[:j]) * rank * TILE
+    return packed[..., begin:begin + counts[j] * rank * TILE].unflatten(-1, (counts[j], rank, TILE))
+
+
+class LoRABank:
+    """The adapters of one kind of module (q/k/v, o, gate/up or down) in every layer, so that an adapter is
+    placed in a few operations a kind whatever the number of layers. `slices`: the PEFT target names of the
+    module's output slices in order (["q_proj", "k_proj", "v_proj"] for a packed module) and their widths.
+
+    A [layers, slots, S * R, in] (slice j's ranks at rows j * R ..), B packed [layers, slots, P] (slice after
+    slice, each [tiles, R, TILE]), each slot's rank in each slice (`ranks` [slots, S], int32; the same in every
+    layer, as PEFT's rank_pattern and layers_to_transform are refused; 0 where the adapter skips the projection
+    or the slot is empty) and its scaling (`scales` [slots], float32: applied to x @ A.T, as PEFT applies it to
+    the product, so B is placed as stored). R: the largest rank held. None until the first adapter."""
+
+    def __init__(self, slices: list[tuple[str, int]], in_features: int, layers: int, slots: int,
+                 dtype: torch.dtype):
+        self.targets = [name for name, _ in slices]
+        self.widths = [width for _, width in slices]
+        self.counts = [-(-width // TILE) for width in self.widths]  # tiles of each slice
+        self.in_features, self.out_features = in_features, sum(self.widths)
+        self.layers, self.slots, self.dtype = layers, slots, dtype
+        self.rank = 0
+        self.a: torch.Tensor | None = None
+        self.b: torch.Tensor | None = None
+        self.ranks: torch.Tensor | None = None
+        self.scales: torch.Tensor | None = None
+        self.a_of: list[torch.Tensor] = []  # each layer's A and B (views): what a module's forward reads
+        self.b_of: list[torch.Tensor] = []
+
+    def add(self, slot: int, target: str, a: list[torch.Tensor], b: list[torch.Tensor], scaling: float = 1.0
+            ) -> None:
+        """One projection's A [r, in] and B [out, r] of every layer (in layer order) into an empty `slot`,
+        stacked straight into the packed layout in the model's dtype (no copy of the adapter in between); the
+        product is scaled by `scaling`."""
+        j = self.targets.index(target)
+        r, width, count = a[0].shape[0], self.widths[j], self.counts[j]
+        self._reserve(r)
+        if width % TILE:
+            b = [torch.nn.functional.pad(t, (0, 0, 0, count * TILE - width)) for t in b]
+        torch.stack([t.to(self.dtype) for t in a], out=self.a[:, slot].narrow(1, j * self.rank, r))
+        tiles = tile_view(self.b[:, slot], self.counts, self.rank, j)[:, :, :r]  # [layers, tiles, r, TILE]
+        torch.stack([t.to(self.dtype).contiguous().view(count, TILE, r).transpose(1, 2) for t in b], out=tiles)
+        self.rank_table[slot, j] = r  # `ranks` itself, through numpy: a tensor's element write costs ~10 us
+        self.scale_table[slot] = scaling
+
+    def remove(self, slot: int) -> None:
+        """Empty `slot`: its ranks 0, so nothing of it is read (its A and B stay until overwritten)."""
+        if self.ranks is not None:
+            self.ranks[slot].zero_()
+
+    def in_use(self, slot: int) -> torch.Tensor:
+        """Which of the S * R rows of `slot`'s A (and of its B.T) hold its adapter's ranks, [S * R] bool."""
+        return (torch.arange(self.rank)[None, :] < self.ranks[slot, :, None]).reshape(-1)
+
+    def dense_bt(self, layer: int, slot: int) -> torch.Tensor:
+        """B.T of `slot` in `layer` unpacked, [S * R, out] (block-diagonal for a packed module): the reference's."""
+        bt = self.b.new_zeros(len(self.widths) * self.rank, self.out_features)
+        column = 0
+        for j, width in enumerate(self.widths):
+            rows = tile_view(self.b[layer, slot], self.counts, self.rank, j).transpose(0, 1).reshape(self.rank, -1)
+            bt[j * self.rank:(j + 1) * self.rank, column:column + width] = rows[:, :width]
+            column += width
+        return bt
+
+    def _reserve(self, rank: int) -> None:
+        """Room for rank `rank` in each slice (grown rarely: the first adapter, or a larger rank than any
+        before; the slots held are repacked)."""
+        if self.rank >= rank:
+            return
+        held, old_a, old_b = self.rank, self.a, self.b
+        self.rank, count = rank, len(self.widths)
+        self.a = torch.zeros(self.layers, self.slots, count * rank, self.in_features, dtype=self.dtype)
+        self.b = torch.zeros(self.layers, self.slots, sum(self.counts) * rank * TILE, dtype=self.dtype)
+        if old_a is None:
+            self.ranks = torch.zeros(self.slots, count, dtype=torch.int32)
+            self.scales = torch.zeros(self.slots, dtype=torch.float32)
+            self.rank_table, self.scale_table = self.ranks.numpy(), self.scales.numpy()
+        else:
+            for j in range(count):
+                self.a[:, :, j * rank:j * rank + held] = old_a[:, :, j * held:(j + 1) * held]
+                tile_view(self.b, self.counts, rank, j)[..., :held, :] = tile_view(old_b, self.counts, held, j)
+        self.a_of, self.b_of = list(self.a.unbind(0)), list(self.b.unbind(0))
 
 
 class LoRALinear(torch.nn.Module):
-    """`base` (any module computing x -> y) plus the LoRA products of the step's adapters. `slices`: the
-    PEFT target names of its output slices in order (["q_proj", "k_proj", "v_proj"] for a packed module)
-    and their widths."""
+    """`base` (any module computing x -> y) plus the LoRA products of the step's adapters, from layer
+    `layer`'s share of `bank`."""
 
-    def __init__(self, base: torch.nn.Module, slices: list[tuple[str, int]], in_features: int, step: LoRAStep):
+    def __init__(self, base: torch.nn.Module, bank: LoRABank, layer: int, step: LoRAStep):
         super().__init__()
-        self.base = base
-        self.slices = slices
-        self.in_features = in_features
-        self.out_features = sum(width for _, width in slices)
-        self.step = step
-        # Every slot's A [slots, R, in] and B.T [slots, R, out] (R: the largest stacked rank held; a smaller
-        # adapter, an empty slot or one whose adapter skips this module is zero there), and the output
-        # columns [begin, end) each rank writes (spans [slots, R, 2], int32). None: no adapter yet.
-        self.a: torch.Tensor | None = None
-        self.bt: torch.Tensor | None = None
-        self.spans: torch.Tensor | None = None
-
-    def add_adapter(self, slot: int, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """`pairs[target] = (A [r, in], B [out, r])` (B scaled) into `slot`; slices the adapter does not target
-        stay zero."""
-        present = [(name, pairs[name]) for name, _ in self.slices if name in pairs]
-        if not present:
-            self.remove_adapter(slot)
-            return
-        self._reserve(sum(ab[0].shape[0] for _, ab in present), present[0][1][0].dtype)
-        self.remove_adapter(slot)
-        row, col = 0, 0
-        for name, width in self.slices:
-            if name in pairs:
-                a, b = pairs[name]
-                self.a[slot, col:col + a.shape[0]] = a
-                self.bt[slot, col:col + a.shape[0], row:row + width] = b.T
-                self.spans[slot, col:col + a.shape[0]] = torch.tensor([row, row + width], dtype=torch.int32)
-                col += a.shape[0]
-            row += width
-
-    def remove_adapter(self, slot: int) -> None:
-        if self.a is not None:
-            self.a[slot].zero_()
-            self.bt[slot].zero_()
-            self.spans[slot].zero_()
-
-    def _reserve(self, rank: int, dtype: torch.dtype) -> None:
-        """Every slot with room for a stacked rank `rank` at least (grown rarely: the first adapter, or a
-        larger rank than any before)."""
-        if self.a is not None and self.a.shape[1] >= rank:
-            return
-        old = (self.a, self.bt, self.spans)
-        rank = rank if old[0] is None else max(rank, old[0].shape[1])
-        self.a = torch.zeros(self.step.capacity, rank, self.in_features, dtype=dtype)
-        self.bt = torch.zeros(self.step.capacity, rank, self.out_features, dtype=dtype)
-        self.spans = torch.zeros(self.step.capacity, rank, 2, dtype=torch.int32)
-        if old[0] is not None:
-            for new, held in zip((self.a, self.bt, self.spans), old):
-                new[:, :held.shape[1]] = held
+        self.base, self.bank, self.layer, self.step = base, bank, layer, step
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        step = self.step
-        if step.rows is None or self.a is None:
+        if self.step.rows is None or self.bank.a is None:
             return y
-        xs = x[step.span] if step.span is not None else x.index_select(0, step.rows)
-        lora_expand(y, segment_matmul(xs, self.a, step.slots, step.offsets), self.bt, self.spans, step)
+        lora_apply(y, x, self.bank, self.layer, self.step)
         return y
 
 
-def attach_lora(layers: torch.nn.ModuleList, shapes: dict[str, tuple[int, int]], step: LoRAStep
-                ) -> list[dict[str, LoRALinear]]:
+def attach_lora(layers: torch.nn.ModuleList, shapes: dict[str, tuple[int, int]], step: LoRAStep,
+                dtype: torch.dtype) -> dict[str, LoRABank]:
     """Wrap each layer's q/k/v/o and gate/up/down modules named in `shapes` (target -> (out, in) features;
-    a mixture-of-experts MLP has no dense gate/up/down there and keeps its own). Returns each layer's wrapped
-    modules by PEFT target."""
+    a mixture-of-experts MLP has no dense gate/up/down there and keeps its own). Returns the bank of each
+    PEFT target (q/k/v share one, gate/up another)."""
     plan = [("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")), ("self_attn", "o_proj", ("o_proj",)),
             ("mlp", "gate_up_proj", ("gate_proj", "up_proj")), ("mlp", "down_proj", ("down_proj",))]
-    wrapped = []
-    for layer in layers:
-        targets: dict[str, LoRALinear] = {}
-        for block_name, attr, names in plan:
-            if not all(name in shapes for name in names):
-                continue
+    banks: dict[str, LoRABank] = {}
+    for block_name, attr, names in plan:
+        if not all(name in shapes for name in names):
+            continue
+        bank = LoRABank([(name, shapes[name][0]) for name in names], shapes[names[0]][1], len(layers),
+                        step.capacity, dtype)
+        for i, layer in enumerate(layers):
             block = getattr(layer, block_name)
-            slices = [(name, shapes[name][0]) for name in names]
-            module = LoRALinear(getattr(block, attr), slices, shapes[names[0]][1], step)
-            setattr(block, attr, module)
-            targets |= {name: module for name in names}
-        wrapped.append(targets)
-    return wrapped
+            setattr(block, attr, LoRALinear(getattr(block, attr), bank, i, step))
+        banks |= {name: bank for name in names}
+    return banks

@@ -8,6 +8,7 @@ an adapter is never served half-applied.
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,9 +87,6 @@ def _refuse(path, what: str) -> InvalidRequestError:
     return InvalidRequestError(f"LoRA adapter {str(path)!r}: sobrio does not support {what}", param="lora_path")
 
 
-AdapterWeights = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # (layer, target) -> (A [r, in], B [out, r])
-
-
 def target_shapes(hf_config) -> dict[str, tuple[int, int]]:
     """(out_features, in_features) of each PEFT target in the base model's layers; a mixture-of-experts
     model has no dense gate/up/down to adapt."""
@@ -102,43 +100,55 @@ def target_shapes(hf_config) -> dict[str, tuple[int, int]]:
     return shapes
 
 
-def read_adapter(path: str | Path, max_rank: int, num_layers: int, shapes: dict[str, tuple[int, int]],
-                 dtype: torch.dtype) -> AdapterWeights:
-    """Every (A, B) of the adapter, B already multiplied by the scaling, checked against the base model:
-    `shapes[target] = (out_features, in_features)` of its modules. Every targeted module of every layer
-    must have its pair, and no tensor may be left unused."""
+_TENSOR_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+TensorNames = dict[tuple[int, str], tuple[str, str]]  # (layer, target) -> names of its A and B
+
+
+def check_adapter(path: str | Path, max_rank: int, num_layers: int, shapes: dict[str, tuple[int, int]]
+                  ) -> tuple[AdapterConfig, TensorNames]:
+    """The adapter's config and the names of each module's A and B, checked against the base model from the
+    safetensors header alone (no tensor is read): `shapes[target] = (out_features, in_features)` of its
+    modules. Every targeted module of every layer must have its pair, and no tensor may be left unused."""
     cfg = read_adapter_config(path, max_rank)
     missing = [t for t in cfg.targets if t not in shapes]
     if missing:
         raise _refuse(path, f"target_modules {missing!r} on this model (its layers have no such dense module)")
-    weights: AdapterWeights = {}
+    found: dict[tuple[int, str, str], str] = {}
     with safe_open(str(Path(path) / "adapter_model.safetensors"), framework="pt") as f:
-        names = set(f.keys())
+        unused = []
+        for name in f.keys():
+            match = _TENSOR_NAME.search(name)
+            block = match and ("self_attn" if match[3] in ATTENTION_TARGETS else "mlp")
+            if match is None or match[2] != block or match[3] not in cfg.targets or int(match[1]) >= num_layers:
+                unused.append(name)
+            else:
+                found[int(match[1]), match[3], match[4]] = name
+        if unused:
+            raise _refuse(path, f"tensors sobrio would not use ({sorted(unused)[0]!r}, ...)")
+        names: TensorNames = {}
         for layer in range(num_layers):
             for target in cfg.targets:
-                a, b = _pair(f, names, layer, target)
-                if a is None:
+                pair = found.get((layer, target, "A")), found.get((layer, target, "B"))
+                if None in pair:
                     raise _refuse(path, f"an adapter without {target} in layer {layer}")
                 out_f, in_f = shapes[target]
-                if a.shape != (cfg.rank, in_f) or b.shape != (out_f, cfg.rank):
-                    raise InvalidRequestError(f"LoRA adapter {str(path)!r}: {target} of layer {layer} has A "
-                                              f"{tuple(a.shape)} and B {tuple(b.shape)}, the base model needs "
-                                              f"({cfg.rank}, {in_f}) and ({out_f}, {cfg.rank}): another base "
-                                              "model", param="lora_path")
-                weights[layer, target] = (a.to(dtype).contiguous(), (b.float() * cfg.scaling).to(dtype).contiguous())
-    if names:
-        raise _refuse(path, f"tensors sobrio would not use ({sorted(names)[0]!r}, ...)")
-    return weights
+                a, b = (tuple(f.get_slice(name).get_shape()) for name in pair)
+                if a != (cfg.rank, in_f) or b != (out_f, cfg.rank):
+                    raise InvalidRequestError(f"LoRA adapter {str(path)!r}: {target} of layer {layer} has A {a} and "
+                                              f"B {b}, the base model needs ({cfg.rank}, {in_f}) and ({out_f}, "
+                                              f"{cfg.rank}): another base model", param="lora_path")
+                names[layer, target] = pair
+    return cfg, names
 
 
-def _pair(f, names: set[str], layer: int, target: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """lora_A and lora_B of one module, under PEFT's names (any prefix up to `layers.{i}.`); taken from `names`."""
-    block = "self_attn" if target in ATTENTION_TARGETS else "mlp"
-    suffix = f"layers.{layer}.{block}.{target}."
-    found = {}
-    for name in [n for n in names if suffix in n]:
-        kind = name.rsplit(suffix, 1)[1]
-        if kind in ("lora_A.weight", "lora_B.weight"):
-            found[kind[5]] = f.get_tensor(name)
-            names.discard(name)
-    return found.get("A"), found.get("B")
+def adapter_tensors(path: str | Path, max_rank: int, num_layers: int, shapes: dict[str, tuple[int, int]]
+                    ) -> tuple[float, dict[str, list[tuple[torch.Tensor, torch.Tensor]]]]:
+    """The adapter's scaling and, for each target, every layer's (A [r, in], B [out, r]) in layer order as the
+    file stores them, once the whole adapter is checked (`check_adapter`). The file is mapped: the bytes are
+    read when the caller first touches them, straight into where it computes with them."""
+    cfg, names = check_adapter(path, max_rank, num_layers, shapes)
+    pairs: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    with safe_open(str(Path(path) / "adapter_model.safetensors"), framework="pt") as f:
+        for (_, target), (a, b) in names.items():  # layer by layer
+            pairs.setdefault(target, []).append((f.get_tensor(a), f.get_tensor(b)))
+    return cfg.scaling, pairs

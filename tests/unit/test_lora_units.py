@@ -9,16 +9,8 @@ import torch
 
 from sobrio.config.lora import LoRAConfig
 from sobrio.errors import ConfigError, InvalidRequestError
-from sobrio.layers.lora import (
-    LoRALinear,
-    LoRAStep,
-    expand_available,
-    lora_expand,
-    lora_expand_reference,
-    segment_matmul,
-    segment_matmul_reference,
-)
-from sobrio.layers.moe import expert_linear_available
+from sobrio.layers.cpu_ops import cpu_ops
+from sobrio.layers.lora import LoRABank, LoRALinear, LoRAStep, lora_apply_available, lora_apply_reference
 from sobrio.layers.quantization import quantized_linear
 from sobrio.loader.lora import read_adapter_config
 
@@ -62,11 +54,13 @@ def test_a_quantized_base_plus_each_adapter_on_its_rows_only():
     weight = torch.randn(48, 64)
     base = quantized_linear(weight, None, "int8-weight-only", "o_proj")
     step = LoRAStep(slots=3)
-    module = LoRALinear(base, [("q_proj", 32), ("k_proj", 16)], 64, step)
+    bank = LoRABank([("q_proj", 32), ("k_proj", 16)], 64, layers=1, slots=3, dtype=torch.float32)
+    module = LoRALinear(base, bank, 0, step)
     pairs = {1: {"q_proj": (torch.randn(4, 64), torch.randn(32, 4))}, 2: {"k_proj": (torch.randn(2, 64),
                                                                                      torch.randn(16, 2))}}
     for adapter_id, p in pairs.items():
-        module.add_adapter(adapter_id, p)
+        for target, (a, b) in p.items():
+            bank.add(adapter_id, target, [a], [b])
     x = torch.randn(10, 64)
     step.set([1, None, 2, 1], [3, 2, 1, 4])  # adapter 1 on rows 0-2 and 6-9, adapter 2 on row 5
     got, plain = module(x), base(x)
@@ -80,27 +74,42 @@ def test_a_quantized_base_plus_each_adapter_on_its_rows_only():
     assert step.rows.tolist() == [0, 1, 2, 6, 7, 8, 9, 5] and step.offsets.tolist() == [0, 7, 8]
     step.set([2, 2, None], [1, 3, 2])  # contiguous rows: a slice, no gather
     assert step.span == slice(0, 4) and step.slots.tolist() == [2]
-    module.remove_adapter(1)  # an emptied slot adds nothing
+    bank.remove(1)  # an emptied slot adds nothing
     step.set([1], [10])
     torch.testing.assert_close(module(x), base(x))
 
 
-@pytest.mark.skipif(not (expert_linear_available() and expand_available()), reason="the C++ operators did not build")
+@pytest.mark.skipif(not lora_apply_available(), reason="the C++ operators did not build")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_shrink_and_expand_operators_equal_their_reference(dtype):
+def test_the_lora_operator_equals_its_reference(dtype):
+    """Slices of widths off the 64-column tiles, adapters of three ranks (the slots repacked as the rank
+    grows), one skipping two projections; rows of several groups, one group of many rows, and one or two
+    threads (a lone group's tiles split between them)."""
     torch.manual_seed(0)
     step = LoRAStep(slots=5)
-    step.set([3, None, 0, 4, 3], [1, 2, 1, 5, 1])
-    x, w = torch.randn(10, 72, dtype=dtype), torch.randn(5, 40, 72, dtype=dtype)
-    x = x.index_select(0, step.rows)
-    want = segment_matmul_reference(x.double(), w.double(), step.slots, step.offsets)
+    slices = [("q_proj", 100), ("k_proj", 70), ("v_proj", 130)]
+    bank = LoRABank(slices, 72, layers=2, slots=5, dtype=dtype)
+    reference = LoRABank(slices, 72, layers=2, slots=5, dtype=torch.float64)  # the same adapters, in float64
+    for slot, rank, targets in [(3, 4, ["q_proj", "v_proj"]), (0, 8, ["k_proj"]), (4, 6, bank.targets)]:
+        for target in targets:
+            width = bank.widths[bank.targets.index(target)]
+            a = torch.randn(2, rank, 72, dtype=dtype)
+            b = torch.randn(2, width, rank).to(dtype).float()  # float32 into bf16: converted as placed
+            bank.add(slot, target, list(a), list(b), scaling=0.5)
+            reference.add(slot, target, list(a), list(b), scaling=0.5)
     tolerance = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.02}
-    torch.testing.assert_close(segment_matmul(x, w, step.slots, step.offsets), want.to(dtype), **tolerance)
-    h, bt = torch.randn(8, 6, dtype=dtype), torch.randn(5, 6, 300, dtype=dtype)  # 300 columns: two blocks and a tail
-    spans = torch.tensor([[0, 300], [0, 300], [10, 270], [10, 270], [0, 0], [0, 0]], dtype=torch.int32).repeat(5, 1, 1)
-    bt[:, 2:4, :10], bt[:, 2:4, 270:], bt[:, 4:] = 0, 0, 0  # zero outside the spans, as LoRALinear holds it
-    y = torch.randn(10, 300, dtype=dtype)
-    want = y.double()
-    lora_expand_reference(want, h.double(), bt.double(), step)
-    lora_expand(y, h, bt, spans, step)
-    torch.testing.assert_close(y, want.to(dtype), **tolerance)
+    threads = torch.get_num_threads()
+    try:
+        for slots, lengths in [([3, None, 0, 4, 3], [1, 2, 1, 5, 1]), ([4], [40]), ([0, 3], [1, 1])]:
+            step.set(slots, lengths)
+            x, y = torch.randn(sum(lengths), 72, dtype=dtype), torch.randn(sum(lengths), 300, dtype=dtype)
+            want = y.double()
+            lora_apply_reference(want, x.double(), reference, 1, step)
+            for count in (1, 2):
+                torch.set_num_threads(count)
+                got = y.clone()
+                cpu_ops().lora_apply(got, x, bank.a_of[1], bank.b_of[1], bank.ranks, bank.scales, bank.widths,
+                                     step.rows, step.slots, step.offsets)
+                torch.testing.assert_close(got, want.to(dtype), **tolerance)
+    finally:
+        torch.set_num_threads(threads)

@@ -53,7 +53,8 @@ for SEED in "$@"; do
   .venv/bin/python - "$SEED" $SERVERS <<'PY'
 import json, sys
 seed, names = sys.argv[1], sys.argv[2:]
-load = lambda n, w: json.load(open(f"results/at-size-{n}-{seed}-{w}.json"))
+offsets = {"inflight16": 0, "inflight32": 1, "ttft1000": 2, "ttft4000": 3}  # each workload's seed, as run
+load = lambda n, w: json.load(open(f"results/at-size-{n}-{int(seed) + offsets[w]}-{w}.json"))
 print(f"seed {seed}: output tok/s at 16 and 32 in flight, TTFT p50 at 1,000 and 4,000 prompt tokens")
 rows = {n: (load(n, "inflight16")["output_throughput"], load(n, "inflight32")["output_throughput"],
             load(n, "ttft1000")["p50_ttft_ms"], load(n, "ttft4000")["p50_ttft_ms"]) for n in names}

@@ -26,7 +26,7 @@ are in docs/quantization.md.
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -358,6 +358,7 @@ class Int4Codes:
     codes: torch.Tensor
     scales_and_zeros: torch.Tensor
     group_size: int
+    _vnni: "vnni.VnniCodes | None" = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         n, k = self.codes.shape
@@ -403,13 +404,20 @@ class Int4Codes:
         return Int4Linear(pack_int4(self.codes, self.scales_and_zeros, self.group_size), bias)
 
     def vnni(self) -> vnni.VnniCodes:
-        """The same weight for `vnni_linear`: w = scale * code + (zero - 8 * scale), in fp16."""
-        scale, zero = self.scales_and_zeros.float().unbind(-1)  # [K / g, N] each
-        return vnni.VnniCodes.pack(self.codes, scale.T, (zero - 8 * scale).T, 4, self.group_size)
+        """The same weight for `vnni_linear`: w = scale * code + (zero - 8 * scale), in fp16; made once, so a
+        tied embedding and LM head share it."""
+        if self._vnni is None:
+            scale, zero = self.scales_and_zeros.float().unbind(-1)  # [K / g, N] each
+            self._vnni = vnni.VnniCodes.pack(self.codes, scale.T, (zero - 8 * scale).T, 4, self.group_size)
+        return self._vnni
 
     def embedding(self, dtype: torch.dtype) -> torch.nn.Module:
-        raise NotImplementedError("int4: a pre-quantized int4 embedding is not supported (the packed kernel "
-                                  "multiplies, it does not look rows up); keep embed_tokens in float")
+        """A 4-bit token embedding (a GGUF's Q4_0 `token_embd`, as llama.cpp's quantizer writes it): with VNNI
+        the lookup dequantizes only the rows it reads, from the codes the tied LM head computes with (one
+        copy); elsewhere aten's int4 kernel cannot look rows up, so the embedding is kept dequantized."""
+        if vnni.usable(self.group_size):
+            return self.vnni().embedding(dtype)
+        return torch.nn.Embedding.from_pretrained(self.dequantize().to(dtype), freeze=True)
 
 
 class Int4Linear(torch.nn.Module):

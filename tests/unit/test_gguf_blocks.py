@@ -60,3 +60,22 @@ def test_int4_blocks_pack_for_the_kernel(type_name: str) -> None:
 
 def test_types_without_a_packed_kernel_are_left_to_the_loader() -> None:
     assert decode_blocks(np.zeros((1, 84), np.uint8), "Q2_K", 256) is None
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q4_K"])
+def test_a_4_bit_token_embedding_looks_up_the_files_rows(type_name: str) -> None:
+    """llama.cpp's quantizer writes `token_embd` in 4 bits too (a Q4_0 file of Llama-3.2-1B): its rows are the
+    file's, the scales rounded to fp16 (VNNI) at most, and a tied LM head reads the same codes (one copy)."""
+    import torch
+
+    from sobrio.layers import vnni
+
+    raw = random_blocks(type_name, 96, 256, seed=2)
+    codes = decode_blocks(raw, type_name, 256)
+    embedding = codes.embedding(torch.float32)
+    ids = torch.tensor([[0, 95, 17], [17, 3, 64]])
+    reference = torch.from_numpy(dequantize(raw, GGMLQuantizationType[type_name]).reshape(96, 256))
+    scale_step = codes.scales_and_zeros[..., 0].abs().max().item()
+    torch.testing.assert_close(embedding(ids), reference[ids], rtol=0, atol=0.01 * 15 * scale_step)
+    if vnni.usable(codes.group_size):
+        assert codes.linear(None).weight_codes is embedding.weight_codes

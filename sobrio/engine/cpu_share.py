@@ -18,8 +18,12 @@ import time
 logger = logging.getLogger(__name__)
 
 TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-INTERVAL_S = 1.0  # how often the governor looks
-SAMPLES_TO_CHANGE = 2  # the same new width this many looks in a row before it changes (no flapping)
+INTERVAL_S = 1.0  # how often the governor looks (between steps: a long prompt step is one long look)
+# Seconds of looks in a row asking for the same new width before it changes: fewer threads only for a neighbour
+# that stays (a benchmark client's or a CLI's start-up, 2-3 s of imports, had halved a 10 s prompt step that
+# followed it), more threads soon, and a long step that saw the cores free counts for its whole length.
+LOWER_AFTER_S = 4.0
+RAISE_AFTER_S = 2.0
 SLACK = 0.3  # a core counts as free when others leave at least 1 - SLACK of it
 
 
@@ -99,19 +103,22 @@ class ThreadGovernor:
         self.allowed = allowed_cores()
         self.meter = OthersMeter(ours)
         self.threads = most
-        self._next = time.monotonic() + interval
-        self._proposal, self._seen = most, 0
+        self._last = time.monotonic()
+        self._next = self._last + interval
+        self._proposal, self._seen_s = most, 0.0
         self.changes = 0
 
-    def poll(self) -> None:
-        now = time.monotonic()
+    def poll(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
         if now < self._next:
             return
+        span, self._last = now - self._last, now  # the meter's reading covers the same span
         self._next = now + self.interval
         want = threads_for(self.allowed, self.meter.cores(), self.most)
-        self._seen = self._seen + 1 if want == self._proposal else 1
+        self._seen_s = self._seen_s + span if want == self._proposal else span
         self._proposal = want
-        if want != self.threads and self._seen >= SAMPLES_TO_CHANGE:
+        needed = LOWER_AFTER_S if want < self.threads else RAISE_AFTER_S
+        if want != self.threads and self._seen_s >= needed:
             logger.info("CPU shared: %d -> %d engine threads (%.1f cores allowed)", self.threads, want, self.allowed)
             self.threads = want
             self.changes += 1

@@ -40,15 +40,31 @@ class FakeMeter:
         return self.readings.pop(0)
 
 
-def test_the_governor_changes_after_two_looks_in_a_row(monkeypatch):
+def test_the_governor_lowers_for_a_neighbour_that_stays_and_raises_soon(monkeypatch):
     monkeypatch.setattr(cpu_share, "allowed_cores", lambda: 2.0)
     widths = []
-    gov = ThreadGovernor(widths.append, most=2, ours=[os.getpid()], interval=0.0)
-    gov.meter = FakeMeter([1.0, 0.0, 1.0, 1.0, 1.1, 0.1, 0.2])
-    for _ in range(7):
-        gov.poll()
-    assert widths == [1, 2]  # one look at 1.0 was not enough; two were; two idle looks brought it back
-    assert gov.threads == 2 and gov.changes == 2
+    gov = ThreadGovernor(widths.append, most=2, ours=[os.getpid()], interval=1.0)
+    clock = gov._last
+
+    def looks(*spans_and_others):
+        nonlocal clock
+        gov.meter = FakeMeter([others for _, others in spans_and_others])
+        for span, _ in spans_and_others:
+            clock += span
+            gov.poll(clock)
+
+    looks((1, 1.0), (1, 1.0), (1, 1.0), (1, 0.0))  # a client's 3 s start-up burst: not a neighbour
+    assert widths == []
+    looks((1, 1.0), (1, 1.0), (1, 1.1), (1, 1.0))  # busy 4 s in a row: one core left to us
+    assert widths == [1]
+    looks((1, 0.1))  # one second free is not yet enough
+    assert widths == [1]
+    looks((1, 0.2))  # two are
+    assert widths == [1, 2]
+    looks((1, 1.0), (1, 1.0), (1, 1.0), (10, 1.0))  # a long step beside a busy neighbour counts its whole length
+    assert widths == [1, 2, 1]
+    looks((10, 0.0))  # and so does a long step that saw the other core free
+    assert widths == [1, 2, 1, 2] and gov.threads == 2 and gov.changes == 4
 
 
 def test_the_meter_sees_a_busy_neighbour_and_not_ourselves():

@@ -163,6 +163,8 @@ def _parent_lives(parent: int | None) -> bool:
 def _serve(core, inputs: zmq.Socket, outputs: zmq.Socket, parent: int | None, governor=None) -> None:
     """Step while there is work; `governor` (cpu_share.ThreadGovernor) sizes the threads to the free cores."""
     trimmer = MemoryTrimmer()
+    if governor is not None:
+        core.executor.runner.poll_between_layers(governor.poll)
     while _parent_lives(parent):
         if governor is not None:
             governor.poll()

@@ -20,6 +20,7 @@ from sobrio.errors import ConfigError, InvalidRequestError
 from sobrio.kv.cache import KV_CACHE_DTYPES, KVCache, KVCacheSpec, kv_budget
 from sobrio.layers.attention import AttentionMetadata
 from sobrio.loader.load import LoadedModelFiles, quantization_cache
+from sobrio.models.llama import DecoderModel
 from sobrio.models.registry import build_model
 from sobrio.models.sizing import kv_cache_spec, resolve_dtype
 from sobrio.speculative.eagle import EagleDraft, EagleFiles
@@ -134,6 +135,12 @@ class ModelRunner:
                                 self.config.model_config.attention_backend, batch_invariant, quantization)
             parallelize(model, self.tp.shard, self.tp.group, files.config.vocab_size)
             return model
+
+    def poll_between_layers(self, poll) -> None:
+        """Call `poll` after each decoder layer of a step (the CPU governor's look; a clock read between looks)."""
+        inner = getattr(self.model, "model", None)
+        if isinstance(inner, DecoderModel):
+            inner.between_layers = poll
 
     def warm_up(self) -> None:
         """One small prompt through the model, so the first request does not pay for loading the C++

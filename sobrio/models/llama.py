@@ -183,6 +183,9 @@ class DecoderModel(torch.nn.Module):
         self.norm = norm
         self.embed_scale: float | None = None
         self.fused_decode = None  # models/fused_decode.py: pure decode steps in one C++ call, where it covers them
+        # Called after each layer (the engine core's CPU governor: a prompt step of many seconds follows the
+        # cores a neighbour leaves free while it runs, not only from the next step on).
+        self.between_layers: Callable[[], None] | None = None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The input embedding (scaled, for Gemma): also what an EAGLE head reads its tokens through."""
@@ -200,6 +203,8 @@ class DecoderModel(torch.nn.Module):
         residual = None
         for layer in self.layers[:num_layers]:
             x, residual = layer(positions, x, residual, meta)
+            if self.between_layers is not None:
+                self.between_layers()
         return self.norm.add_and_norm(x, residual)[0]
 
 

@@ -90,3 +90,18 @@ def test_the_users_threads_win(monkeypatch, flag, env):
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     assert open_governor(flag) is None
+
+
+def test_the_governor_looks_between_the_layers_of_a_step(tmp_path):
+    """A prompt step of many seconds follows a neighbour that comes or goes while it runs: the governor's poll
+    runs after every decoder layer, not only between steps."""
+    from sobrio import LLM, SamplingParams
+    from tests.conftest import engine_kwargs
+    from tests.model.tiny_checkpoints import BASE, write_checkpoint
+
+    folder = write_checkpoint(tmp_path / "tiny", "llama", {})
+    llm = LLM(str(folder), **engine_kwargs(dtype="float32", max_model_len=256))
+    looks = []
+    llm.engine.runner.poll_between_layers(lambda: looks.append(1))
+    llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(looks) >= BASE["num_hidden_layers"]  # the prompt's step, layer by layer (decode may be fused)

@@ -17,7 +17,7 @@ import torch
 
 from sobrio.loader.gguf_glm4 import GLM4_LAYER_NAMES, glm4_config, glm4_tokenizer
 from sobrio.loader.gguf_moe import ROUTER, expert_weights, moe_config
-from sobrio.loader.resolve import prepared_path
+from sobrio.loader.resolve import is_prepared, prepared_path
 
 # GGUF tensor name (after `blk.N.`) -> Hugging Face name (after `model.layers.N.`), per architecture.
 _LAYER_NAMES = {
@@ -96,7 +96,7 @@ def prepared_folder(gguf_path: Path, prepare: bool = True) -> Path | None:
     """A folder with config.json and tokenizer files derived from the GGUF, made once and cached (with
     `prepare=False`: the folder if it is made already, else None)."""
     folder = prepared_path(gguf_path)
-    if (folder / "model.safetensors").is_file():
+    if is_prepared(folder):
         return folder
     if not prepare:
         return None
@@ -166,7 +166,7 @@ def _phi3_rope(config, values: dict, tensors: dict) -> None:
 def _move_into_place(tmp: Path, folder: Path) -> None:
     """Rename the made folder into place, unless another process got there first: its folder stays (it may
     be reading it: removing it under that reader broke a start of two servers at once) and ours goes."""
-    if not (folder / "model.safetensors").is_file():
+    if not is_prepared(folder):
         if folder.exists():
             shutil.rmtree(folder)  # a leftover from before folders were renamed into place
         try:

@@ -115,6 +115,12 @@ def prepared_path(gguf_path: Path) -> Path:
     return cache_dir() / "prepared" / f"{gguf_path.stem}-{key}"
 
 
+def is_prepared(folder: Path) -> bool:
+    """Whether a GGUF's prepared folder is complete: its weights are the last file written before the folder is
+    renamed into place."""
+    return (folder / "model.safetensors").is_file()
+
+
 def core_may_start_first(model: str) -> bool:
     """Whether an engine core may start before the front has read the model's files: always, but for a GGUF
     not prepared yet (the front prepares it once; the core reads the prepared folder) or a model that does
@@ -123,4 +129,4 @@ def core_may_start_first(model: str) -> bool:
         source = resolve_model(model)
     except UnknownModelError:
         return False
-    return not source.is_gguf or (prepared_path(source.path) / "model.safetensors").is_file()
+    return not source.is_gguf or is_prepared(prepared_path(source.path))

@@ -15,10 +15,7 @@ shift
 SERVED=$(basename "$MODEL")
 SERVERS=${SERVERS:-sobrio sobrio-int8 vllm}
 mkdir -p results
-SERVER=
-trap 'if [ -n "$SERVER" ]; then kill "$SERVER" 2>/dev/null || true; fi' EXIT  # an interrupted run leaves no server behind
-wait_for() { for _ in $(seq 900); do curl -sf "$1" >/dev/null && return 0; sleep 1; done; echo "no answer from $1" >&2; return 1; }
-port_free() { if curl -s -o /dev/null "http://127.0.0.1:$1/"; then echo "something already answers on port $1: stop it first" >&2; exit 1; fi; }
+source benchmarks/peers/servers.sh  # SERVER, its kill on exit, wait_for, port_free
 bench() {  # URL LABEL WORKLOAD SEED FLAGS...
   local url=$1 out="results/at-size-$2-$4-$3.json" seed=$4
   shift 4
@@ -37,10 +34,10 @@ start() {  # NAME PORT
 for SEED in "$@"; do
   for NAME in $SERVERS; do
     PORT=8000; [ "$NAME" = vllm ] && PORT=8100
-    port_free "$PORT"
+    port_free "http://127.0.0.1:$PORT/"
     T0=$(date +%s)
     start "$NAME" "$PORT"
-    wait_for "http://127.0.0.1:$PORT/v1/models"
+    wait_for "http://127.0.0.1:$PORT/v1/models" 900
     echo "$NAME ready in $(($(date +%s) - T0)) s"
     sleep 5
     URL=http://127.0.0.1:$PORT

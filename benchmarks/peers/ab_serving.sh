@@ -9,11 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 MODEL=${MODEL:-smollm2-135m}
 export SERVED=${SERVED:-$(basename "$MODEL")} TOKENIZER=${TOKENIZER:-$MODEL}
-SERVER=
-trap 'if [ -n "$SERVER" ]; then kill "$SERVER" 2>/dev/null || true; fi' EXIT  # an interrupted run leaves no server behind
-wait_for() { for _ in $(seq 300); do curl -sf "$1" >/dev/null && return 0; sleep 1; done; echo "no answer from $1" >&2; return 1; }
-# A server left on the port would answer for the one started here (and hold its prompts in its prefix cache).
-port_free() { if curl -s -o /dev/null "$1"; then echo "something already answers on $1: stop it first" >&2; exit 1; fi; }
+source benchmarks/peers/servers.sh  # SERVER, its kill on exit, wait_for, port_free
 summary() {
   .venv/bin/python - "$1" <<'PY'
 import json, sys

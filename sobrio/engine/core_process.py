@@ -74,7 +74,10 @@ def run_engine_core(config: SobrioConfig, input_addr: str, output_addr: str, log
     try:
         core = _start_core(config)
     except Exception as exc:  # a start-up error: say what it was, then exit
-        logger.exception("engine core failed to start")
+        if isinstance(exc, SobrioError):  # a flag or model the user named: its message says it all (no traceback)
+            logger.error("engine core failed to start: %s", exc)
+        else:
+            logger.exception("engine core failed to start")
         outputs.send(encode(("failed", f"{type(exc).__name__}: {exc}")))
         return
     outputs.send(encode(("ready", {"max_model_len": core.max_model_len, "num_blocks": core.scheduler.pool.num_blocks,

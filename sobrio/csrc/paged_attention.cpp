@@ -482,6 +482,7 @@ void register_vnni_ops(pybind11::module& m);  // vnni_linear.cpp
 void register_fused_decode(pybind11::module& m);  // fused_decode.cpp
 void register_blocked_ops(pybind11::module& m);  // blocked_gemv.cpp
 void register_lora_ops(pybind11::module& m);  // lora.cpp
+void register_prompt_attention(pybind11::module& m);  // prompt_attention.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)", py::arg("query"),
@@ -495,4 +496,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_fused_decode(m);
   register_blocked_ops(m);
   register_lora_ops(m);
+  register_prompt_attention(m);
 }

@@ -65,6 +65,22 @@ def test_fast_backends_equal_reference_on_ragged_batches(backend, dtype, tol, wi
     torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 64), (6, 6, 128), (4, 1, 256)])
+def test_prompt_kernel_equals_sdpa_on_chunks_after_a_prefix(heads, kv_heads, dim):
+    """The C++ prompt_attention (bf16): whole prompts and chunks after cached keys, lengths off the kernel's
+    blocks of 16 positions and 32 keys, beside decodes, against the SDPA reference."""
+    if load() is None or not load().prompt_attention_supported():
+        pytest.skip("no C++ operators, or no AVX512-BF16")
+    query_lens, context_lens = [45, 1, 70, 33, 17], [45, 90, 301, 97, 17]
+    outs = []
+    for cls in (ReferenceAttention, CppPagedAttention):
+        cache, meta, q, k, v = ragged_step(query_lens, context_lens, 16, heads, kv_heads, dim, torch.bfloat16, seed=3)
+        attn = cls(heads, kv_heads, dim, dim ** -0.5)
+        assert cls is ReferenceAttention or attn.prompt_kernel
+        outs.append(attn(q, k, v, meta).float())
+    torch.testing.assert_close(outs[1], outs[0], atol=2e-2, rtol=2e-2)
+
+
 def test_reference_matches_dense_causal_attention():
     """The reference itself against plain causal attention over the whole sequence (one prompt, then decode)."""
     cache, meta, q, k, v = ragged_step([1], [50], 16, 4, 4, 16, torch.float32)

@@ -1,0 +1,228 @@
+// Attention for one sequence's prompt chunk on the CPU, flash-attention style: the chunk's query rows over
+// its whole context, keys and values read from the paged bf16 cache (the chunk's own already written),
+// causal at the bottom right (query i of a chunk of L rows sits at position ctx - L + i and sees the keys up
+// to it). Scores and probabilities never leave the cache: per task (a kv head and 16 query positions, with
+// every query head of that kv head) the keys go by in blocks of 32 under an online softmax, and both
+// products are AVX512-BF16 dot products (vdpbf16ps) summed in float32. Blocks above the diagonal are skipped.
+// PyTorch's CPU flash attention runs at about a quarter of the bf16 peak on AVX512-BF16 without AMX, and
+// with a chunk's mask computes the masked blocks too (docs/benchmarks.md, benchmarks/prompt_chunk_attention.py).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "vec.h"
+
+namespace {
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define SOBRIO_PROMPT_ATTENTION 1
+
+constexpr int64_t kKeys = 32;        // keys a block: two vectors of 16 scores
+constexpr int64_t kPositions = 16;   // query positions a task
+constexpr int64_t kRows = 4;         // query rows a pass of the products' inner loops (registers)
+
+inline __m512bh pair_of(const uint16_t* p) {  // two bf16 broadcast to all 16 lanes
+  int32_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  return (__m512bh)_mm512_set1_epi32(bits);
+}
+
+inline __m512bh load_bh(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+// One block of keys and values of one kv head, laid out for the dot products: keys as [D/2][32 keys][2] (a
+// vector: 16 keys' pair of dims), values as [16 key pairs][D][2] (a vector: 16 dims' pair of keys). Keys past
+// the context are zeros (their scores are masked).
+void pack_block(const uint16_t* key_cache, const uint16_t* value_cache, const int64_t* table, int64_t block_size,
+                int64_t kv_heads, int64_t kh, int64_t dim, int64_t first_key, int64_t ctx, uint16_t* keys,
+                uint16_t* values) {
+  for (int64_t j = 0; j < kKeys; ++j) {
+    const int64_t t = first_key + j;
+    if (t >= ctx) {
+      for (int64_t d = 0; d < dim; ++d) keys[((d >> 1) * kKeys + j) * 2 + (d & 1)] = 0;
+      for (int64_t d = 0; d < dim; ++d) values[((j >> 1) * dim + d) * 2 + (j & 1)] = 0;
+      continue;
+    }
+    const int64_t slot = table[t / block_size] * block_size + t % block_size;
+    const uint16_t* k = key_cache + (slot * kv_heads + kh) * dim;
+    const uint16_t* v = value_cache + (slot * kv_heads + kh) * dim;
+    for (int64_t d = 0; d < dim; ++d) keys[((d >> 1) * kKeys + j) * 2 + (d & 1)] = k[d];
+    for (int64_t d = 0; d < dim; ++d) values[((j >> 1) * dim + d) * 2 + (j & 1)] = v[d];
+  }
+}
+
+// scores [kRows][32] = q [kRows][D] . keys (one packed block)
+inline void block_scores(const uint16_t* q, int64_t dim, const uint16_t* keys, float* scores) {
+  __m512 acc[kRows][2];
+  for (auto& row : acc) row[0] = row[1] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < dim / 2; ++p) {
+    const __m512bh k0 = load_bh(keys + p * 2 * kKeys), k1 = load_bh(keys + p * 2 * kKeys + 32);
+    for (int64_t r = 0; r < kRows; ++r) {
+      const __m512bh qq = pair_of(q + r * dim + 2 * p);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], qq, k0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], qq, k1);
+    }
+  }
+  for (int64_t r = 0; r < kRows; ++r) {
+    _mm512_storeu_ps(scores + r * kKeys, acc[r][0]);
+    _mm512_storeu_ps(scores + r * kKeys + 16, acc[r][1]);
+  }
+}
+
+// out [kRows][D] = out * keep[r] + probs [kRows][32] (bf16) . values (one packed block), 64 dims at a time
+inline void block_values(const uint16_t* probs, const float* keep, const uint16_t* values, int64_t dim, float* out) {
+  for (int64_t d0 = 0; d0 < dim; d0 += 64) {
+    __m512 acc[kRows][4];
+    for (int64_t r = 0; r < kRows; ++r) {
+      const __m512 c = _mm512_set1_ps(keep[r]);
+      for (int64_t v = 0; v < 4; ++v) acc[r][v] = _mm512_mul_ps(c, _mm512_loadu_ps(out + r * dim + d0 + 16 * v));
+    }
+    for (int64_t p = 0; p < kKeys / 2; ++p) {
+      const uint16_t* vp = values + (p * dim + d0) * 2;
+      const __m512bh v0 = load_bh(vp), v1 = load_bh(vp + 32), v2 = load_bh(vp + 64), v3 = load_bh(vp + 96);
+      for (int64_t r = 0; r < kRows; ++r) {
+        const __m512bh pp = pair_of(probs + r * kKeys + 2 * p);
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], pp, v0);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], pp, v1);
+        acc[r][2] = _mm512_dpbf16_ps(acc[r][2], pp, v2);
+        acc[r][3] = _mm512_dpbf16_ps(acc[r][3], pp, v3);
+      }
+    }
+    for (int64_t r = 0; r < kRows; ++r)
+      for (int64_t v = 0; v < 4; ++v) _mm512_storeu_ps(out + r * dim + d0 + 16 * v, acc[r][v]);
+  }
+}
+
+// One row's online softmax step over a block: scores scaled and masked past `last_key`, the running max and
+// sum updated; writes the bf16 probabilities and returns the factor that rescales the row's output so far.
+inline float softmax_step(float* s, int64_t valid, float scale, float& max, float& sum, uint16_t* probs) {
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const __mmask16 m0 = valid >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << std::max<int64_t>(valid, 0)) - 1);
+  const __mmask16 m1 = valid >= 32 ? 0xFFFF : static_cast<__mmask16>((1u << std::clamp<int64_t>(valid - 16, 0, 16)) - 1);
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 s0 = _mm512_mask_mul_ps(ninf, m0, _mm512_loadu_ps(s), vscale);
+  const __m512 s1 = _mm512_mask_mul_ps(ninf, m1, _mm512_loadu_ps(s + 16), vscale);
+  const float block_max = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+  const float new_max = std::max(max, block_max);
+  const float keep = max == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(max - new_max);
+  const __m512 vmax = _mm512_set1_ps(new_max);
+  const __m512 e0 = _mm512_maskz_mov_ps(m0, sobrio_vec::exp512(_mm512_sub_ps(s0, vmax)));
+  const __m512 e1 = _mm512_maskz_mov_ps(m1, sobrio_vec::exp512(_mm512_sub_ps(s1, vmax)));
+  sum = sum * keep + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+  max = new_max;
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs), (__m256i)_mm512_cvtneps_pbh(e0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + 16), (__m256i)_mm512_cvtneps_pbh(e1));
+  return keep;
+}
+
+struct Shape {
+  int64_t rows, heads, kv_heads, dim, ctx, block_size;
+};
+
+// One task: kv head `kh`, query positions [i0, i0 + n) of the chunk, all `group` query heads of that kv head.
+void attend_task(const uint16_t* q, const uint16_t* keys, const uint16_t* values, const Shape& s, double scale,
+                 int64_t kh, int64_t i0, int64_t n, uint16_t* out) {
+  const int64_t group = s.heads / s.kv_heads, dim = s.dim;
+  const int64_t rows = (n * group + kRows - 1) / kRows * kRows;  // padded to whole passes
+  const int64_t first = s.ctx - s.rows;  // position of the chunk's first query
+  std::vector<uint16_t> qr(rows * dim, 0), probs(rows * kKeys);
+  std::vector<float> acc(rows * dim, 0.f), scores(rows * kKeys), max(rows, -std::numeric_limits<float>::infinity()),
+      sum(rows, 0.f), keep(rows);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t g = 0; g < group; ++g)
+      std::memcpy(&qr[(i * group + g) * dim], q + ((i0 + i) * s.heads + kh * group + g) * dim, dim * 2);
+  const int64_t blocks = (first + i0 + n - 1) / kKeys + 1;  // up to the last query's own key
+  const int64_t block_elems = kKeys * dim;
+  const int64_t num_blocks = (s.ctx + kKeys - 1) / kKeys;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint16_t* kb = keys + (kh * num_blocks + b) * block_elems;
+    const uint16_t* vb = values + (kh * num_blocks + b) * block_elems;
+    for (int64_t r = 0; r < rows; r += kRows) block_scores(&qr[r * dim], dim, kb, &scores[r * kKeys]);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t position = first + i0 + std::min(r / group, n - 1);
+      const int64_t valid = std::min(position, s.ctx - 1) - b * kKeys + 1;  // keys of this block it sees
+      keep[r] = softmax_step(&scores[r * kKeys], valid, static_cast<float>(scale), max[r], sum[r], &probs[r * kKeys]);
+    }
+    for (int64_t r = 0; r < rows; r += kRows)
+      block_values(&probs[r * kKeys], &keep[r], vb, dim, &acc[r * dim]);
+  }
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t r = i * group + g;
+      const float inv = 1.f / sum[r];
+      auto* dst = reinterpret_cast<c10::BFloat16*>(out + ((i0 + i) * s.heads + kh * group + g) * dim);
+      for (int64_t d = 0; d < dim; d += 16)
+        sobrio_vec::store16(dst + d, _mm512_mul_ps(_mm512_loadu_ps(&acc[r * dim + d]), _mm512_set1_ps(inv)));
+    }
+}
+#endif  // AVX512-BF16
+
+bool prompt_attention_supported() {
+#if defined(SOBRIO_PROMPT_ATTENTION)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// query [L, H, D] bf16 (the chunk's rows, the last at position ctx - 1); key_cache / value_cache
+// [num_slots, Hkv, D] bf16; block_table [>= ctx / block_size] int64. D a multiple of 64. Returns [L, H, D].
+torch::Tensor prompt_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                               torch::Tensor block_table, int64_t ctx, int64_t block_size, double scale) {
+  TORCH_CHECK(prompt_attention_supported(), "prompt_attention needs AVX512-BF16");
+  TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kBFloat16 && key_cache.scalar_type() == at::kBFloat16 &&
+                  value_cache.scalar_type() == at::kBFloat16, "prompt_attention: bf16 query [L, H, D] and cache");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && block_table.scalar_type() == at::kLong);
+  const int64_t rows = query.size(0), heads = query.size(1), dim = query.size(2), kv_heads = key_cache.size(1);
+  TORCH_CHECK(dim % 64 == 0 && key_cache.size(2) == dim, "prompt_attention: head size a multiple of 64");
+  TORCH_CHECK(heads % kv_heads == 0 && rows >= 1 && rows <= ctx, "prompt_attention: heads or rows");
+  TORCH_CHECK(block_table.numel() * block_size >= ctx, "prompt_attention: the block table is shorter than ctx");
+  auto q = query.contiguous();
+  auto table = block_table.contiguous();
+  auto out = torch::empty_like(q);
+#if defined(SOBRIO_PROMPT_ATTENTION)
+  const Shape s{rows, heads, kv_heads, dim, ctx, block_size};
+  const int64_t num_blocks = (ctx + kKeys - 1) / kKeys, block_elems = kKeys * dim;
+  std::vector<uint16_t> keys(kv_heads * num_blocks * block_elems), values(keys.size());
+  const auto* kc = reinterpret_cast<const uint16_t*>(key_cache.data_ptr());
+  const auto* vc = reinterpret_cast<const uint16_t*>(value_cache.data_ptr());
+  const int64_t* tb = table.data_ptr<int64_t>();
+  at::parallel_for(0, kv_heads * num_blocks, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      pack_block(kc, vc, tb, block_size, kv_heads, t / num_blocks, dim, (t % num_blocks) * kKeys, ctx,
+                 &keys[t * block_elems], &values[t * block_elems]);
+  });
+  // Tasks ordered short, long, short, long... so that contiguous ranges of them weigh about the same.
+  const int64_t spans = (rows + kPositions - 1) / kPositions, tasks = kv_heads * spans;
+  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t kh = t % kv_heads, k = t / kv_heads;
+      const int64_t span = k % 2 == 0 ? k / 2 : spans - 1 - k / 2;
+      const int64_t i0 = span * kPositions;
+      attend_task(qp, keys.data(), values.data(), s, scale, kh, i0, std::min(kPositions, rows - i0), op);
+    }
+  });
+#endif
+  return out;
+}
+
+}  // namespace
+
+void register_prompt_attention(pybind11::module& m) {
+  m.def("prompt_attention", &prompt_attention,
+        "A prompt chunk's causal attention over its paged bf16 context (AVX512-BF16)", py::arg("query"),
+        py::arg("key_cache"), py::arg("value_cache"), py::arg("block_table"), py::arg("ctx"),
+        py::arg("block_size"), py::arg("scale"));
+  m.def("prompt_attention_supported", &prompt_attention_supported);
+}

@@ -18,12 +18,14 @@ import time
 logger = logging.getLogger(__name__)
 
 TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-INTERVAL_S = 1.0  # how often the governor looks (between steps: a long prompt step is one long look)
+INTERVAL_S = 0.5  # how often the governor looks (between layers, so a long prompt step is many looks)
 # Seconds of looks in a row asking for the same new width before it changes: fewer threads only for a neighbour
 # that stays (a benchmark client's or a CLI's start-up, 2-3 s of imports, had halved a 10 s prompt step that
-# followed it), more threads soon, and a long step that saw the cores free counts for its whole length.
+# followed it), more threads soon (a second: after a 32-stream client's burst, raising after 2 s had left a
+# 1,000-token prompt's first 2 s on one thread, 6.5 s to its first token against 5.1), and a long step that saw
+# the cores free counts for its whole length.
 LOWER_AFTER_S = 4.0
-RAISE_AFTER_S = 2.0
+RAISE_AFTER_S = 1.0
 SLACK = 0.3  # a core counts as free when others leave at least 1 - SLACK of it
 
 

@@ -43,7 +43,7 @@ class FakeMeter:
 def test_the_governor_lowers_for_a_neighbour_that_stays_and_raises_soon(monkeypatch):
     monkeypatch.setattr(cpu_share, "allowed_cores", lambda: 2.0)
     widths = []
-    gov = ThreadGovernor(widths.append, most=2, ours=[os.getpid()], interval=1.0)
+    gov = ThreadGovernor(widths.append, most=2, ours=[os.getpid()], interval=0.5)
     clock = gov._last
 
     def looks(*spans_and_others):
@@ -57,9 +57,9 @@ def test_the_governor_lowers_for_a_neighbour_that_stays_and_raises_soon(monkeypa
     assert widths == []
     looks((1, 1.0), (1, 1.0), (1, 1.1), (1, 1.0))  # busy 4 s in a row: one core left to us
     assert widths == [1]
-    looks((1, 0.1))  # one second free is not yet enough
+    looks((0.5, 0.1))  # half a second free is not yet enough
     assert widths == [1]
-    looks((1, 0.2))  # two are
+    looks((0.5, 0.2))  # a second is
     assert widths == [1, 2]
     looks((1, 1.0), (1, 1.0), (1, 1.0), (10, 1.0))  # a long step beside a busy neighbour counts its whole length
     assert widths == [1, 2, 1]

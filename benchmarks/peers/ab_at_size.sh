@@ -7,7 +7,9 @@
 #   ttft1000, ttft4000: 2 requests one at a time of 1,000 / 4,000 prompt tokens, 2 output tokens
 #   benchmarks/peers/ab_at_size.sh MODEL_FOLDER SEED...  -> results/at-size-{LABEL}-SEED-{workload}.json + a table
 # SERVERS lists the servers in the order run (default "sobrio sobrio-int8 vllm"); sobrio-int8 is
-# `--quantization int8` (its first start fills the quantization cache: start it once before timing).
+# `--quantization int8` (its first start fills the quantization cache: start it once before timing); llamacpp is
+# llama.cpp's server (benchmarks/peers/setup_llamacpp.sh) on LLAMACPP_GGUF, the same weights as a GGUF
+# (`real_shapes.py write NAME --gguf BF16`), 32 slots of 4,200 tokens.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 MODEL=${1:?model folder}
@@ -27,13 +29,15 @@ start() {  # NAME PORT
     sobrio) .venv/bin/sobrio serve "$MODEL" --port "$2" > "results/at-size-$1-serve.log" 2>&1 & ;;
     sobrio-int8) .venv/bin/sobrio serve "$MODEL" --port "$2" --quantization int8 > "results/at-size-$1-serve.log" 2>&1 & ;;
     vllm) MAX_MODEL_LEN=8192 benchmarks/peers/vllm_server.sh "$MODEL" "$2" > "results/at-size-$1-serve.log" 2>&1 & ;;
+    llamacpp) .peers/llamacpp/bin/python benchmarks/peers/llamacpp_server.py --model "${LLAMACPP_GGUF:?a GGUF file}" \
+                --port "$2" --parallel 32 --ctx-per-slot 4200 > "results/at-size-$1-serve.log" 2>&1 & ;;
     *) echo "unknown server $1" >&2; exit 2 ;;
   esac
   SERVER=$!
 }
 for SEED in "$@"; do
   for NAME in $SERVERS; do
-    PORT=8000; [ "$NAME" = vllm ] && PORT=8100
+    PORT=8000; [ "$NAME" = vllm ] && PORT=8100; [ "$NAME" = llamacpp ] && PORT=8080
     port_free "http://127.0.0.1:$PORT/"
     T0=$(date +%s)
     start "$NAME" "$PORT"
@@ -57,10 +61,11 @@ rows = {n: (load(n, "inflight16")["output_throughput"], load(n, "inflight32")["o
             load(n, "ttft1000")["p50_ttft_ms"], load(n, "ttft4000")["p50_ttft_ms"]) for n in names}
 for n, (a, b, c, d) in rows.items():
     print(f"  {n:12s} {a:7.1f} {b:7.1f} tok/s | TTFT {c:7.0f} {d:7.0f} ms")
-if "vllm" in rows:
-    v = rows["vllm"]
-    for n, r in rows.items():
-        if n != "vllm":
-            print(f"  {n} / vllm: {r[0] / v[0]:.2f}x {r[1] / v[1]:.2f}x tok/s | TTFT {r[2] / v[2]:.2f}x {r[3] / v[3]:.2f}x")
+for peer in ("vllm", "llamacpp"):
+    if peer in rows:
+        v = rows[peer]
+        for n, r in rows.items():
+            if n.startswith("sobrio"):
+                print(f"  {n} / {peer}: {r[0] / v[0]:.2f}x {r[1] / v[1]:.2f}x tok/s | TTFT {r[2] / v[2]:.2f}x {r[3] / v[3]:.2f}x")
 PY
 done

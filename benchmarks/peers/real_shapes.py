@@ -1,6 +1,6 @@
 """Random-weight checkpoints of real model shapes, for side-by-side runs at size (issue 43): a Hugging Face
 folder (bf16 safetensors, shards of ~2 GB, names and shapes from transformers' own model class) and GGUF
-files of the same weights (Q8_0, Q4_0, quantized by the `gguf` package). A forward pass costs the same
+files of the same weights (Q8_0, Q4_0 or BF16, written by the `gguf` package). A forward pass costs the same
 whatever the weights' values, so these time a 1B-8B model without downloading one.
 
 The model is never built whole: transformers builds it on the meta device for its names and shapes, and the
@@ -125,7 +125,7 @@ def main() -> int:
     parser.add_argument("action", choices=["write", "path"])
     parser.add_argument("shape", choices=sorted(SHAPES))
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where the checkpoints go (default %(default)s)")
-    parser.add_argument("--gguf", nargs="*", default=[], choices=["Q8_0", "Q4_0"],
+    parser.add_argument("--gguf", nargs="*", default=[], choices=["Q8_0", "Q4_0", "BF16"],
                         help="also (write) or instead (path) the GGUF files of these types")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

@@ -2,7 +2,7 @@
 
 An OpenMP team as wide as the machine is right on an idle host and ruinous on a shared one: each parallel
 region waits for its slowest thread, and a thread whose core another process holds makes every region
-wait a time slice (a one-core busy neighbour on 2 cores cost ~6x). `ThreadGovernor` measures, about once a
+wait a time slice (a one-core busy neighbour on 2 cores cost ~6x). `ThreadGovernor` measures, about twice a
 second, the CPU that processes other than this engine (the core and its API process) use (`/proc/stat`),
 within the cores this process may use (affinity, and a cgroup `cpu.max` quota), and sets torch's intra-op
 threads to the cores left (at least 1). `spin_count_for_start` picks the OpenMP spin of a new core process

@@ -318,9 +318,9 @@ class CppPagedAttention(BatchedDecodeAttention):
     def attend_each(self, q, k, v, meta: AttentionMetadata, seqs, out: torch.Tensor) -> None:
         """Prompt chunks of a bf16 cache through the C++ `prompt_attention` (flash-style, causal blocks
         skipped, keys read in place), where it applies; others by SDPA."""
-        if not self.prompt_kernel or q.dtype != torch.bfloat16 or self.scales(meta) is not None:
-            return super().attend_each(q, k, v, meta, seqs, out)
         key_cache, value_cache = self.caches(meta)
+        if not self.prompt_kernel or q.dtype != torch.bfloat16 or key_cache.dtype != torch.bfloat16:
+            return super().attend_each(q, k, v, meta, seqs, out)  # fp32, or a quantized cache's int8/fp8 rows
         for i in seqs:
             s, e = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             out[s:e] = self.ops.prompt_attention(q[s:e], key_cache, value_cache, meta.block_tables[i],

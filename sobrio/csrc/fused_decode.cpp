@@ -15,10 +15,11 @@ namespace {
 struct VnniWeight {
   torch::Tensor weight, scales;
   c10::optional<torch::Tensor> offsets, bias;
-  int64_t n, bits, group, code_zero, act_bits;
+  int64_t n, bits, group, code_zero, act_bits, dense_min_rows;  // the last as layers/vnni.py dense_min_rows
 
   torch::Tensor operator()(const torch::Tensor& x) const {
-    return sobrio_ops::vnni_linear(x, weight, scales, offsets, n, bits, group, code_zero, act_bits, bias);
+    return sobrio_ops::vnni_linear(x, weight, scales, offsets, n, bits, group, code_zero, act_bits, bias,
+                                   dense_min_rows);
   }
 };
 
@@ -114,9 +115,9 @@ void register_fused_decode(pybind11::module& m) {
   namespace py = pybind11;
   py::class_<VnniWeight>(m, "VnniWeight")
       .def(py::init<torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
-                    int64_t, int64_t, int64_t, int64_t, int64_t>(),
+                    int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>(),
            py::arg("weight"), py::arg("scales"), py::arg("offsets"), py::arg("bias"), py::arg("n"), py::arg("bits"),
-           py::arg("group"), py::arg("code_zero"), py::arg("act_bits"));
+           py::arg("group"), py::arg("code_zero"), py::arg("act_bits"), py::arg("dense_min_rows"));
   py::class_<DecoderLayer>(m, "DecoderLayer")
       .def(py::init<torch::Tensor, torch::Tensor, VnniWeight, VnniWeight, VnniWeight, VnniWeight, double, int64_t>(),
            py::arg("input_norm"), py::arg("post_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"),

@@ -18,9 +18,10 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
                                      torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
                                      double scale, int64_t window, std::optional<torch::Tensor> key_scales,
                                      std::optional<torch::Tensor> value_scales);
-// Past its dense_min_rows, the dense path, as the Python binding's default.
+// From dense_min_rows rows, the dense path (the modules pass layers/vnni.py dense_min_rows: the same switch).
 torch::Tensor vnni_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor scales,
                           c10::optional<torch::Tensor> offsets, int64_t N, int64_t bits, int64_t group,
-                          int64_t code_zero, int64_t act_bits, c10::optional<torch::Tensor> bias);
+                          int64_t code_zero, int64_t act_bits, c10::optional<torch::Tensor> bias,
+                          int64_t dense_min_rows);
 
 }  // namespace sobrio_ops

@@ -35,7 +35,8 @@ constexpr int64_t kRowBlock = 4;  // rows of x computed per pass over a tile (th
 // 1.70-1.78 ms, 4096 no better (`benchmarks/vnni_kernels.py --rows 1`, Intel Xeon with AMX, 2 threads).
 constexpr int64_t kPrefetch = 2048;
 // From this many rows (prompt chunks) `vnni_linear` multiplies x by the weight dequantized into x's dtype
-// with aten's dense matmul: the int8 dot products cost ~5x at 1,000 rows. SmolLM2's layers, Intel Xeon
+// with aten's dense matmul, where bf16 runs on AMX (without AMX, layers/vnni.py `dense_min_rows` passes
+// more): the int8 dot products cost ~5x at 1,000 rows. SmolLM2's layers, Intel Xeon
 // with AMX, 2 threads (`benchmarks/vnni_kernels.py --rows 64,128,1000`, "vnni act16" against "dequant"):
 // 64 rows 59 ms against 90, 128 rows 121 against 95, 1,000 rows 1,009 against 187.
 constexpr int64_t kDenseMinRows = 128;
@@ -327,8 +328,9 @@ torch::Tensor vnni_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor s
 namespace sobrio_ops {
 torch::Tensor vnni_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor scales,
                           c10::optional<torch::Tensor> offsets, int64_t N, int64_t bits, int64_t group,
-                          int64_t code_zero, int64_t act_bits, c10::optional<torch::Tensor> bias) {
-  return ::vnni_linear(x, weight, scales, offsets, N, bits, group, code_zero, act_bits, bias, kDenseMinRows);
+                          int64_t code_zero, int64_t act_bits, c10::optional<torch::Tensor> bias,
+                          int64_t dense_min_rows) {
+  return ::vnni_linear(x, weight, scales, offsets, N, bits, group, code_zero, act_bits, bias, dense_min_rows);
 }
 }  // namespace sobrio_ops
 

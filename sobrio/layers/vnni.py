@@ -14,13 +14,14 @@ K-quants' products d * sc are rounded to fp16 here, 2^-11 relative). The roundin
 is the one approximation: `reference` computes the same thing in PyTorch.
 """
 
+import functools
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from sobrio.layers.cpu_ops import cpu_ops, vnni_linear_available
+from sobrio.layers.cpu_ops import amx_available, cpu_ops, vnni_linear_available
 
 TILE = 32  # output channels a tile of the packed layout (vnni_linear.cpp)
 CODE_ZERO_8BIT = 128  # signed 8-bit codes are stored shifted into 0..255
@@ -123,17 +124,30 @@ def reference(x: torch.Tensor, w: VnniCodes, bias: torch.Tensor | None = None,
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
+NO_DENSE_ROWS = 1 << 62  # `dense_min_rows` where the int8 dot products win at every row count
+
+
+@functools.cache
+def dense_min_rows(act_bits: int) -> int:
+    """From how many rows (prompt chunks) `vnni_linear` multiplies the weight dequantized (`dense_weight`) by
+    aten's bf16 matmul instead of the int8 dot products. With AMX, bf16 tiles make that pay from the operator's
+    `vnni_dense_min_rows` (128; csrc/vnni_linear.cpp). Without (AMD Zen 4), dequantizing a layer's weights
+    costs more than the dot products save: W8A8's 8-bit activations (one product) win at every row count up
+    to a 2,048-token chunk, 16-bit ones (two products) up to about 512 rows (docs/quantization.md)."""
+    if amx_available():
+        return cpu_ops().vnni_dense_min_rows
+    return NO_DENSE_ROWS if act_bits == 8 else 512
+
+
 def vnni_linear(x: torch.Tensor, w: VnniCodes, bias: torch.Tensor | None = None,
                 act_bits: int = ACT_BITS) -> torch.Tensor:
-    """x [..., K] @ W.T (+ bias) in x's dtype (fp32 or bf16; others by way of fp32). From the operator's
-    `vnni_dense_min_rows` rows (prompt chunks) it multiplies the weight dequantized (`dense_weight`) by aten's
-    matmul instead of the int8 dot products (csrc/vnni_linear.cpp says why), for the modules and the fused
-    decode alike."""
+    """x [..., K] @ W.T (+ bias) in x's dtype (fp32 or bf16; others by way of fp32). From `dense_min_rows`
+    rows (prompt chunks) it multiplies the weight dequantized instead of taking the int8 dot products."""
     rows = x if x.dim() == 2 else x.reshape(-1, w.in_features)
     if rows.dtype not in KERNEL_DTYPES:
         rows = rows.float()
     out = cpu_ops().vnni_linear(rows, w.weight, w.scales, w.offsets, w.out_features, w.bits, w.group_size,
-                                w.code_zero, act_bits, bias)
+                                w.code_zero, act_bits, bias, dense_min_rows(act_bits))
     if out.dtype != x.dtype:
         out = out.to(x.dtype)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], w.out_features)

@@ -21,6 +21,7 @@ import torch
 from sobrio.layers.attention import AttentionMetadata, CppPagedAttention
 from sobrio.layers.cpu_ops import cpu_ops, vnni_linear_available
 from sobrio.layers.norm import RMSNorm
+from sobrio.layers import vnni
 from sobrio.layers.vnni import VnniLinear
 from sobrio.models.llama import ACTIVATIONS, CausalLM, GatedMLP, LlamaAttention, LlamaDecoderLayer
 
@@ -97,7 +98,7 @@ def _layer(ops, layer: LlamaDecoderLayer):
 def _weight(ops, linear: VnniLinear):
     w = linear.weight_codes
     return ops.VnniWeight(w.weight, w.scales, w.offsets, linear.bias, w.out_features, w.bits, w.group_size,
-                          w.code_zero, linear.act_bits)
+                          w.code_zero, linear.act_bits, vnni.dense_min_rows(linear.act_bits))
 
 
 def _kv_layers(kv_cache, dtype: torch.dtype):

@@ -72,11 +72,11 @@ def test_fused_decode_equals_the_modules(kv_cache_dtype: str) -> None:
 
 
 def test_fused_decode_equals_the_modules_past_the_dense_row_count() -> None:
-    """A decode batch of `vnni_dense_min_rows` sequences or more takes the dense matmul in the fused decode as
-    in the modules (the switch lives in the operator both call)."""
-    from sobrio.layers.cpu_ops import cpu_ops
+    """A decode batch of `dense_min_rows` sequences or more takes the dense matmul in the fused decode as in
+    the modules (both pass the same switch to the operator they call)."""
+    from sobrio.layers import vnni
 
-    batch = cpu_ops().vnni_dense_min_rows + 2
+    batch = vnni.dense_min_rows(16) + 2  # gguf's 16-bit activations
     llm = LLM(str(resolve_model("smollm2-135m").path), quantization="gguf",
               **engine_kwargs(dtype="bfloat16", max_num_seqs=batch))
     pairs, calls = run_both_ways(llm, [[300 + i, 7 + i, 900] for i in range(batch)], max_tokens=3)

@@ -72,18 +72,32 @@ def test_kernel_equals_its_reference_and_the_dequantized_product(rows, bits, n, 
 
 
 @needs_kernel
+@pytest.mark.parametrize("bits, act_bits", [(8, 8), (8, 16), (4, 16)])
+def test_prompt_rows_below_the_dense_threshold_take_the_dot_products(bits, act_bits) -> None:
+    """Up to `dense_min_rows` (where there is no AMX: a whole 2,048-token chunk with W8A8's 8-bit activations,
+    about 512 rows with 16-bit ones) prompt rows take the int8 kernel: its result is the reference's, with the
+    activations rounded, not the dequantized weight's product."""
+    rows = min(vnni.dense_min_rows(act_bits) - 1, 600)
+    w = vnni.VnniCodes.pack(*random_weight(40, 128, bits, 32, bits == 4), bits, 32, 128 if bits == 8 else 0)
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(2))  # fp32: the dense product is ~0.5% off
+    reference = vnni.reference(x, w, None, act_bits)
+    torch.testing.assert_close(vnni.vnni_linear(x, w, None, act_bits), reference, rtol=1e-5,
+                               atol=1e-5 * reference.abs().max().item())
+
+
+@needs_kernel
 @pytest.mark.parametrize("bits, n, k, group, code_zero, offsets", [
     (4, 70, 96, 32, 0, True), (4, 33, 576, 32, 0, False), (8, 37, 64, 16, 128, True), (8, 33, 128, 64, 128, False),
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prompt_rows_multiply_the_dequantized_weight(bits, n, k, group, code_zero, offsets, dtype) -> None:
-    """From the operator's `vnni_dense_min_rows` rows on: the C++ dequantizer gives `VnniCodes.dequantize`'s
+    """From `dense_min_rows` rows on (16-bit activations): the C++ dequantizer gives `VnniCodes.dequantize`'s
     values (in bf16 rounded once), and the product is aten's on them."""
     codes, scales, offset = random_weight(n, k, bits, group, offsets)
     w = vnni.VnniCodes.pack(codes, scales, offset, bits, group, code_zero)
     dense = vnni.dense_weight(w, dtype)
     assert dense.dtype == dtype and torch.equal(dense, w.dequantize().to(dtype))
-    x = torch.randn(cpu_ops().vnni_dense_min_rows + 3, k, generator=torch.Generator().manual_seed(1)).to(dtype)
+    x = torch.randn(vnni.dense_min_rows(16) + 3, k, generator=torch.Generator().manual_seed(1)).to(dtype)
     bias = torch.randn(n)
     got = vnni.vnni_linear(x, w, bias)
     assert torch.equal(got, torch.nn.functional.linear(x, dense, bias.to(dtype)))

@@ -224,17 +224,32 @@ def _packed(tensor, name: str, config):
     return decode_blocks(_unpermuted(tensor.data, name, config), tensor.tensor_type.name, int(tensor.shape[0]))
 
 
+_ROWS_ELEMENTS = 1 << 22  # elements dequantized at once (gguf's kernels hold a few copies of what they are given)
+
+
 def _dequantized(tensor) -> np.ndarray:
+    """The tensor's values as a float32 array of its own, dequantized a run of rows at a time into it: gguf's
+    kernels given the whole tensor hold copies of it beside the result (gigabytes for an 8B embedding)."""
     from gguf import dequantize
 
-    return dequantize(tensor.data, tensor.tensor_type)
+    rows = tensor.data.reshape(-1, tensor.data.shape[-1])  # blocks (or values) of one row each
+    shape = _float_shape(tensor)
+    out = np.empty((rows.shape[0], shape[-1]), dtype=np.float32)
+    step = max(1, _ROWS_ELEMENTS // shape[-1])
+    for start in range(0, rows.shape[0], step):
+        out[start:start + step] = dequantize(rows[start:start + step], tensor.tensor_type)
+    return out.reshape(shape)
 
 
 def _float_tensor(tensor, name: str, config) -> torch.Tensor:
     weights = _unpermuted(_dequantized(tensor), name, config)
     if config.model_type.startswith("gemma") and name.endswith("norm.weight"):
         weights = weights - 1  # llama.cpp stores Gemma's (1 + w); transformers keeps w
-    return torch.from_numpy(np.array(weights, dtype=np.float32))
+    return torch.from_numpy(np.ascontiguousarray(weights))  # an array of its own already: no copy
+
+
+def _float_shape(tensor) -> tuple[int, ...]:
+    return tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dimensions innermost first
 
 
 def _unpermuted(rows: np.ndarray, name: str, config) -> np.ndarray:

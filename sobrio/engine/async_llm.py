@@ -345,7 +345,7 @@ def _files_and_cores(config: SobrioConfig, startup_timeout: float,
             started.close(timeout=1)
             raise
         return files, started.ready()
-    if not core_may_start_first(config.model_config.model):
+    if not core_may_start_first(config.model_config.model, config.model_config.quantization):
         files = load_model_files(config.model_config)
         return files, open_cores(config, startup_timeout)
     with ThreadPoolExecutor(1, thread_name_prefix="core-start") as pool:

@@ -38,7 +38,8 @@ def start_cores(configs: list[SobrioConfig], engine_process: bool = True) -> lis
             plain = engine_process and not is_embedding_model(config.model_config.model) \
                 and config.parallel_config.distributed_executor_backend != "ray" \
                 and config.parallel_config.data_parallel_size == 1 and not config.kv_transfer_config.enabled
-            started.append(CoreProcess(config, wait=False) if plain and core_may_start_first(config.model_config.model)
+            mc = config.model_config
+            started.append(CoreProcess(config, wait=False) if plain and core_may_start_first(mc.model, mc.quantization)
                            else None)
         import sobrio.engine.async_llm  # noqa: F401  (the clients' modules, torch with them, while the cores load)
     except BaseException:

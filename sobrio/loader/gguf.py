@@ -1,9 +1,10 @@
 """GGUF files: config, tokenizer and dequantized tensors under Hugging Face names.
 
 Reading a GGUF's config and tokenizer through transformers takes 5-15 s (it parses every field) and
-dequantizing its tensors with `gguf`'s numpy kernels 4-25 s, so the first load writes all three as a
-Hugging Face folder (config.json, tokenizer files, float32 model.safetensors) under the cache; later loads
-read that folder in about a second.
+dequantizing its tensors with `gguf`'s numpy kernels 4-25 s, so the first load writes them as a Hugging Face
+folder under the cache (config.json and tokenizer files; the float32 model.safetensors only once the dense
+path reads it, a GGUF served without `--quantization gguf`, written tensor by tensor); later loads read that
+folder in about a second. `--quantization gguf` reads the blocks from the GGUF itself and writes no floats.
 """
 
 import os
@@ -16,8 +17,9 @@ import numpy as np
 import torch
 
 from sobrio.loader.gguf_glm4 import GLM4_LAYER_NAMES, glm4_config, glm4_tokenizer
-from sobrio.loader.gguf_moe import ROUTER, expert_weights, moe_config
-from sobrio.loader.resolve import is_prepared, prepared_path
+from sobrio.loader.gguf_moe import ROUTER, expert_shapes, expert_weights, moe_config
+from sobrio.loader.hf import write_safetensors_stream
+from sobrio.loader.resolve import FLOAT_WEIGHTS, is_prepared, mark_prepared, prepared_path
 
 # GGUF tensor name (after `blk.N.`) -> Hugging Face name (after `model.layers.N.`), per architecture.
 _LAYER_NAMES = {
@@ -92,25 +94,61 @@ def check_architecture(gguf_path: Path) -> str:
     return arch
 
 
-def prepared_folder(gguf_path: Path, prepare: bool = True) -> Path | None:
-    """A folder with config.json and tokenizer files derived from the GGUF, made once and cached (with
-    `prepare=False`: the folder if it is made already, else None)."""
+def prepared_folder(gguf_path: Path, prepare: bool = True, weights: bool = False) -> Path | None:
+    """A folder with config.json and tokenizer files derived from the GGUF, made once and cached; with `weights`,
+    also the float32 weights the dense path reads, written the first time they are wanted (with `prepare=False`:
+    the folder if it holds what is asked already, else None)."""
     folder = prepared_path(gguf_path)
-    if is_prepared(folder):
+    if is_prepared(folder, weights):
         return folder
     if not prepare:
         return None
-    from safetensors.torch import save_file
-
-    arch = check_architecture(gguf_path)
-    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")  # two processes may prepare at once
-    tmp.mkdir(parents=True, exist_ok=True)
-    config = _file_config(gguf_path, arch)
-    config.save_pretrained(tmp)
-    _file_tokenizer(gguf_path, arch).save_pretrained(tmp)
-    save_file(dict(iter_gguf_weights(gguf_path, config)), str(tmp / "model.safetensors"))
-    _move_into_place(tmp, folder)
+    if not is_prepared(folder):
+        arch = check_architecture(gguf_path)
+        tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")  # two processes may prepare at once
+        tmp.mkdir(parents=True, exist_ok=True)
+        _file_config(gguf_path, arch).save_pretrained(tmp)
+        _file_tokenizer(gguf_path, arch).save_pretrained(tmp)
+        mark_prepared(tmp)
+        _move_into_place(tmp, folder)
+    if weights and not is_prepared(folder, weights=True):
+        _write_float_weights(gguf_path, folder)
     return folder
+
+
+def _write_float_weights(gguf_path: Path, folder: Path) -> None:
+    """The dense path's float32 weights, dequantized and written one tensor at a time (the header from the
+    file's tensor table), so preparing holds one tensor, not the model (32 GB at 8B); written beside the folder
+    and renamed into it, so a reader sees the whole file or none."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    specs = [(name, torch.float32, shape) for name, shape in float_weight_shapes(gguf_path, config)]
+    tmp = folder.with_name(f"{folder.name}.{FLOAT_WEIGHTS}.tmp{os.getpid()}")
+    try:
+        write_safetensors_stream(tmp, specs, iter_gguf_weights(gguf_path, config), {"format": "pt"})
+        tmp.replace(folder / FLOAT_WEIGHTS)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def float_weight_shapes(gguf_path: Path, config) -> list[tuple[str, tuple[int, ...]]]:
+    """The names and shapes of the float32 tensors `iter_gguf_weights` yields, from the file's tensor table alone
+    (nothing dequantized): the float weights' header, and their size before they are written."""
+    from gguf import GGUFReader
+
+    shapes: list[tuple[str, tuple[int, ...]]] = []
+    for tensor in GGUFReader(str(gguf_path)).tensors:
+        experts = expert_shapes(tensor)
+        if experts is not None:
+            shapes += experts
+        elif (name := _hf_name(tensor.name, config.model_type)) is not None:
+            shapes.append((name, _float_shape(tensor)))
+    return shapes
+
+
+def _float_shape(tensor) -> tuple[int, ...]:
+    return tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dimensions innermost first
 
 
 # llama.cpp metadata (after `{arch}.`) that transformers' GGUF reader skips for some architectures -> config field
@@ -224,17 +262,28 @@ def _packed(tensor, name: str, config):
     return decode_blocks(_unpermuted(tensor.data, name, config), tensor.tensor_type.name, int(tensor.shape[0]))
 
 
+_ROWS_ELEMENTS = 1 << 22  # elements dequantized at once (gguf's kernels hold a few copies of what they are given)
+
+
 def _dequantized(tensor) -> np.ndarray:
+    """The tensor's values as a float32 array of its own, dequantized a run of rows at a time into it: gguf's
+    kernels given the whole tensor hold copies of it beside the result (gigabytes for an 8B embedding)."""
     from gguf import dequantize
 
-    return dequantize(tensor.data, tensor.tensor_type)
+    rows = tensor.data.reshape(-1, tensor.data.shape[-1])  # blocks (or values) of one row each
+    shape = _float_shape(tensor)
+    out = np.empty((rows.shape[0], shape[-1]), dtype=np.float32)
+    step = max(1, _ROWS_ELEMENTS // shape[-1])
+    for start in range(0, rows.shape[0], step):
+        out[start:start + step] = dequantize(rows[start:start + step], tensor.tensor_type)
+    return out.reshape(shape)
 
 
 def _float_tensor(tensor, name: str, config) -> torch.Tensor:
     weights = _unpermuted(_dequantized(tensor), name, config)
     if config.model_type.startswith("gemma") and name.endswith("norm.weight"):
         weights = weights - 1  # llama.cpp stores Gemma's (1 + w); transformers keeps w
-    return torch.from_numpy(np.array(weights, dtype=np.float32))
+    return torch.from_numpy(np.ascontiguousarray(weights))  # an array of its own already: no copy
 
 
 def _unpermuted(rows: np.ndarray, name: str, config) -> np.ndarray:

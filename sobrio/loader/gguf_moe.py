@@ -60,15 +60,22 @@ def moe_config(gguf_path: Path, config):
                       f"llama with experts (Mixtral), qwen3moe)", "--model")
 
 
-def expert_weights(tensor, dequantize) -> Iterator[tuple[str, torch.Tensor]] | None:
-    """An expert tensor's matrices as (Hugging Face name, float32 [out, in]), one per expert, or None for a
-    tensor that is no expert stack. `dequantize(tensor)` gives its values as a numpy array."""
+def expert_shapes(tensor) -> list[tuple[str, tuple[int, int]]] | None:
+    """The Hugging Face names and [out, in] shapes of an expert tensor's matrices, one per expert, from its entry
+    in the file's tensor table alone; None for a tensor that is no expert stack."""
     match = _EXPERT_NAME.fullmatch(tensor.name)
     if match is None:
         return None
     layer, part = match.group(1), EXPERT_TENSORS[match.group(2)]
-    values = np.asarray(dequantize(tensor), dtype=np.float32)
-    rows, cols = (int(n) for n in reversed(tensor.shape[:2]))  # GGUF lists dimensions innermost first
-    values = values.reshape(-1, rows, cols)
-    return ((f"model.layers.{layer}.mlp.experts.{e}.{part}.weight", torch.from_numpy(values[e].copy()))
-            for e in range(values.shape[0]))
+    cols, rows, experts = (int(n) for n in tensor.shape[:3])  # GGUF lists dimensions innermost first
+    return [(f"model.layers.{layer}.mlp.experts.{e}.{part}.weight", (rows, cols)) for e in range(experts)]
+
+
+def expert_weights(tensor, dequantize) -> Iterator[tuple[str, torch.Tensor]] | None:
+    """An expert tensor's matrices as (Hugging Face name, float32 [out, in]), one per expert, or None for a
+    tensor that is no expert stack. `dequantize(tensor)` gives its values as a numpy array."""
+    shapes = expert_shapes(tensor)
+    if shapes is None:
+        return None
+    values = np.asarray(dequantize(tensor), dtype=np.float32).reshape(len(shapes), *shapes[0][1])
+    return ((name, torch.from_numpy(values[e].copy())) for e, (name, _) in enumerate(shapes))

@@ -13,8 +13,9 @@ Zen 4 the copy was a second of a 1B model's start).
 """
 
 import json
+import math
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -121,20 +122,40 @@ def safetensors_metadata(file: Path) -> dict[str, str]:
 def write_safetensors(file: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
     """Write `tensors` (contiguous, CPU) as a safetensors file, tensor by tensor from their own memory (no
     copy of the whole in memory, as `safetensors.torch.save_file` makes); returns the bytes written."""
+    specs = [(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in tensors.items()]
+    return write_safetensors_stream(file, specs, iter(tensors.items()), metadata)
+
+
+TensorSpec = tuple[str, torch.dtype, tuple[int, ...]]  # a tensor's name, dtype and shape
+
+
+def write_safetensors_stream(file: Path, specs: list[TensorSpec], tensors: Iterable[tuple[str, torch.Tensor]],
+                             metadata: dict[str, str]) -> int:
+    """Write a safetensors file from tensors made one at a time (each dropped before the next is asked for, so
+    writing holds one): the header from `specs`, known beforehand, then each tensor's bytes as it comes, in the
+    specs' order. A tensor that is not the spec's is a ValueError (the header would lie). Returns the bytes."""
     names = {dtype: name for name, dtype in DTYPES.items()}
     header: dict = {"__metadata__": metadata}
     offset = 0
-    for name, tensor in tensors.items():
-        header[name] = {"dtype": names[tensor.dtype], "shape": list(tensor.shape),
-                        "data_offsets": [offset, offset + tensor.nbytes]}
-        offset += tensor.nbytes
+    for name, dtype, shape in specs:
+        nbytes = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": names[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data 8-byte aligned, as safetensors writes it
+    expected = iter(specs)
     with open(file, "wb") as f:
         f.write(struct.pack("<Q", len(encoded)) + encoded)
-        for tensor in tensors.values():
+        for name, tensor in tensors:
+            spec = next(expected, None)
+            if spec != (name, tensor.dtype, tuple(tensor.shape)):
+                raise ValueError(f"{file}: tensor {name} {tensor.dtype} {tuple(tensor.shape)} comes where the "
+                                 f"header says {spec}")
             if tensor.nbytes:
-                f.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+                f.write(memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()))
+            del tensor  # before the next is made
+        if (missing := next(expected, None)) is not None:
+            raise ValueError(f"{file}: tensor {missing[0]} of the header never came")
     return 8 + len(encoded) + offset
 
 

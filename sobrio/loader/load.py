@@ -1,6 +1,7 @@
 """Everything the engine needs from a model source: config, tokenizer, weights, default sampling parameters."""
 
 import logging
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,10 +17,10 @@ from sobrio.loader.awq_gptq import (
     read_quantization_config,
 )
 from sobrio.loader.generation import default_sampling
-from sobrio.loader.gguf import gguf_tokenizer, iter_gguf_weights, prepared_folder
+from sobrio.loader.gguf import float_weight_shapes, gguf_tokenizer, iter_gguf_weights, prepared_folder
 from sobrio.loader.hf import iter_safetensors_weights, safetensors_elements
 from sobrio.loader.quantization_cache import QuantizationCache
-from sobrio.loader.resolve import ModelSource, resolve_model
+from sobrio.loader.resolve import ModelSource, gguf_packed, is_prepared, resolve_model
 from sobrio.models.weights import WeightItem
 from sobrio.timing import log_step
 
@@ -34,7 +35,7 @@ class LoadedModelFiles:
     tokenizer: object  # transformers tokenizer (fast); None where only the weights are wanted (an engine core)
     default_sampling: dict = field(default_factory=dict)  # --generation-config: SamplingParams keywords
     quantization: AwqGptqConfig | None = None  # an AWQ or GPTQ checkpoint's quantization_config
-    gguf_packed: bool = False  # `--quantization gguf`: the GGUF's blocks as they are, not its prepared floats
+    gguf_packed: bool = False  # `--quantization gguf`: the GGUF's blocks as they are (its folder holds no floats)
 
     def iter_weights(self, in_place: bool = False) -> Iterator[WeightItem]:
         """The checkpoint's weights by name; `in_place`: safetensors' float tensors unread, for `load_weights`
@@ -57,11 +58,19 @@ def expected_weight_bytes(files: LoadedModelFiles, dtype_bytes: int, quantizatio
     kept, AWQ/GPTQ) by its files' size."""
     if files.gguf_packed:
         return files.source.path.stat().st_size
-    floats, others = safetensors_elements(files.folder)
+    floats, others = _float_elements(files)
     if files.quantization is not None:
         return floats * 2 + others
     per_weight = _BYTES_PER_WEIGHT.get(quantization or "", dtype_bytes)
     return int(floats * per_weight) + others
+
+
+def _float_elements(files: LoadedModelFiles) -> tuple[int, int]:
+    """(float elements, other bytes) of the checkpoint's float weights: from their file's header, or a GGUF's
+    tensor table where its prepared folder holds none yet."""
+    if files.source.is_gguf and not is_prepared(files.folder, weights=True):
+        return sum(math.prod(shape) for _, shape in float_weight_shapes(files.source.path, files.config)), 0
+    return safetensors_elements(files.folder)
 
 
 def quantization_cache(setting: str, files: LoadedModelFiles, quantization: str | None,
@@ -80,15 +89,16 @@ def load_model_files(model: str | ModelConfig, tokenizer: bool = True) -> Loaded
     from transformers import AutoConfig
 
     mc = model if isinstance(model, ModelConfig) else ModelConfig(model=model)
+    packed = gguf_packed(mc.quantization)  # else a GGUF's prepared folder holds the float weights read
     if not tokenizer:
         source = resolve_model(mc.model)
-        folder = prepared_folder(source.path) if source.is_gguf else source.path
+        folder = prepared_folder(source.path, weights=not packed) if source.is_gguf else source.path
         quantization = _checkpoint_quantization(mc, source, folder)
         return LoadedModelFiles(source, folder, _text_config(AutoConfig.from_pretrained(folder)), None,
-                                quantization=quantization, gguf_packed=mc.quantization == "gguf")
+                                quantization=quantization, gguf_packed=packed)
     with log_step(logger, "resolving model %s", mc.model):
         source = resolve_model(mc.model)
-    folder = _prepared(source)
+    folder = _prepared(source, weights=not packed)
     quantization = _checkpoint_quantization(mc, source, folder)
     with log_step(logger, "reading the config and tokenizer of %s", mc.model):
         config = _text_config(AutoConfig.from_pretrained(folder))
@@ -97,7 +107,7 @@ def load_model_files(model: str | ModelConfig, tokenizer: bool = True) -> Loaded
             tok.chat_template = load_chat_template(mc.chat_template)
         sampling = default_sampling(mc.generation_config, folder, source.path if source.is_gguf else None,
                                     mc.override_generation_config)
-    return LoadedModelFiles(source, folder, config, tok, sampling, quantization, mc.quantization == "gguf")
+    return LoadedModelFiles(source, folder, config, tok, sampling, quantization, packed)
 
 
 def _checkpoint_quantization(mc: ModelConfig, source: ModelSource, folder: Path) -> AwqGptqConfig | None:
@@ -116,14 +126,15 @@ def load_tokenizer(files: LoadedModelFiles, mc: ModelConfig):
     return _tokenizer(files.folder) if mc.tokenizer is None else _tokenizer_of(mc.tokenizer)
 
 
-def _prepared(source: ModelSource) -> Path:
+def _prepared(source: ModelSource, weights: bool) -> Path:
+    """The model's folder; a GGUF's prepared once (with `weights`: its float32 weights too, for the dense path)."""
     if not source.is_gguf:
         return source.path
-    if (folder := prepared_folder(source.path, prepare=False)) is not None:
+    if (folder := prepared_folder(source.path, prepare=False, weights=weights)) is not None:
         return folder
-    with log_step(logger, "preparing %s once (config, tokenizer, float32 weights; later starts reuse them)",
-                  source.path.name):
-        return prepared_folder(source.path)
+    what = "config, tokenizer, float32 weights" if weights else "config, tokenizer"
+    with log_step(logger, "preparing %s once (%s; later starts reuse them)", source.path.name, what):
+        return prepared_folder(source.path, weights=weights)
 
 
 def _text_config(config):

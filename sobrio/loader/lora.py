@@ -141,7 +141,7 @@ def read_adapter(path: str | Path, max_rank: int, num_layers: int, shapes: dict[
 _SAME_WIDTH = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}  # numpy's stand-in for a dtype of that width
 
 
-def _layout(path, f) -> dict[str, tuple[torch.dtype, torch.Size, int]]:
+def _layout(path, f) -> dict[str, tuple[torch.dtype, tuple[int, ...], int]]:
     try:
         return safetensors_layout(f, Path(f.name))
     except (ValueError, KeyError, TypeError) as exc:
@@ -154,7 +154,7 @@ def _stack(path, raw: np.ndarray, layout, names: list[str]) -> torch.Tensor:
     dtype, shape, _ = layout[names[0]]
     if not dtype.is_floating_point or any(layout[name][0] != dtype for name in names):
         raise _refuse(path, f"LoRA weights of dtype {dtype} or of mixed dtypes")
-    size = shape.numel() * dtype.itemsize
+    size = math.prod(shape) * dtype.itemsize
     if any(layout[name][2] + size > raw.size for name in names):
         raise InvalidRequestError(f"LoRA adapter {str(path)!r}: adapter_model.safetensors is cut short",
                                   param="lora_path")
@@ -169,15 +169,16 @@ def _pair_names(path, cfg: AdapterConfig, keys, num_layers: int, shapes: dict[st
     missing = [t for t in cfg.targets if t not in shapes]
     if missing:
         raise _refuse(path, f"target_modules {missing!r} on this model (its layers have no such dense module)")
+    block_of = {target: "self_attn" if target in ATTENTION_TARGETS else "mlp" for target in cfg.targets}
     found: dict[tuple[int, str, str], str] = {}
     unused = []
     for name in keys:
         match = _TENSOR_NAME.search(name)
-        block = match and ("self_attn" if match[3] in ATTENTION_TARGETS else "mlp")
-        if match is None or match[2] != block or match[3] not in cfg.targets or int(match[1]) >= num_layers:
+        layer, block, target, kind = match.groups() if match else ("0", "", "", "")
+        if block_of.get(target) != block or int(layer) >= num_layers:
             unused.append(name)
         else:
-            found[int(match[1]), match[3], match[4]] = name
+            found[int(layer), target, kind] = name
     if unused:
         raise _refuse(path, f"tensors sobrio would not use ({sorted(unused)[0]!r}, ...)")
     names: TensorNames = {}
@@ -196,7 +197,7 @@ def _check_shapes(path, cfg: AdapterConfig, names: TensorNames, shapes: dict[str
     shape): otherwise the adapter was made for another base model."""
     for (layer, target), pair in names.items():
         out_f, in_f = shapes[target]
-        a, b = (tuple(layout[name][1]) for name in pair)
+        a, b = (layout[name][1] for name in pair)
         if a != (cfg.rank, in_f) or b != (out_f, cfg.rank):
             raise InvalidRequestError(f"LoRA adapter {str(path)!r}: {target} of layer {layer} has A {a} and "
                                       f"B {b}, the base model needs ({cfg.rank}, {in_f}) and ({out_f}, "

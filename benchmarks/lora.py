@@ -1,7 +1,7 @@
 """Multi-LoRA serving cost, in bf16: decode throughput of 16 requests in flight spread over 8 adapters (rank 16
 on q/k/v/o and gate/up/down) against 16 requests to the base model alone (an engine without --enable-lora),
 in the same run; and the first request of a newly registered adapter (each of `--fresh`) against the same
-request with a resident adapter just before it, and against reading the adapter from disk.
+request with a resident adapter just before it, and against reading another such adapter from disk.
 
     .venv/bin/python benchmarks/lora.py [--model smollm2-135m] [--requests 16] [--adapters 8] [--max-tokens 32]\
         [--repeats 3] [--fresh 3]
@@ -76,11 +76,12 @@ def throughput(llm: LLM, prompts: list[str], params: SamplingParams, loras: list
     return max(rates)
 
 
-def first_request(llm: LLM, fresh: list[LoRARequest], resident: LoRARequest, hf_config
-                  ) -> tuple[list[float], list[float], list[float]]:
+def first_request(llm: LLM, fresh: list[LoRARequest], resident: LoRARequest, unread: list[LoRARequest],
+                  hf_config) -> tuple[list[float], list[float], list[float]]:
     """Seconds of a 1-token request with each never-seen adapter of `fresh`, of the same request with a
-    resident adapter just before each, and of reading each fresh adapter from disk alone (its config checked,
-    every tensor read into memory with safetensors), after the engine read it (the page cache as warm)."""
+    resident adapter just before each, and of reading an adapter of `unread` from disk alone just after each
+    (its config checked, every tensor read into memory with safetensors): `unread` were written with `fresh`
+    and never read since, so the page cache holds both alike."""
     params = SamplingParams(temperature=0, max_tokens=1)
 
     def once(lora: LoRARequest) -> float:
@@ -89,14 +90,12 @@ def first_request(llm: LLM, fresh: list[LoRARequest], resident: LoRARequest, hf_
         return time.perf_counter() - start
 
     once(resident)  # the kernels' first call at this shape
-    warm, new = [], []
-    for lora in fresh:
+    warm, new, disk = [], [], []
+    for lora, other in zip(fresh, unread):
         warm.append(once(resident))
         new.append(once(lora))
-    disk = []
-    for lora in fresh:
         start = time.perf_counter()
-        read_from_disk(lora.lora_path, 64, hf_config.num_hidden_layers, target_shapes(hf_config))
+        read_from_disk(other.lora_path, 64, hf_config.num_hidden_layers, target_shapes(hf_config))
         disk.append(time.perf_counter() - start)
     return new, warm, disk
 
@@ -116,7 +115,7 @@ def main() -> None:
     common = dict(dtype="bfloat16", kv_cache_memory=512 << 20, max_model_len=1024)
     with tempfile.TemporaryDirectory() as tmp:
         folder = bf16_checkpoint(args.model, Path(tmp) / "base")
-        paths = make_adapters(folder, Path(tmp), args.adapters + args.fresh, args.rank)
+        paths = make_adapters(folder, Path(tmp), args.adapters + 2 * args.fresh, args.rank)
         loras = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(paths)]
         base = LLM(str(folder), **common)
         base_rate = throughput(base, prompts, params, None, args.repeats)
@@ -126,7 +125,8 @@ def main() -> None:
         mixed = [loras[i % args.adapters] for i in range(args.requests)]
         lora_rate = throughput(llm, prompts, params, mixed, args.repeats)
         base_in_lora = throughput(llm, prompts, params, None, args.repeats)
-        fresh, warm, disk = first_request(llm, loras[args.adapters:], loras[0], llm.engine.hf_config)
+        fresh, warm, disk = first_request(llm, loras[args.adapters:args.adapters + args.fresh], loras[0],
+                                          loras[args.adapters + args.fresh:], llm.engine.hf_config)
     print(f"model {args.model}'s architecture, random bf16 weights, {args.requests} requests x {args.max_tokens} "
           f"tokens, torch threads "
           f"{torch.get_num_threads()}")

@@ -1,10 +1,10 @@
 """Multi-LoRA serving cost, in bf16: decode throughput of 16 requests in flight spread over 8 adapters (rank 16
 on q/k/v/o and gate/up/down) against 16 requests to the base model alone (an engine without --enable-lora),
-in the same run; and the first request of a newly registered adapter against one whose adapter is resident
-and against reading the adapter from disk.
+in the same run; and the first request of a newly registered adapter (each of `--fresh`) against the same
+request with a resident adapter just before it, and against reading another such adapter from disk.
 
     .venv/bin/python benchmarks/lora.py [--model smollm2-135m] [--requests 16] [--adapters 8] [--max-tokens 32]\
-        [--repeats 3]
+        [--repeats 3] [--fresh 3]
 
 The adapters are made here with PEFT (random non-zero lora_B) over the model's own folder; nothing is
 downloaded.
@@ -76,19 +76,28 @@ def throughput(llm: LLM, prompts: list[str], params: SamplingParams, loras: list
     return max(rates)
 
 
-def first_request(llm: LLM, fresh: LoRARequest, resident: LoRARequest, hf_config) -> tuple[float, float, float]:
-    """Seconds of one 1-token request with a never-seen adapter, with a resident one, and of reading the
-    adapter from disk alone (its config checked, every tensor copied into memory as stored)."""
+def first_request(llm: LLM, fresh: list[LoRARequest], resident: LoRARequest, unread: list[LoRARequest],
+                  hf_config) -> tuple[list[float], list[float], list[float]]:
+    """Seconds of a 1-token request with each never-seen adapter of `fresh`, of the same request with a
+    resident adapter just before each, and of reading an adapter of `unread` from disk alone just after each
+    (its config checked, every tensor read into memory with safetensors): `unread` were written with `fresh`
+    and never read since, so the page cache holds both alike."""
     params = SamplingParams(temperature=0, max_tokens=1)
-    times = []
-    for lora in (resident, fresh, resident):  # the resident one first too: the kernels' first call at its shape
+
+    def once(lora: LoRARequest) -> float:
         start = time.perf_counter()
         llm.generate(SENTENCES[0], params, use_tqdm=False, lora_request=lora)
-        times.append(time.perf_counter() - start)
-    times = [times[1], times[2]]
-    start = time.perf_counter()
-    read_from_disk(fresh.lora_path, 64, hf_config.num_hidden_layers, target_shapes(hf_config))
-    return times[0], times[1], time.perf_counter() - start
+        return time.perf_counter() - start
+
+    once(resident)  # the kernels' first call at this shape
+    warm, new, disk = [], [], []
+    for lora, other in zip(fresh, unread):
+        warm.append(once(resident))
+        new.append(once(lora))
+        start = time.perf_counter()
+        read_from_disk(other.lora_path, 64, hf_config.num_hidden_layers, target_shapes(hf_config))
+        disk.append(time.perf_counter() - start)
+    return new, warm, disk
 
 
 def main() -> None:
@@ -99,23 +108,25 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3, help="timed calls of each kind; the fastest counts")
+    parser.add_argument("--fresh", type=int, default=3, help="never-seen adapters whose first request is timed")
     args = parser.parse_args()
     prompts = [" ".join(SENTENCES[(i + j) % len(SENTENCES)] for j in range(1 + i % 3)) for i in range(args.requests)]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     common = dict(dtype="bfloat16", kv_cache_memory=512 << 20, max_model_len=1024)
     with tempfile.TemporaryDirectory() as tmp:
         folder = bf16_checkpoint(args.model, Path(tmp) / "base")
-        paths = make_adapters(folder, Path(tmp), args.adapters + 1, args.rank)
+        paths = make_adapters(folder, Path(tmp), args.adapters + 2 * args.fresh, args.rank)
         loras = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(paths)]
         base = LLM(str(folder), **common)
         base_rate = throughput(base, prompts, params, None, args.repeats)
         base.engine.core.close()
-        llm = LLM(str(folder), enable_lora=True, max_loras=args.adapters, max_cpu_loras=args.adapters + 1,
+        llm = LLM(str(folder), enable_lora=True, max_loras=args.adapters, max_cpu_loras=args.adapters + args.fresh,
                   max_lora_rank=args.rank, **common)
         mixed = [loras[i % args.adapters] for i in range(args.requests)]
         lora_rate = throughput(llm, prompts, params, mixed, args.repeats)
         base_in_lora = throughput(llm, prompts, params, None, args.repeats)
-        fresh, warm, disk = first_request(llm, loras[-1], loras[0], llm.engine.hf_config)
+        fresh, warm, disk = first_request(llm, loras[args.adapters:args.adapters + args.fresh], loras[0],
+                                          loras[args.adapters + args.fresh:], llm.engine.hf_config)
     print(f"model {args.model}'s architecture, random bf16 weights, {args.requests} requests x {args.max_tokens} "
           f"tokens, torch threads "
           f"{torch.get_num_threads()}")
@@ -124,8 +135,16 @@ def main() -> None:
           f"ratio {lora_rate / base_rate:.2f}x")
     print(f"base requests on the --enable-lora engine: {base_in_lora:8.1f} tok/s  "
           f"ratio {base_in_lora / base_rate:.2f}x")
-    print(f"first request of a new adapter {fresh * 1e3:.0f} ms, with a resident one {warm * 1e3:.0f} ms: "
-          f"+{(fresh - warm) * 1e3:.0f} ms; reading it from disk alone {disk * 1e3:.0f} ms")
+    added = sorted(f - w for f, w in zip(fresh, warm))
+    print(f"first request of a new adapter {_ms(fresh)}, with a resident one just before {_ms(warm)}: "
+          f"+{added[len(added) // 2] * 1e3:.1f} ms (median; each +{', +'.join(f'{a * 1e3:.1f}' for a in added)}); "
+          f"reading it from disk alone {_ms(disk)}")
+
+
+def _ms(seconds: list[float]) -> str:
+    """Median, and each, in milliseconds."""
+    ordered = sorted(seconds)
+    return f"{ordered[len(ordered) // 2] * 1e3:.1f} ms ({', '.join(f'{s * 1e3:.1f}' for s in seconds)})"
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import sobrio  # noqa: F401  (first: it sets the OpenMP thread policy before tor
 # isort: on
 
 import torch  # noqa: E402
+from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from sobrio.engine.lora import RunnerAdapters  # noqa: E402
@@ -28,7 +29,6 @@ from sobrio.loader.load import load_model_files  # noqa: E402
 from sobrio.loader.lora import (  # noqa: E402
     ATTENTION_TARGETS,
     LoRARequest,
-    adapter_tensors,
     check_adapter,
     target_shapes,
 )
@@ -71,11 +71,12 @@ def write_adapter(folder: Path, shapes: dict[str, tuple[int, int]], layers: int,
 
 
 def read_from_disk(path: str, rank: int, layers: int, shapes: dict[str, tuple[int, int]]) -> None:
-    """The adapter checked and every tensor copied into memory (safetensors maps the file: its bytes are read
-    when first touched)."""
-    for pairs in adapter_tensors(path, rank, layers, shapes)[1].values():
-        for a, b in pairs:
-            a.clone(), b.clone()
+    """The adapter checked and every tensor read into memory of its own, with safetensors (as a model's weights
+    are commonly read; it maps the file, so every tensor is copied out: untouched pages are never read)."""
+    check_adapter(path, rank, layers, shapes)
+    with safe_open(str(Path(path) / "adapter_model.safetensors"), framework="pt") as f:
+        for name in f.keys():
+            f.get_tensor(name).clone()
 
 
 def best(fn, repeats: int) -> float:

@@ -9,7 +9,7 @@ import torch
 from sobrio.config import SobrioConfig
 from sobrio.errors import ConfigError
 from sobrio.layers.lora import LoRAStep, attach_lora
-from sobrio.loader.lora import LoRARequest, adapter_tensors, target_shapes
+from sobrio.loader.lora import LoRARequest, read_adapter, target_shapes
 from sobrio.timing import log_step
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ class RunnerAdapters:
 
     def _ensure(self, adapter: LoRARequest) -> None:
         """Read the adapter from disk into a free slot (evicting the least recently used adapter if none is),
-        each module's pair straight into the slot; a read that fails leaves the slot empty."""
+        each target's stacked pairs straight into the slot; a read that fails leaves the slot empty."""
         if adapter.lora_int_id in self.resident:
             return
         if not self.free:
@@ -70,9 +70,9 @@ class RunnerAdapters:
         slot = self.free[-1]
         with log_step(logger, "loading LoRA adapter %s", adapter.lora_name):
             try:
-                scaling, pairs = adapter_tensors(adapter.lora_path, self.max_rank, self.num_layers, self.shapes)
-                for target, layers in pairs.items():  # every layer's pair of a target in one go
-                    self.banks[target].add(slot, target, [a for a, _ in layers], [b for _, b in layers], scaling)
+                scaling, stacks = read_adapter(adapter.lora_path, self.max_rank, self.num_layers, self.shapes)
+                for target, (a, b) in stacks.items():  # every layer's pair of a target in one go
+                    self.banks[target].add(slot, target, a, b, scaling)
             except BaseException:
                 self._clear(slot)
                 raise

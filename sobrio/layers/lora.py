@@ -14,6 +14,7 @@ base model run the base module alone. Where the C++ operator did not build, a lo
 
 import functools
 
+import numpy
 import torch
 
 
@@ -56,13 +57,12 @@ TILE = 64  # output columns of a tile of packed B (csrc/lora.cpp's kTile)
 
 def lora_apply(y: torch.Tensor, x: torch.Tensor, bank: "LoRABank", layer: int, step: LoRAStep) -> None:
     """y[rows] += (x[rows] @ A[slot].T) @ B[slot].T for each group of the step, with layer `layer`'s A and B:
-    the C++ operator where it is built, else the reference."""
-    if (lora_apply_available() and y.dtype in (torch.float32, torch.bfloat16) and x.dtype == y.dtype == bank.dtype
-            and y.is_contiguous()):
-        from sobrio.layers.cpu_ops import cpu_ops
-
-        cpu_ops().lora_apply(y, x.contiguous(), bank.a_of[layer], bank.b_of[layer], bank.ranks, bank.scales,
-                             bank.widths, step.rows, step.slots, step.offsets)
+    the C++ operator where it is built, else the reference. Called 120 times a step on a small model: kept
+    to a few attribute reads around the call (an import or a cached call here cost a few us each)."""
+    operator = bank.operator
+    if operator is not None and x.dtype is y.dtype is bank.dtype and y.is_contiguous():
+        operator(y, x.contiguous(), bank.a_of[layer], bank.b_of[layer], bank.ranks, bank.scales, bank.widths,
+                 step.rows, step.slots, step.offsets)
     else:
         lora_apply_reference(y, x, bank, layer, step)
 
@@ -79,10 +79,29 @@ def lora_apply_reference(y: torch.Tensor, x: torch.Tensor, bank: "LoRABank", lay
 
 
 @functools.cache
-def lora_apply_available() -> bool:
+def lora_operator():
+    """The C++ `lora_apply`, or None where the operators did not build."""
     from sobrio.layers.cpu_ops import cpu_ops
 
-    return hasattr(cpu_ops(), "lora_apply")
+    return getattr(cpu_ops(), "lora_apply", None)
+
+
+def lora_apply_available() -> bool:
+    return lora_operator() is not None
+
+
+_SAME_WIDTH = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # an integer dtype of each float's width
+
+
+def copy_here(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.copy_(src) on the calling thread, by numpy where the dtypes match: torch spreads a large copy over
+    its threads, and beside a busy neighbour each such copy waited a time slice for the thread whose core the
+    neighbour held (docs/lora.md)."""
+    if dst.dtype != src.dtype or dst.dtype.itemsize not in _SAME_WIDTH:
+        dst.copy_(src)
+        return
+    same = _SAME_WIDTH[dst.dtype.itemsize]
+    numpy.copyto(dst.view(same).numpy(), src.view(same).numpy())
 
 
 def tile_view(packed: torch.Tensor, counts: list[int], rank: int, j: int) -> torch.Tensor:
@@ -116,20 +135,20 @@ class LoRABank:
         self.scales: torch.Tensor | None = None
         self.a_of: list[torch.Tensor] = []  # each layer's A and B (views): what a module's forward reads
         self.b_of: list[torch.Tensor] = []
+        self.operator = lora_operator() if dtype in (torch.float32, torch.bfloat16) else None  # the C++ one
 
-    def add(self, slot: int, target: str, a: list[torch.Tensor], b: list[torch.Tensor], scaling: float = 1.0
-            ) -> None:
-        """One projection's A [r, in] and B [out, r] of every layer (in layer order) into an empty `slot`,
-        stacked straight into the packed layout in the model's dtype (no copy of the adapter in between); the
-        product is scaled by `scaling`."""
+    def add(self, slot: int, target: str, a: torch.Tensor, b: torch.Tensor, scaling: float = 1.0) -> None:
+        """One projection's A [layers, r, in] and B [layers, out, r] of every layer into an empty `slot`, in the
+        model's dtype: A as it is, B transposed into its tiles (`copy_here`); the product is scaled by
+        `scaling`."""
         j = self.targets.index(target)
-        r, width, count = a[0].shape[0], self.widths[j], self.counts[j]
+        r, width, count = a.shape[1], self.widths[j], self.counts[j]
         self._reserve(r)
+        copy_here(self.a[:, slot].narrow(1, j * self.rank, r), a)
         if width % TILE:
-            b = [torch.nn.functional.pad(t, (0, 0, 0, count * TILE - width)) for t in b]
-        torch.stack([t.to(self.dtype) for t in a], out=self.a[:, slot].narrow(1, j * self.rank, r))
+            b = torch.nn.functional.pad(b, (0, 0, 0, count * TILE - width))
         tiles = tile_view(self.b[:, slot], self.counts, self.rank, j)[:, :, :r]  # [layers, tiles, r, TILE]
-        torch.stack([t.to(self.dtype).contiguous().view(count, TILE, r).transpose(1, 2) for t in b], out=tiles)
+        copy_here(tiles, b.reshape(self.layers, count, TILE, r).transpose(2, 3))
         self.rank_table[slot, j] = r  # `ranks` itself, through numpy: a tensor's element write costs ~10 us
         self.scale_table[slot] = scaling
 

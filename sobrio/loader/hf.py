@@ -70,16 +70,26 @@ def stored_safetensors(file: Path) -> Iterator[tuple[str, StoredTensor]]:
     """(name, StoredTensor) for each tensor of one file, in file order, the file open until the last is
     yielded; a malformed file is a ValueError."""
     with open(file, "rb", buffering=0) as f:
-        header, start = _read_header(f, file)
-        header.pop("__metadata__", None)
-        for name, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
-            dtype = DTYPES.get(info["dtype"])
-            if dtype is None:
-                raise ValueError(f"{file}: tensor {name} has dtype {info['dtype']}, which sobrio does not read")
-            begin, end = info["data_offsets"]
-            if torch.Size(info["shape"]).numel() * dtype.itemsize != end - begin:
-                raise ValueError(f"{file}: tensor {name} takes {end - begin} bytes for shape {info['shape']}")
-            yield name, StoredTensor(f, file, name, dtype, info["shape"], start + begin)
+        for name, (dtype, shape, offset) in safetensors_layout(f, file).items():
+            yield name, StoredTensor(f, file, name, dtype, shape, offset)
+
+
+def safetensors_layout(f, file: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...], int]]:
+    """Each tensor's dtype, shape and offset in the open file (`f`, at its start), in file order, from the
+    header alone; a malformed header, or a dtype sobrio does not read, is a ValueError."""
+    header, start = _read_header(f, file)
+    header.pop("__metadata__", None)
+    layout = {}
+    for name, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
+        dtype = DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise ValueError(f"{file}: tensor {name} has dtype {info['dtype']}, which sobrio does not read")
+        begin, end = info["data_offsets"]
+        shape = tuple(info["shape"])
+        if math.prod(shape) * dtype.itemsize != end - begin:
+            raise ValueError(f"{file}: tensor {name} takes {end - begin} bytes for shape {info['shape']}")
+        layout[name] = (dtype, shape, start + begin)
+    return layout
 
 
 def read_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:

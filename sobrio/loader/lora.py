@@ -12,10 +12,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
-from safetensors import safe_open
 
 from sobrio.errors import InvalidRequestError
+from sobrio.loader.hf import safetensors_layout
 
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
@@ -110,45 +111,94 @@ def check_adapter(path: str | Path, max_rank: int, num_layers: int, shapes: dict
     safetensors header alone (no tensor is read): `shapes[target] = (out_features, in_features)` of its
     modules. Every targeted module of every layer must have its pair, and no tensor may be left unused."""
     cfg = read_adapter_config(path, max_rank)
-    missing = [t for t in cfg.targets if t not in shapes]
-    if missing:
-        raise _refuse(path, f"target_modules {missing!r} on this model (its layers have no such dense module)")
-    found: dict[tuple[int, str, str], str] = {}
-    with safe_open(str(Path(path) / "adapter_model.safetensors"), framework="pt") as f:
-        unused = []
-        for name in f.keys():
-            match = _TENSOR_NAME.search(name)
-            block = match and ("self_attn" if match[3] in ATTENTION_TARGETS else "mlp")
-            if match is None or match[2] != block or match[3] not in cfg.targets or int(match[1]) >= num_layers:
-                unused.append(name)
-            else:
-                found[int(match[1]), match[3], match[4]] = name
-        if unused:
-            raise _refuse(path, f"tensors sobrio would not use ({sorted(unused)[0]!r}, ...)")
-        names: TensorNames = {}
-        for layer in range(num_layers):
-            for target in cfg.targets:
-                pair = found.get((layer, target, "A")), found.get((layer, target, "B"))
-                if None in pair:
-                    raise _refuse(path, f"an adapter without {target} in layer {layer}")
-                out_f, in_f = shapes[target]
-                a, b = (tuple(f.get_slice(name).get_shape()) for name in pair)
-                if a != (cfg.rank, in_f) or b != (out_f, cfg.rank):
-                    raise InvalidRequestError(f"LoRA adapter {str(path)!r}: {target} of layer {layer} has A {a} and "
-                                              f"B {b}, the base model needs ({cfg.rank}, {in_f}) and ({out_f}, "
-                                              f"{cfg.rank}): another base model", param="lora_path")
-                names[layer, target] = pair
+    with open(Path(path) / "adapter_model.safetensors", "rb") as f:
+        layout = _layout(path, f)
+    names = _pair_names(path, cfg, layout, num_layers, shapes)
+    _check_shapes(path, cfg, names, shapes, layout)
     return cfg, names
 
 
-def adapter_tensors(path: str | Path, max_rank: int, num_layers: int, shapes: dict[str, tuple[int, int]]
-                    ) -> tuple[float, dict[str, list[tuple[torch.Tensor, torch.Tensor]]]]:
-    """The adapter's scaling and, for each target, every layer's (A [r, in], B [out, r]) in layer order as the
-    file stores them, once the whole adapter is checked (`check_adapter`). The file is mapped: the bytes are
-    read when the caller first touches them, straight into where it computes with them."""
-    cfg, names = check_adapter(path, max_rank, num_layers, shapes)
-    pairs: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-    with safe_open(str(Path(path) / "adapter_model.safetensors"), framework="pt") as f:
-        for (_, target), (a, b) in names.items():  # layer by layer
-            pairs.setdefault(target, []).append((f.get_tensor(a), f.get_tensor(b)))
-    return cfg.scaling, pairs
+def read_adapter(path: str | Path, max_rank: int, num_layers: int, shapes: dict[str, tuple[int, int]]
+                 ) -> tuple[float, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """The adapter's scaling and, for each target, every layer's A and B stacked ([layers, r, in] and
+    [layers, out, r], as the file stores them), checked as `check_adapter` checks them. The file is read in
+    one call and each target's tensors stacked from its bytes by numpy: safetensors makes a tensor of each
+    (hundreds for an adapter on every target), which cost more than reading the file (docs/lora.md)."""
+    cfg = read_adapter_config(path, max_rank)
+    with open(Path(path) / "adapter_model.safetensors", "rb") as f:
+        layout = _layout(path, f)
+        f.seek(0)
+        raw = np.fromfile(f, dtype=np.uint8)
+    names = _pair_names(path, cfg, layout, num_layers, shapes)
+    _check_shapes(path, cfg, names, shapes, layout)
+    stacks: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for target in cfg.targets:
+        a, b = ([names[layer, target][i] for layer in range(num_layers)] for i in (0, 1))
+        stacks[target] = _stack(path, raw, layout, a), _stack(path, raw, layout, b)
+    return cfg.scaling, stacks
+
+
+_SAME_WIDTH = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}  # numpy's stand-in for a dtype of that width
+
+
+def _layout(path, f) -> dict[str, tuple[torch.dtype, tuple[int, ...], int]]:
+    try:
+        return safetensors_layout(f, Path(f.name))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise InvalidRequestError(f"LoRA adapter {str(path)!r}: unreadable adapter_model.safetensors ({exc})",
+                                  param="lora_path") from None
+
+
+def _stack(path, raw: np.ndarray, layout, names: list[str]) -> torch.Tensor:
+    """The named tensors (one dtype and shape) of the file's bytes `raw`, stacked: one copy, no tensor each."""
+    dtype, shape, _ = layout[names[0]]
+    if not dtype.is_floating_point or any(layout[name][0] != dtype for name in names):
+        raise _refuse(path, f"LoRA weights of dtype {dtype} or of mixed dtypes")
+    size = math.prod(shape) * dtype.itemsize
+    if any(layout[name][2] + size > raw.size for name in names):
+        raise InvalidRequestError(f"LoRA adapter {str(path)!r}: adapter_model.safetensors is cut short",
+                                  param="lora_path")
+    parts = [raw[layout[name][2]:layout[name][2] + size].view(_SAME_WIDTH[dtype.itemsize]) for name in names]
+    return torch.from_numpy(np.stack(parts)).view(dtype).view(len(names), *shape)
+
+
+def _pair_names(path, cfg: AdapterConfig, keys, num_layers: int, shapes: dict[str, tuple[int, int]]
+                ) -> TensorNames:
+    """Each targeted module's A and B by name, in layer order; refused if a pair is missing, a tensor would
+    be left unused, or a target has no dense module in this model."""
+    missing = [t for t in cfg.targets if t not in shapes]
+    if missing:
+        raise _refuse(path, f"target_modules {missing!r} on this model (its layers have no such dense module)")
+    block_of = {target: "self_attn" if target in ATTENTION_TARGETS else "mlp" for target in cfg.targets}
+    found: dict[tuple[int, str, str], str] = {}
+    unused = []
+    for name in keys:
+        match = _TENSOR_NAME.search(name)
+        layer, block, target, kind = match.groups() if match else ("0", "", "", "")
+        if block_of.get(target) != block or int(layer) >= num_layers:
+            unused.append(name)
+        else:
+            found[int(layer), target, kind] = name
+    if unused:
+        raise _refuse(path, f"tensors sobrio would not use ({sorted(unused)[0]!r}, ...)")
+    names: TensorNames = {}
+    for layer in range(num_layers):
+        for target in cfg.targets:
+            pair = found.get((layer, target, "A")), found.get((layer, target, "B"))
+            if None in pair:
+                raise _refuse(path, f"an adapter without {target} in layer {layer}")
+            names[layer, target] = pair
+    return names
+
+
+def _check_shapes(path, cfg: AdapterConfig, names: TensorNames, shapes: dict[str, tuple[int, int]], layout
+                  ) -> None:
+    """Every A [r, in] and B [out, r] as the base model's modules need them (`layout[name][1]`: a tensor's
+    shape): otherwise the adapter was made for another base model."""
+    for (layer, target), pair in names.items():
+        out_f, in_f = shapes[target]
+        a, b = (layout[name][1] for name in pair)
+        if a != (cfg.rank, in_f) or b != (out_f, cfg.rank):
+            raise InvalidRequestError(f"LoRA adapter {str(path)!r}: {target} of layer {layer} has A {a} and "
+                                      f"B {b}, the base model needs ({cfg.rank}, {in_f}) and ({out_f}, "
+                                      f"{cfg.rank}): another base model", param="lora_path")

@@ -12,7 +12,7 @@ from sobrio.errors import ConfigError, InvalidRequestError
 from sobrio.layers.cpu_ops import cpu_ops
 from sobrio.layers.lora import LoRABank, LoRALinear, LoRAStep, lora_apply_available, lora_apply_reference
 from sobrio.layers.quantization import quantized_linear
-from sobrio.loader.lora import read_adapter_config
+from sobrio.loader.lora import check_adapter, read_adapter, read_adapter_config
 
 BASE_CONFIG = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"],
                "bias": "none", "use_dora": False, "modules_to_save": None, "use_rslora": False}
@@ -32,6 +32,36 @@ def _folder(tmp_path, **fields):
 def test_what_sobrio_does_not_compute_is_refused_by_name(tmp_path, fields, named):
     with pytest.raises(InvalidRequestError, match=named):
         read_adapter_config(_folder(tmp_path, **fields), max_rank=16)
+
+
+def test_an_adapter_read_in_one_go_holds_its_files_tensors(tmp_path):
+    """read_adapter stacks each target's A and B of every layer from the file's bytes (dtypes kept); a file
+    cut short, a header that is not JSON and another model's shapes are refused with InvalidRequestError."""
+    from safetensors.torch import save_file
+
+    _folder(tmp_path)
+    shapes, layers = {"q_proj": (24, 16), "v_proj": (8, 16)}, 3
+    tensors = {f"base_model.model.model.layers.{i}.self_attn.{t}.lora_{m}.weight":
+               torch.randn(*((8, shapes[t][1]) if m == "A" else (shapes[t][0], 8))).to(dtype)
+               for i in range(layers) for t, dtype in (("q_proj", torch.bfloat16), ("v_proj", torch.float32))
+               for m in "AB"}
+    file = tmp_path / "adapter_model.safetensors"
+    save_file(tensors, str(file))
+    scaling, stacks = read_adapter(tmp_path, 16, layers, shapes)
+    assert scaling == 2.0 and list(stacks) == ["q_proj", "v_proj"]
+    for t, (a, b) in stacks.items():
+        for i in range(layers):
+            prefix = f"base_model.model.model.layers.{i}.self_attn.{t}"
+            assert torch.equal(a[i], tensors[f"{prefix}.lora_A.weight"])
+            assert torch.equal(b[i], tensors[f"{prefix}.lora_B.weight"])
+    with pytest.raises(InvalidRequestError, match="another base model"):
+        check_adapter(tmp_path, 16, layers, {"q_proj": (24, 16), "v_proj": (9, 16)})
+    file.write_bytes(file.read_bytes()[:-4])
+    with pytest.raises(InvalidRequestError, match="cut short"):
+        read_adapter(tmp_path, 16, layers, shapes)
+    file.write_bytes(b"\x10" + b"\0" * 7 + b"not json" * 2)
+    with pytest.raises(InvalidRequestError, match="unreadable"):
+        check_adapter(tmp_path, 16, layers, shapes)
 
 
 def test_alpha_and_rslora_scaling(tmp_path):
@@ -60,7 +90,7 @@ def test_a_quantized_base_plus_each_adapter_on_its_rows_only():
                                                                                      torch.randn(16, 2))}}
     for adapter_id, p in pairs.items():
         for target, (a, b) in p.items():
-            bank.add(adapter_id, target, [a], [b])
+            bank.add(adapter_id, target, a[None], b[None])
     x = torch.randn(10, 64)
     step.set([1, None, 2, 1], [3, 2, 1, 4])  # adapter 1 on rows 0-2 and 6-9, adapter 2 on row 5
     got, plain = module(x), base(x)
@@ -95,8 +125,8 @@ def test_the_lora_operator_equals_its_reference(dtype):
             width = bank.widths[bank.targets.index(target)]
             a = torch.randn(2, rank, 72, dtype=dtype)
             b = torch.randn(2, width, rank).to(dtype).float()  # float32 into bf16: converted as placed
-            bank.add(slot, target, list(a), list(b), scaling=0.5)
-            reference.add(slot, target, list(a), list(b), scaling=0.5)
+            bank.add(slot, target, a, b, scaling=0.5)
+            reference.add(slot, target, a, b, scaling=0.5)
     tolerance = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.02}
     threads = torch.get_num_threads()
     try:

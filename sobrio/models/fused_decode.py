@@ -18,10 +18,10 @@ import os
 
 import torch
 
+from sobrio.layers import vnni
 from sobrio.layers.attention import AttentionMetadata, CppPagedAttention
 from sobrio.layers.cpu_ops import cpu_ops, vnni_linear_available
 from sobrio.layers.norm import RMSNorm
-from sobrio.layers import vnni
 from sobrio.layers.vnni import VnniLinear
 from sobrio.models.llama import ACTIVATIONS, CausalLM, GatedMLP, LlamaAttention, LlamaDecoderLayer
 

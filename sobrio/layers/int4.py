@@ -350,7 +350,8 @@ def quantize_int4_zero_point(weight: torch.Tensor, group_size: int) -> tuple[tor
 
 @dataclass
 class Int4Codes:
-    """A pre-quantized int4 weight as a checkpoint holds it, before packing: codes int32 [N, K] in 0..15 and
+    """A pre-quantized int4 weight as a checkpoint holds it, before packing: codes [N, K] in 0..15 (int32, or
+    uint8 from a GGUF: a byte each while a large model's layers wait to be packed) and
     scales_and_zeros float [K / g, N, 2] with w = (code - 8) * scale + zero. One of the records
     `models.weights.load_weights` collects (the `PrequantizedWeight` protocol): kept portable until every
     shard of a fused layer is in, then packed once for this CPU's kernel by `linear`."""

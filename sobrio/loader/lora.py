@@ -110,11 +110,7 @@ def check_adapter(path: str | Path, max_rank: int, num_layers: int, shapes: dict
     """The adapter's config and the names of each module's A and B, checked against the base model from the
     safetensors header alone (no tensor is read): `shapes[target] = (out_features, in_features)` of its
     modules. Every targeted module of every layer must have its pair, and no tensor may be left unused."""
-    cfg = read_adapter_config(path, max_rank)
-    with open(Path(path) / "adapter_model.safetensors", "rb") as f:
-        layout = _layout(path, f)
-    names = _pair_names(path, cfg, layout, num_layers, shapes)
-    _check_shapes(path, cfg, names, shapes, layout)
+    cfg, _, names, _ = _checked(path, max_rank, num_layers, shapes, read=False)
     return cfg, names
 
 
@@ -124,18 +120,28 @@ def read_adapter(path: str | Path, max_rank: int, num_layers: int, shapes: dict[
     [layers, out, r], as the file stores them), checked as `check_adapter` checks them. The file is read in
     one call and each target's tensors stacked from its bytes by numpy: safetensors makes a tensor of each
     (hundreds for an adapter on every target), which cost more than reading the file (docs/lora.md)."""
-    cfg = read_adapter_config(path, max_rank)
-    with open(Path(path) / "adapter_model.safetensors", "rb") as f:
-        layout = _layout(path, f)
-        f.seek(0)
-        raw = np.fromfile(f, dtype=np.uint8)
-    names = _pair_names(path, cfg, layout, num_layers, shapes)
-    _check_shapes(path, cfg, names, shapes, layout)
+    cfg, layout, names, raw = _checked(path, max_rank, num_layers, shapes, read=True)
     stacks: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for target in cfg.targets:
         a, b = ([names[layer, target][i] for layer in range(num_layers)] for i in (0, 1))
         stacks[target] = _stack(path, raw, layout, a), _stack(path, raw, layout, b)
     return cfg.scaling, stacks
+
+
+def _checked(path: str | Path, max_rank: int, num_layers: int, shapes: dict[str, tuple[int, int]], read: bool
+             ) -> tuple[AdapterConfig, dict, TensorNames, np.ndarray | None]:
+    """(config, the file's layout, each module's pair of names, with `read` the file's bytes), checked as
+    `check_adapter` says: the one check the front and the engine core both run."""
+    cfg = read_adapter_config(path, max_rank)
+    raw = None
+    with open(Path(path) / "adapter_model.safetensors", "rb") as f:
+        layout = _layout(path, f)
+        if read:
+            f.seek(0)
+            raw = np.fromfile(f, dtype=np.uint8)
+    names = _pair_names(path, cfg, layout, num_layers, shapes)
+    _check_shapes(path, cfg, names, shapes, layout)
+    return cfg, layout, names, raw
 
 
 _SAME_WIDTH = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}  # numpy's stand-in for a dtype of that width

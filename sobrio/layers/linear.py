@@ -178,11 +178,15 @@ class Linear(torch.nn.Linear):
     amx_packed: torch.Tensor | None = None
     blocks: torch.Tensor | None = None  # `packed` read by the C++ few-row kernel: then the weight's only copy
     batch_invariant = False
+    packed_at_load = False  # packed by `models.pack_on_load` as the checkpoint was read: the next prepack skips
 
     def prepack(self, batch_invariant: bool = False) -> None:
         """Choose the matmul once the weights are final: oneDNN's and AMX's packed copies, or the
         batch-invariant kernel (which reads the plain weight, so no packed copy is kept). Where the few-row
         kernel reads oneDNN's copy, the plain weight is dropped (one copy of each weight)."""
+        if self.packed_at_load and not batch_invariant:
+            self.packed_at_load = False
+            return
         self.batch_invariant = batch_invariant
         self.packed = None if batch_invariant else pack_weight(self.weight)
         self.amx_packed = None if batch_invariant else amx_pack_weight(self.weight)

@@ -116,7 +116,9 @@ def build_model(config, max_positions: int, weights, dtype: torch.dtype, attenti
     `quantization_cache` (loader/quantization_cache.py `QuantizationCache`) an entry it holds replaces the
     checkpoint's weights and the quantizing; without one, the quantized model is written to it."""
     from sobrio.layers.attention import BatchInvariantAttention, resolve_backend
+    from sobrio.layers.linear import one_copy_layout
     from sobrio.models import fused_decode
+    from sobrio.models.pack_on_load import PackOnLoad
     from sobrio.models.weights import load_weights
 
     if batch_invariant:
@@ -136,7 +138,8 @@ def build_model(config, max_positions: int, weights, dtype: torch.dtype, attenti
     if cached is not None:
         cached.install(model)
     else:
-        prequantized = load_weights(model, weights)
+        packing = quantization not in QUANTIZATION_METHODS and not batch_invariant and one_copy_layout()
+        prequantized = load_weights(model, weights, PackOnLoad(model) if packing else None)
         install_prequantized(model, prequantized, dtype)
     if cached is None and quantization in QUANTIZATION_METHODS:  # a checkpoint's own (awq, gptq, gguf) is in place
         names_before = {name for name, _ in model.named_modules()}

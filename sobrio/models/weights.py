@@ -8,11 +8,14 @@ module's quantized form (`concat(shards).linear(bias)`) once the float parameter
 
 import re
 from collections.abc import Iterable, Sequence
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
 from sobrio.layers.linear import Linear
+
+if TYPE_CHECKING:
+    from sobrio.models.pack_on_load import PackOnLoad
 
 # HF sub-module name -> (packed module name, shard index)
 PACKED_MODULES = {
@@ -65,11 +68,13 @@ WeightItem = tuple[str, torch.Tensor | DeferredTensor | PrequantizedWeight]
 Prequantized = dict[str, list[PrequantizedWeight]]  # module name -> its records, a fused module's in shard order
 
 
-def load_weights(model: torch.nn.Module, weights: Iterable[WeightItem]) -> Prequantized:
+def load_weights(model: torch.nn.Module, weights: Iterable[WeightItem],
+                 pack_on_load: "PackOnLoad | None" = None) -> Prequantized:
     """Copy every float tensor into its parameter and collect the pre-quantized records (a recorded weight
     counts as filled; its float parameter stays as built until the module is replaced); assert that every
     parameter was filled. Returns the records by module name (`model.layers.0.self_attn.qkv_proj`,
-    `model.embed_tokens`, `lm_head`)."""
+    `model.embed_tokens`, `lm_head`). `pack_on_load`: each Linear packed as soon as its weight is in
+    (`models.pack_on_load`)."""
     params = dict(model.named_parameters())
     filled: set[str] = set()
     records: dict[str, dict[int | None, PrequantizedWeight]] = {}
@@ -85,7 +90,11 @@ def load_weights(model: torch.nn.Module, weights: Iterable[WeightItem]) -> Prequ
         if param is None:
             continue  # e.g. rotary inv_freq buffers saved by old checkpoints
         if isinstance(tensor, (torch.Tensor, DeferredTensor)):
+            if pack_on_load is not None:
+                pack_on_load.before_fill(target, param)
             _copy_tensor(model, name, param, target, shard, tensor)
+            if pack_on_load is not None:
+                pack_on_load.after_fill(target, shard, param)
         else:
             _check_record(model, name, param, target, shard, tensor)
             records.setdefault(target.rsplit(".", 1)[0], {})[shard] = tensor

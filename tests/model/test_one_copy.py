@@ -60,6 +60,31 @@ def test_a_bf16_model_holds_each_weight_once(checkpoint):
 
 
 @needs_blocked
+def test_each_linear_packed_as_it_is_read_holds_its_checkpoint_rows(checkpoint):
+    """The engine core's load: tensors read in place into staging buffers that the next layer reuses, each
+    Linear packed once its last shard is in (`models.pack_on_load`). Every weight unpacks to exactly its
+    checkpoint rows (a buffer reused too early, or a module packed before its last shard, would not)."""
+    from sobrio.loader.load import load_model_files
+    from sobrio.models.registry import build_model
+
+    files = load_model_files(str(checkpoint), tokenizer=False)
+    model = build_model(files.config, 256, files.iter_weights(in_place=True), torch.bfloat16, "auto")
+    stored = dict(iter_safetensors_weights(checkpoint))
+    for i, layer in enumerate(model.model.layers):
+        prefix = f"model.layers.{i}."
+        expected = {
+            layer.self_attn.qkv_proj: [stored[f"{prefix}self_attn.{p}_proj.weight"] for p in "qkv"],
+            layer.self_attn.o_proj: [stored[f"{prefix}self_attn.o_proj.weight"]],
+            layer.mlp.gate_up_proj: [stored[f"{prefix}mlp.{p}_proj.weight"] for p in ("gate", "up")],
+            layer.mlp.down_proj: [stored[f"{prefix}mlp.down_proj.weight"]],
+        }
+        for linear, parts in expected.items():
+            assert linear.blocks is not None and "weight" not in linear._parameters
+            assert torch.equal(linear.weight, torch.cat(parts)), f"layer {i}: {linear}"
+    assert torch.equal(model.lm_head.weight, stored["lm_head.weight"])
+
+
+@needs_blocked
 def test_a_tied_embedding_reads_the_heads_packed_copy(tmp_path):
     from sobrio.layers.linear import BlockedEmbedding
 
@@ -114,7 +139,7 @@ PROBE = textwrap.dedent("""
     cpu_ops()  # the operators' library is the runtime's, loaded before the baseline
     files = load_model_files(sys.argv[1], tokenizer=False)
     before = process_resident()
-    model = build_model(files.config, 256, files.iter_weights(), torch.bfloat16, "auto")
+    model = build_model(files.config, 256, files.iter_weights(in_place=True), torch.bfloat16, "auto")
     spec = kv_cache_spec(files.config, torch.bfloat16, 16)
     cache = KVCache.allocate(spec, spec.num_blocks_for(32 << 20))
     peak = int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) * 1024

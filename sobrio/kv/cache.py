@@ -11,12 +11,13 @@ row (not per block) lets a token be written once, when computed, and never requa
 """
 
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
 
 from sobrio.errors import InvalidRequestError
-from sobrio.memory import proc_bytes
+from sobrio.memory import populate_in_background, proc_bytes, zeros_on_touch
 
 KV_CACHE_DTYPES = {"auto": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 SCALE_DTYPE = torch.bfloat16
@@ -111,12 +112,14 @@ class KVCache:
     the step's metadata."""
 
     def __init__(self, layers: list[torch.Tensor], scales: list[torch.Tensor] | None = None):
-        """Wrap existing tensors (tests, a module used alone); `allocate` makes zeroed ones for a model.
+        """Wrap existing tensors (tests, a module used alone); `allocate` makes zeroed ones for a model, their
+        pages mapped by a thread of their own (`populating`) while the start goes on.
         `scales`, for int8/fp8 layers: one `[2, num_blocks, block_size, num_kv_heads]` bf16 tensor each."""
         assert layers and all(t.dim() == 5 and t.shape[0] == 2 and t.shape == layers[0].shape for t in layers)
         assert (scales is None) == (layers[0].dtype not in _QMAX), "int8/fp8 layers, and only they, have scales"
         assert scales is None or all(s.shape == layers[0].shape[:-1] for s in scales) and len(scales) == len(layers)
         self.layers, self.scale_layers = layers, scales
+        self.populating: threading.Thread | None = None
         self.num_blocks, self.block_size = layers[0].shape[1], layers[0].shape[2]
         # Keys and values flattened to slots (block_id * block_size + offset), as attention indexes them.
         self._slots = [(t[0].flatten(0, 1), t[1].flatten(0, 1)) for t in layers]
@@ -125,11 +128,13 @@ class KVCache:
     @classmethod
     def allocate(cls, spec: KVCacheSpec, num_blocks: int) -> "KVCache":
         shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        layers = [torch.zeros(shape, dtype=spec.cache_dtype or spec.dtype) for _ in range(spec.num_layers)]
+        layers = [zeros_on_touch(shape, spec.cache_dtype or spec.dtype) for _ in range(spec.num_layers)]
         scales = None
         if spec.cache_dtype is not None:
-            scales = [torch.zeros(shape[:-1], dtype=SCALE_DTYPE) for _ in range(spec.num_layers)]
-        return cls(layers, scales)
+            scales = [zeros_on_touch(shape[:-1], SCALE_DTYPE) for _ in range(spec.num_layers)]
+        cache = cls(layers, scales)
+        cache.populating = populate_in_background(layers + (scales or []))  # the start does not wait for it
+        return cache
 
     @property
     def num_layers(self) -> int:

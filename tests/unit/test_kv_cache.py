@@ -62,6 +62,39 @@ def test_kv_cache_owns_one_tensor_per_layer_and_slot_views_alias_it():
     assert not cache.layer(0).any() and not cache.layer(2).any()
 
 
+def test_zeros_on_touch_are_zero_and_cost_no_memory_until_written():
+    """The kernel's zero pages, mapped when first written: 96 MB add almost nothing resident, and writing one
+    row adds that row's pages only."""
+    from sobrio.memory import process_resident, zeros_on_touch
+
+    before = process_resident()
+    tensor = zeros_on_touch((3, 2048, 8192), torch.bfloat16)
+    assert process_resident() - before < 8 << 20
+    tensor[1, 7].fill_(1)
+    assert process_resident() - before < 8 << 20
+    assert int(tensor.count_nonzero()) == 8192  # read last: reads map pages too
+
+
+@pytest.mark.parametrize("cache_dtype", [None, torch.int8])
+def test_a_new_cache_is_zero_and_resident_once_its_thread_is_done(cache_dtype):
+    """`allocate` returns before the cache's pages are mapped (the start goes on) and a thread maps them, so
+    the memory it reserves is resident soon after, as `torch.zeros` made it, without changing what was written."""
+    from sobrio.memory import process_resident
+
+    spec = KVCacheSpec(num_layers=3, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, block_size=16,
+                       cache_dtype=cache_dtype)
+    before = process_resident()
+    cache = KVCache.allocate(spec, num_blocks=spec.num_blocks_for(96 << 20))
+    cache.layer(1)[0, 7].fill_(1)
+    cache.populating.join(timeout=30)
+    assert not cache.populating.is_alive()
+    assert process_resident() - before > 0.9 * cache.nbytes()
+    for i in range(3):
+        assert cache.layer(i).data_ptr() % 4096 == 0  # page-aligned
+        assert int(cache.layer(i).count_nonzero()) == (16 * 8 * 128 if i == 1 else 0)
+        assert cache.scales(i) is None or not cache.scales(i)[0].any()
+
+
 # ---- the pool's prefix cache: eviction hook and purge ----
 
 def chain(tokens: list[int], salt: str | None) -> list[bytes]:

@@ -9,7 +9,7 @@ import torch
 from sobrio.config import SobrioConfig
 from sobrio.errors import ConfigError
 from sobrio.layers.lora import LoRAStep, attach_lora
-from sobrio.loader.lora import LoRARequest, read_adapter, target_shapes
+from sobrio.loader.lora import LoRARequest, ReadBuffer, read_adapter, target_shapes
 from sobrio.timing import log_step
 
 logger = logging.getLogger(__name__)
@@ -47,6 +47,7 @@ class RunnerAdapters:
         self.banks = attach_lora(self.decoder.layers, self.shapes, self.step, dtype)
         self.max_rank, self.max_resident = max_rank, max_resident
         self.resident: OrderedDict[int, int] = OrderedDict()  # id -> slot, least recently used first
+        self.read_buffer = ReadBuffer()  # one adapter's bytes and stacks, read after read into the same pages
         self.free = list(range(max_resident - 1, -1, -1))  # slots no adapter holds (popped from the end)
 
     def prepare(self, adapters: list[LoRARequest | None], lengths: list[int]) -> None:
@@ -70,7 +71,8 @@ class RunnerAdapters:
         slot = self.free[-1]
         with log_step(logger, "loading LoRA adapter %s", adapter.lora_name):
             try:
-                scaling, stacks = read_adapter(adapter.lora_path, self.max_rank, self.num_layers, self.shapes)
+                scaling, stacks = read_adapter(adapter.lora_path, self.max_rank, self.num_layers, self.shapes,
+                                               self.read_buffer)
                 for target, (a, b) in stacks.items():  # every layer's pair of a target in one go
                     self.banks[target].add(slot, target, a, b, scaling)
             except BaseException:

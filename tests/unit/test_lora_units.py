@@ -12,7 +12,7 @@ from sobrio.errors import ConfigError, InvalidRequestError
 from sobrio.layers.cpu_ops import cpu_ops
 from sobrio.layers.lora import LoRABank, LoRALinear, LoRAStep, lora_apply_available, lora_apply_reference
 from sobrio.layers.quantization import quantized_linear
-from sobrio.loader.lora import check_adapter, read_adapter, read_adapter_config
+from sobrio.loader.lora import ReadBuffer, check_adapter, read_adapter, read_adapter_config
 
 BASE_CONFIG = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"],
                "bias": "none", "use_dora": False, "modules_to_save": None, "use_rslora": False}
@@ -35,7 +35,8 @@ def test_what_sobrio_does_not_compute_is_refused_by_name(tmp_path, fields, named
 
 
 def test_an_adapter_read_in_one_go_holds_its_files_tensors(tmp_path):
-    """read_adapter stacks each target's A and B of every layer from the file's bytes (dtypes kept); a file
+    """read_adapter stacks each target's A and B of every layer from the file's bytes (dtypes kept), a second
+    read into the memory of the first; a file
     cut short, a header that is not JSON and another model's shapes are refused with InvalidRequestError."""
     from safetensors.torch import save_file
 
@@ -46,14 +47,19 @@ def test_an_adapter_read_in_one_go_holds_its_files_tensors(tmp_path):
                for i in range(layers) for t, dtype in (("q_proj", torch.bfloat16), ("v_proj", torch.float32))
                for m in "AB"}
     file = tmp_path / "adapter_model.safetensors"
-    save_file(tensors, str(file))
-    scaling, stacks = read_adapter(tmp_path, 16, layers, shapes)
-    assert scaling == 2.0 and list(stacks) == ["q_proj", "v_proj"]
-    for t, (a, b) in stacks.items():
-        for i in range(layers):
-            prefix = f"base_model.model.model.layers.{i}.self_attn.{t}"
-            assert torch.equal(a[i], tensors[f"{prefix}.lora_A.weight"])
-            assert torch.equal(b[i], tensors[f"{prefix}.lora_B.weight"])
+    buffer, memories = ReadBuffer(), []
+    for _ in range(2):  # the second read into the same buffer: another adapter's values, the same pages
+        save_file(tensors, str(file))
+        scaling, stacks = read_adapter(tmp_path, 16, layers, shapes, buffer)
+        assert scaling == 2.0 and list(stacks) == ["q_proj", "v_proj"]
+        for t, (a, b) in stacks.items():
+            for i in range(layers):
+                prefix = f"base_model.model.model.layers.{i}.self_attn.{t}"
+                assert torch.equal(a[i], tensors[f"{prefix}.lora_A.weight"])
+                assert torch.equal(b[i], tensors[f"{prefix}.lora_B.weight"])
+        memories.append(buffer.memory)
+        tensors = {name: torch.randn_like(t.float()).to(t.dtype) for name, t in tensors.items()}
+    assert memories[0] is memories[1]
     with pytest.raises(InvalidRequestError, match="another base model"):
         check_adapter(tmp_path, 16, layers, {"q_proj": (24, 16), "v_proj": (9, 16)})
     file.write_bytes(file.read_bytes()[:-4])

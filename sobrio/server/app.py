@@ -86,7 +86,8 @@ class OpenAIServer:
     def can_answer(self, name: str, endpoint: str) -> bool:
         """Whether a served model can answer this endpoint: a generating model, with a chat template for chat.
         A remote model is trusted to."""
-        engine = self.engines.get(self.aliases.get(name, name))
+        adapter = find_adapter(self.engines, name) if name not in self.engines else None
+        engine = self.engines.get(adapter[0] if adapter is not None else self.aliases.get(name, name))
         if engine is None:
             return True
         if engine.task != "generate":

@@ -40,6 +40,12 @@ def find_adapter(engines: dict, model: str | None) -> tuple[str, LoRARequest] | 
     return None
 
 
+def adapter_names(engines: dict) -> list[str]:
+    """The names of the adapters registered now (`--lora-modules`, loaded ones)."""
+    return [name for engine in engines.values() if (registry := registry_of(engine)) is not None
+            for name in registry.adapters]
+
+
 def adapter_cards(engines: dict, created: int) -> list[dict]:
     """/v1/models entries of the adapters, as vLLM lists them (root: the folder; parent: the base model)."""
     cards = []

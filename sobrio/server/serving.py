@@ -113,6 +113,7 @@ def run_server(args, extra_routes: tuple = ()) -> int:
 def build_app(plan: ServePlan, engines: dict[str, Served], sock: socket.socket, extra_routes: tuple) -> FastAPI:
     """The app over the started engines, with its gateway opened: remote backends, router, tenants, ledger."""
     from sobrio.server.app import create_app
+    from sobrio.server.lora_routes import adapter_names
 
     config = plan.config
     app = create_app(engines, config.limits, config.default_max_tokens, config.metrics_prefix, plan.region,
@@ -121,7 +122,8 @@ def build_app(plan: ServePlan, engines: dict[str, Served], sock: socket.socket, 
     server.aliases = {alias: group[0] for group in plan.names for alias in group[1:]}
     server.log_requests = not config.disable_log_requests
     server.gateway.add_remotes(plan.gateway)
-    server.gateway.start_router(config, plan.gateway, server.model_names())
+    # an adapter may be one of the router's two models (its base the other): the adapters of --lora-modules
+    server.gateway.start_router(config, plan.gateway, server.model_names() + adapter_names(server.engines))
     server.gateway.open_tenants(config.db, plan.gateway, config.api_key)
     scheme, port = "https" if config.ssl_certfile else "http", sock.getsockname()[1]
     server.self_url = f"{scheme}://127.0.0.1:{port}{config.root_path or ''}"  # loopback, whatever --host

@@ -1,7 +1,7 @@
 """LoRA adapters over HTTP through the official openai client: a request names an adapter as its model and gets
 transformers + PEFT's merged greedy output; /v1/models lists adapters with their parent; the operator loads
 and unloads adapters at run time (a tenant's key or no key may not); a PEFT feature sobrio lacks is a 400
-naming it."""
+naming it; the router's two models may be an adapter and its base."""
 
 import httpx
 import pytest
@@ -34,9 +34,11 @@ def srv(folders, tmp_path_factory):
     store.create_tenant("sql-team", Limits(allowed_models=("attn",)))
     tenant_key = store.create_key("sql-team")[1]
     store.close()
+    gateway = db.parent / "gateway.toml"  # model "auto": the router between the adapter and its base
+    gateway.write_text('[router]\nsmall = "attn"\nlarge = "tiny"\nthreshold = 0.5\n')
     with serving(str(folders["base"]), "--served-model-name", "tiny", "--dtype", "float32", "--kv-cache-memory",
                  str(32 << 20), "--max-model-len", "256", "--api-key", KEY, "--db", str(db), "--enable-lora",
-                 "--max-loras", "2", "--lora-modules", f"attn={folders['attn']}") as server:
+                 "--max-loras", "2", "--lora-modules", f"attn={folders['attn']}", "--config", str(gateway)) as server:
         server.tenant_key = tenant_key
         yield server
 
@@ -62,6 +64,17 @@ def test_an_adapter_named_as_the_model_equals_transformers_with_it_merged(srv, f
     assert _text(client, "tiny") == _expected(hf_greedy(folders["base"], PROMPT, 8, ignore_eos=True))
     cards = {m.id: m for m in client.models.list().data}
     assert cards["attn"].model_extra["parent"] == "tiny" and "parent" not in (cards["tiny"].model_extra or {})
+
+
+def test_the_routers_two_models_may_be_an_adapter_and_its_base(srv, folders):
+    """[router] small = the adapter, large = its base: model "auto" answers as the model it routed to."""
+    client = OpenAI(base_url=f"{srv.base_url}/v1", api_key=KEY, max_retries=0)
+    expected = {"attn": _expected(merged_greedy(folders["base"], folders["attn"], PROMPT, 8)),
+                "tiny": _expected(hf_greedy(folders["base"], PROMPT, 8, ignore_eos=True))}
+    raw = client.completions.with_raw_response.create(model="auto", prompt=PROMPT, max_tokens=8, temperature=0,
+                                                       extra_body={"ignore_eos": True})
+    routed = raw.headers["x-sobrio-routed-to"]
+    assert routed in expected and raw.parse().choices[0].text == expected[routed]
 
 
 def test_the_operator_loads_and_unloads_adapters(srv, folders):

@@ -1,13 +1,14 @@
 """sobrio: a frugal LLM inference engine.
 
-The OpenMP thread policy is set first (`sobrio.openmp`), before anything imports torch. The public names load
-on first use (PEP 562), so a process that needs only part of sobrio (the server before it starts its engine
-core, the engine core itself) does not import the offline engine with them.
+The OpenMP thread policy (`sobrio.openmp`) and numpy's huge pages (`sobrio.huge_pages`) are set first,
+before anything imports numpy or torch. The public names load on first use (PEP 562), so a process that needs
+only part of sobrio (the server before it starts its engine core, the engine core itself) does not import
+the offline engine with them.
 """
 
 import importlib
 
-from sobrio import openmp  # noqa: F401  (first: before anything imports torch)
+from sobrio import huge_pages, openmp  # noqa: F401  (first: before anything imports numpy or torch)
 
 _EXPORTS = {
     "LLM": "sobrio.llm",

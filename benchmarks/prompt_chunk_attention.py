@@ -9,25 +9,15 @@ A shape is `prefix:chunk`: keys already in the cache, then the chunk's query row
 """
 
 import argparse
-import time
 
 # isort: off
 import sobrio  # noqa: F401  (first: it sets the OpenMP thread policy before torch loads)
 # isort: on
 
 import torch  # noqa: E402
+from kernel_timing import best_cpu_ms  # noqa: E402  (benchmarks/ is on the path when a script here runs)
 
 from sobrio.layers.attention import AttentionMetadata, CppPagedAttention, ReferenceAttention  # noqa: E402
-
-
-def best_cpu_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.process_time()
-        fn()
-        times.append(time.process_time() - start)
-    return min(times) * 1e3
 
 
 def time_shape(prefix: int, chunk: int, heads: int, kv_heads: int, dim: int, repeats: int) -> tuple[float, float]:

@@ -8,13 +8,13 @@ dot products, the same call forced onto the dequantized product, and oneDNN's bf
 """
 
 import argparse
-import time
 
 # isort: off
 import sobrio  # noqa: F401  (first: it sets the OpenMP thread policy before torch loads)
 # isort: on
 
 import torch  # noqa: E402
+from kernel_timing import best_cpu_ms  # noqa: E402  (benchmarks/ is on the path when a script here runs)
 
 from sobrio.layers import vnni  # noqa: E402
 from sobrio.layers.cpu_ops import cpu_ops  # noqa: E402
@@ -23,15 +23,6 @@ from sobrio.layers.linear import pack_weight  # noqa: E402
 SHAPES = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]  # (out, in)
 NEVER = vnni.NO_DENSE_ROWS
 
-
-def best_cpu_ms(fn, repeats: int = 3) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.process_time()
-        fn()
-        times.append(time.process_time() - start)
-    return min(times) * 1e3
 
 
 def codes(n: int, k: int, bits: int) -> vnni.VnniCodes:

@@ -58,12 +58,17 @@ class StoredTensor:
         assert dest.is_contiguous() and dest.dtype == self.dtype and dest.shape == self.shape, self.name
         self.f.seek(self.offset)
         view = memoryview(dest.detach().reshape(-1).view(torch.uint8).numpy())
-        got = 0
-        while got < len(view):
-            n = self.f.readinto(view[got:])
-            if not n:
-                raise ValueError(f"{self.file}: ends inside tensor {self.name}")
-            got += n
+        if read_fully(self.f, view) < len(view):
+            raise ValueError(f"{self.file}: ends inside tensor {self.name}")
+
+
+def read_fully(f, view: memoryview) -> int:
+    """Read into `view` from `f`'s position until it is full or the file ends (one `readinto` may return
+    less); the bytes read."""
+    got = 0
+    while got < len(view) and (n := f.readinto(view[got:])):
+        got += n
+    return got
 
 
 def stored_safetensors(file: Path) -> Iterator[tuple[str, StoredTensor]]:

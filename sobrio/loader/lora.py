@@ -8,7 +8,6 @@ an adapter is never served half-applied.
 
 import json
 import math
-import mmap
 import os
 import re
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ import numpy as np
 import torch
 
 from sobrio.errors import InvalidRequestError
-from sobrio.loader.hf import safetensors_layout
+from sobrio.loader.hf import read_fully, safetensors_layout
 
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
@@ -119,9 +118,7 @@ def check_adapter(path: str | Path, max_rank: int, num_layers: int, shapes: dict
 class ReadBuffer:
     """Memory that one adapter read after another reuses for the file's bytes and its stacks, so its pages are
     mapped once: in fresh memory each 4 KB page cost a fault (~2 us on a 2-core Zen 4 VM), ~5 ms of a
-    rank-16 adapter's 10 MB. An anonymous map, not numpy's own memory: numpy asks for transparent huge pages,
-    whose first writes waited on compaction on such a host (`memory.zeros_on_touch`). Kept up to
-    `KEEP_BYTES`; a larger adapter is read into fresh memory."""
+    rank-16 adapter's 10 MB. Kept up to `KEEP_BYTES`; a larger adapter is read into fresh memory."""
 
     KEEP_BYTES = 256 << 20
 
@@ -135,7 +132,7 @@ class ReadBuffer:
             if self.used + nbytes > self.KEEP_BYTES:
                 return np.empty(nbytes, dtype=np.uint8)
             size = max(self.used + nbytes, 2 * self.memory.size)
-            self.memory = np.frombuffer(mmap.mmap(-1, size), dtype=np.uint8)  # views taken before keep the old
+            self.memory = np.empty(size, dtype=np.uint8)  # views taken before keep the old memory
             self.used = 0
         view, self.used = self.memory[self.used:self.used + nbytes], self.used + nbytes
         return view
@@ -172,10 +169,7 @@ def _checked(path: str | Path, max_rank: int, num_layers: int, shapes: dict[str,
         if read is not None:
             f.seek(0)
             raw = read.take(os.fstat(f.fileno()).st_size)
-            got, view = 0, memoryview(raw)
-            while got < raw.size and (n := f.readinto(view[got:])):
-                got += n
-            raw = raw[:got]
+            raw = raw[:read_fully(f, memoryview(raw))]
     names = _pair_names(path, cfg, layout, num_layers, shapes)
     _check_shapes(path, cfg, names, shapes, layout)
     return cfg, layout, names, raw

@@ -9,11 +9,14 @@ copy of the weights at the end of the largest shard's load.)
 `iter_safetensors_weights(folder, in_place=True)` yields each tensor unread (`StoredTensor`): the model's loader
 reads it straight into its parameter (or its rows of a fused one), so each byte of the weights is written
 into memory once, not into a tensor of its own and then copied (each pass faults in fresh pages: on a 2-core
-Zen 4 the copy was a second of a 1B model's start).
+Zen 4 the copy was a second of a 1B model's start). Where the bytes are only read once more, to be packed into
+another layout (`models.pack_on_load`), `StoredTensor.mapped()` is a view of the file's page cache instead (no
+copy at all); `release()` then unmaps its pages, so the mapping does not stay in the process's resident memory.
 """
 
 import json
 import math
+import mmap
 import struct
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -44,9 +47,28 @@ def iter_safetensors_weights(folder: Path, in_place: bool = False
 class StoredTensor:
     """One tensor of an open safetensors file, not read yet (`models.weights.DeferredTensor`)."""
 
-    def __init__(self, f, file: Path, name: str, dtype: torch.dtype, shape: list[int], offset: int):
+    def __init__(self, f, file: Path, name: str, dtype: torch.dtype, shape: list[int], offset: int,
+                 mapping: "FileMapping | None" = None):
         self.f, self.file, self.name, self.offset = f, file, name, offset
         self.dtype, self.shape = dtype, torch.Size(shape)
+        self.mapping = mapping
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape.numel() * self.dtype.itemsize
+
+    def mapped(self) -> torch.Tensor | None:
+        """The tensor as a view of the file's mapping (copy-on-write: a write never reaches the file), valid
+        until the file's tensors are all yielded; None where the file could not be mapped. Once its bytes are
+        used, `release()`."""
+        view = None if self.mapping is None else self.mapping.view(self.offset, self.nbytes)
+        return None if view is None else view.view(self.dtype).view(self.shape)
+
+    def release(self) -> None:
+        """Unmap the pages of a `mapped()` view (the page cache keeps them): a view used again reads them
+        back from the file."""
+        if self.mapping is not None:
+            self.mapping.release(self.offset, self.nbytes)
 
     def read(self) -> torch.Tensor:
         tensor = torch.empty(self.shape, dtype=self.dtype)
@@ -71,12 +93,38 @@ def read_fully(f, view: memoryview) -> int:
     return got
 
 
+class FileMapping:
+    """A whole file mapped copy-on-write, on first use; views of its bytes as uint8 tensors."""
+
+    def __init__(self, f):
+        self.f = f
+        self.map: mmap.mmap | None = None
+        self.failed = False
+
+    def view(self, offset: int, nbytes: int) -> torch.Tensor | None:
+        if self.map is None and not self.failed:
+            try:
+                self.map = mmap.mmap(self.f.fileno(), 0, access=mmap.ACCESS_COPY)
+            except (OSError, ValueError):  # a file that cannot be mapped (a pipe, an odd file system): read it
+                self.failed = True
+        if self.map is None or nbytes == 0:
+            return None
+        return torch.frombuffer(self.map, dtype=torch.uint8, count=nbytes, offset=offset)
+
+    def release(self, offset: int, nbytes: int) -> None:
+        if self.map is not None and nbytes:
+            start = offset - offset % mmap.PAGESIZE
+            self.map.madvise(mmap.MADV_DONTNEED, start, min(offset + nbytes, len(self.map)) - start)
+
+
 def stored_safetensors(file: Path) -> Iterator[tuple[str, StoredTensor]]:
     """(name, StoredTensor) for each tensor of one file, in file order, the file open until the last is
-    yielded; a malformed file is a ValueError."""
+    yielded (its mapping, if a tensor asked for one, goes with the last view of it); a malformed file is a
+    ValueError."""
     with open(file, "rb", buffering=0) as f:
+        mapping = FileMapping(f)
         for name, (dtype, shape, offset) in safetensors_layout(f, file).items():
-            yield name, StoredTensor(f, file, name, dtype, shape, offset)
+            yield name, StoredTensor(f, file, name, dtype, shape, offset, mapping)
 
 
 def safetensors_layout(f, file: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...], int]]:

@@ -128,6 +128,7 @@ def build_model(config, max_positions: int, weights, dtype: torch.dtype, attenti
                                       "(config field attn_logit_softcapping): its kernel has none", "batch_invariant")
     attn_cls = BatchInvariantAttention if batch_invariant else resolve_backend(attention_backend)
     cached = quantization_cache.read() if quantization_cache is not None else None
+    pack_on_load = None
     with torch.device("cpu"), _parameters_not_initialized():
         model = model_class(config)(config, max_positions, attn_cls, batch_invariant=batch_invariant)
     if cached is not None:
@@ -139,7 +140,8 @@ def build_model(config, max_positions: int, weights, dtype: torch.dtype, attenti
         cached.install(model)
     else:
         packing = quantization not in QUANTIZATION_METHODS and not batch_invariant and one_copy_layout()
-        prequantized = load_weights(model, weights, PackOnLoad(model) if packing else None)
+        pack_on_load = PackOnLoad(model) if packing else None
+        prequantized = load_weights(model, weights, pack_on_load)
         install_prequantized(model, prequantized, dtype)
     if cached is None and quantization in QUANTIZATION_METHODS:  # a checkpoint's own (awq, gptq, gguf) is in place
         names_before = {name for name, _ in model.named_modules()}
@@ -147,6 +149,8 @@ def build_model(config, max_positions: int, weights, dtype: torch.dtype, attenti
         if quantization_cache is not None:
             quantization_cache.write(model, names_before)
     model.prepack()
+    if pack_on_load is not None:
+        pack_on_load.settle(model)
     model.model.fused_decode = fused_decode.build(model)
     release_freed_memory()  # the load's transient tensors, kept by the heap otherwise
     return model

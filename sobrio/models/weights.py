@@ -90,9 +90,8 @@ def load_weights(model: torch.nn.Module, weights: Iterable[WeightItem],
         if param is None:
             continue  # e.g. rotary inv_freq buffers saved by old checkpoints
         if isinstance(tensor, (torch.Tensor, DeferredTensor)):
-            if pack_on_load is not None:
-                pack_on_load.before_fill(target, param)
-            _copy_tensor(model, name, param, target, shard, tensor)
+            if pack_on_load is None or not pack_on_load.before_fill(target, param, tensor):
+                _copy_tensor(model, name, param, target, shard, tensor)
             if pack_on_load is not None:
                 pack_on_load.after_fill(target, shard, param)
         else:

@@ -103,6 +103,27 @@ def test_a_tied_embedding_reads_the_heads_packed_copy(tmp_path):
 
 
 @needs_blocked
+@pytest.mark.parametrize("vocab", [4096, 4000])
+def test_a_tied_embedding_read_from_the_files_pages_ends_in_memory_of_its_own(tmp_path, vocab):
+    """The engine core's load points whole weights (o_proj, down_proj, a tied embedding) at the file's page
+    cache until they are packed (`StoredTensor.mapped`). 4,096 rows: the head's packed copy serves the
+    embedding; 4,000 (not whole blocks of 64): the plain embedding stays, and must then be copied out of the
+    mapping. Either way the rows are the checkpoint's and no page of the file stays mapped."""
+    from sobrio.loader.load import load_model_files
+    from sobrio.models.registry import build_model
+
+    folder = write_checkpoint(tmp_path, True, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                              vocab_size=vocab)
+    files = load_model_files(str(folder), tokenizer=False)
+    model = build_model(files.config, 256, files.iter_weights(in_place=True), torch.bfloat16, "auto")
+    stored = dict(iter_safetensors_weights(folder))
+    ids = torch.tensor([[0, 63, 64, vocab - 1]])
+    assert torch.equal(model.model.embed_tokens(ids), stored["model.embed_tokens.weight"][ids])
+    assert torch.equal(model.model.layers[0].mlp.down_proj.weight, stored["model.layers.0.mlp.down_proj.weight"])
+    assert str(folder) not in open("/proc/self/maps").read()
+
+
+@needs_blocked
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16])
 def test_the_packed_copy_alone_computes_the_linear(rows):
     """The few-row kernel on oneDNN's blocked layout, and oneDNN past it, against float32's product."""

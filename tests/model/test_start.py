@@ -1,8 +1,8 @@
 """What a start does before the first token (issue 43), asserted without timing on a tiny bf16 Llama: `sobrio
 serve` spawns the engine core before it imports torch, transformers, FastAPI or the tokenizers (so both
 processes load at once); the engine core imports none of the front (text, tokenizer, detokenizing) nor the
-server; it reads each tensor of the checkpoint once, straight into its parameter (no staging copy); it runs one
-warm-up step. One fresh interpreter does it all (docs/memory.md, "Start time", has the figures)."""
+server; it reads each tensor of the checkpoint once, straight into its parameter (no staging copy), or points
+the parameter at the file's pages until it is packed; it runs one warm-up step. One fresh interpreter does it all (docs/memory.md, "Start time", has the figures)."""
 
 import json
 import subprocess
@@ -47,9 +47,10 @@ SCRIPT = textwrap.dedent("""
     reads, copies, steps = [], [], []
     execute = ModelRunner.execute
     if hasattr(hf, "StoredTensor"):  # none: no tensor is read in place
-        read_into, read = hf.StoredTensor.read_into, hf.StoredTensor.read
+        read_into, read, mapped = hf.StoredTensor.read_into, hf.StoredTensor.read, hf.StoredTensor.mapped
         hf.StoredTensor.read_into = lambda self, dest: reads.append(self.name) or read_into(self, dest)
         hf.StoredTensor.read = lambda self: copies.append(self.name) or read(self)
+        hf.StoredTensor.mapped = lambda self: reads.append(self.name) or mapped(self)  # the file's pages, not read
     ModelRunner.execute = lambda self, *a, **k: steps.append(1) or execute(self, *a, **k)
     config = SobrioConfig.from_kwargs(model=sys.argv[1], dtype="bfloat16", kv_cache_memory=1 << 22)
     core = core_process._start_core(config)

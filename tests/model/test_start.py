@@ -2,7 +2,8 @@
 serve` spawns the engine core before it imports torch, transformers, FastAPI or the tokenizers (so both
 processes load at once); the engine core imports none of the front (text, tokenizer, detokenizing) nor the
 server; it reads each tensor of the checkpoint once, straight into its parameter (no staging copy), or points
-the parameter at the file's pages until it is packed; it runs one warm-up step. One fresh interpreter does it all (docs/memory.md, "Start time", has the figures)."""
+the parameter at the file's pages until it is packed; it runs one warm-up step. One fresh interpreter does it
+all (docs/memory.md, "Start time", has the figures)."""
 
 import json
 import subprocess

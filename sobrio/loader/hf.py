@@ -61,6 +61,9 @@ class StoredTensor:
         """The tensor as a view of the file's mapping (copy-on-write: a write never reaches the file), valid
         until the file's tensors are all yielded; None where the file could not be mapped. Once its bytes are
         used, `release()`."""
+        return self._view()
+
+    def _view(self) -> torch.Tensor | None:
         view = None if self.mapping is None else self.mapping.view(self.offset, self.nbytes)
         return None if view is None else view.view(self.dtype).view(self.shape)
 
@@ -76,8 +79,12 @@ class StoredTensor:
         return tensor
 
     def read_into(self, dest: torch.Tensor) -> None:
-        """Fill `dest` (contiguous, of this dtype and shape) with the file's bytes."""
+        """Fill `dest` (contiguous, of this dtype and shape) with the file's bytes: copied from the file's
+        mapping by torch's threads where it maps, else read."""
         assert dest.is_contiguous() and dest.dtype == self.dtype and dest.shape == self.shape, self.name
+        if (view := self._view()) is not None:
+            dest.detach().copy_(view)
+            return self.release()
         self.f.seek(self.offset)
         view = memoryview(dest.detach().reshape(-1).view(torch.uint8).numpy())
         if read_fully(self.f, view) < len(view):

@@ -4,7 +4,10 @@ o 2048->2048, gate_up 2048->16384, down 8192->2048) as codes in groups of 32: `v
 dot products, the same call forced onto the dequantized product, and oneDNN's bf16 on its packed weight
 (the unquantized model). CPU ms (all threads, best of 3: a busy neighbour stretches wall time, not this).
 
-    .venv/bin/python benchmarks/vnni_prompt_rows.py [--rows 128,512,2048] [--bits 8] [--act-bits 8]
+    .venv/bin/python benchmarks/vnni_prompt_rows.py [--rows 128,512,2048] [--bits 8] [--act-bits 8] [--group 32]
+
+`--group`: the inputs whose activations are rounded together (and whose weight scale is one): `int8` takes 256
+(`quantization.VNNI_INPUT_GROUPS`), GGUF's blocks 32.
 """
 
 import argparse
@@ -25,11 +28,11 @@ NEVER = vnni.NO_DENSE_ROWS
 
 
 
-def codes(n: int, k: int, bits: int) -> vnni.VnniCodes:
+def codes(n: int, k: int, bits: int, group: int) -> vnni.VnniCodes:
     gen = torch.Generator().manual_seed(n + k)
     values = torch.randint(0, 2 ** bits, (n, k), generator=gen)
-    scales = torch.rand(n, k // 32, generator=gen) * 0.01
-    return vnni.VnniCodes.pack(values, scales, scales if bits == 4 else None, bits, 32, 128 if bits == 8 else 0)
+    scales = torch.rand(n, k // group, generator=gen) * 0.01
+    return vnni.VnniCodes.pack(values, scales, scales if bits == 4 else None, bits, group, 128 if bits == 8 else 0)
 
 
 def main() -> None:
@@ -37,9 +40,10 @@ def main() -> None:
     parser.add_argument("--rows", default="128,512,2048")
     parser.add_argument("--bits", type=int, default=8, choices=[4, 8])
     parser.add_argument("--act-bits", type=int, default=8, choices=[8, 16])
+    parser.add_argument("--group", type=int, default=32, choices=[32, 64, 128, 256])
     args = parser.parse_args()
     ops = cpu_ops()
-    weights = [codes(n, k, args.bits) for n, k in SHAPES]
+    weights = [codes(n, k, args.bits, args.group) for n, k in SHAPES]
     packed = [pack_weight(torch.randn(n, k).bfloat16()) for n, k in SHAPES]
 
     def layer(xs, dense_min_rows: int) -> None:
@@ -47,7 +51,8 @@ def main() -> None:
             ops.vnni_linear(x, w.weight, w.scales, w.offsets, w.out_features, w.bits, w.group_size, w.code_zero,
                             args.act_bits, None, dense_min_rows)
 
-    print(f"{args.bits}-bit codes, {args.act_bits}-bit activations, {torch.get_num_threads()} threads; "
+    print(f"{args.bits}-bit codes, {args.act_bits}-bit activations in groups of {args.group}, "
+          f"{torch.get_num_threads()} threads; "
           f"dense_min_rows here: {vnni.dense_min_rows(args.act_bits)}; CPU ms a layer")
     print(f"{'rows':>6} {'dot products':>13} {'dequantized':>12} {'bf16 packed':>12} {'dot/dequant':>12} "
           f"{'dot/bf16':>9}")

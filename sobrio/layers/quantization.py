@@ -14,7 +14,8 @@ The kernel is chosen by the CPU and the step's row count, because no single one 
 - `int8-weight-only`: `aten._weight_int8pack_mm` below `DEQUANT_MIN_ROWS` rows, then the weight converted to
   bf16 for aten's matmul (compute-bound there, it pays for the conversion).
 - AVX512-VNNI without AMX-INT8 (AMD Zen 4): both modes take `vnni_linear` (layers/vnni.py,
-  `vnni_int8_preferred`), activations rounded per group of 32 inputs (8 bits in `int8`, 16 in weight-only).
+  `vnni_int8_preferred`), activations rounded per group of inputs (`VNNI_INPUT_GROUPS`: 8 bits per 256 inputs
+  in `int8`, a down_proj's per 32; 16 bits per 32 in weight-only).
 
 Quality: `int8` first calibrates SmoothQuant's scales (layers/smoothing.py) and keeps the tied head's
 `OUTLIER_CHANNELS` largest calibrated inputs in fp32 (`Outliers`): the head cannot be smoothed without
@@ -289,6 +290,18 @@ class QuantizedLinear(torch.nn.Module):
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
+# The inputs whose activations `vnni_linear` rounds together (one step each group) in the int8 modes. Each group's
+# int32 sum is scaled once in float32, so a larger group leaves more of the VNNI units to the dot products:
+# Llama-3.2-1B's four layer matmuls, 8-bit activations, 16 rows: 463 GOP/s in groups of 32, 575 of 128, 630
+# of 256; 256 rows: 616, 767, 807 (AMD EPYC Zen 4, 2 threads, VNNI peak ~900). A down_proj's inputs (the
+# gated activation's products) have the outliers: rounded per 256 there cost Gemma 3 270M's perplexity
+# +1.24% against +0.96% in groups of 32 everywhere; 256 with down_proj's at 32: +0.74% (SmolLM2: -0.14% in
+# 32s, -0.06% in 256s, +0.15% with down_proj's at 32: noise; `sobrio bench perplexity --quantization
+# none,int8`, 2026-12-05). 16-bit activations
+# (weight-only) overflow a group's int32 sum past 128 inputs and are fine already: they stay at 32.
+VNNI_INPUT_GROUPS = {"int8": 256, "down_proj": 32, "int8-weight-only": 32}
+
+
 def vnni_int8_preferred(in_features: int) -> bool:
     """Whether the int8 modes take `vnni_linear` (layers/vnni.py): where the CPU has VNNI but no AMX-INT8.
     AMD EPYC Zen 4, 2 threads, SmolLM2 (`benchmarks/step_overhead.py --quantization int8`): a batch-1 step
@@ -311,13 +324,14 @@ def grouped_int8_codes(q: torch.Tensor, scale: torch.Tensor) -> GroupedCodes:
     return GroupedCodes(q, scale.float()[:, None].contiguous(), None, q.shape[1])
 
 
-def vnni_int8_codes(weight: torch.Tensor) -> vnni.VnniCodes:
+def vnni_int8_codes(weight: torch.Tensor, group: int = 32) -> vnni.VnniCodes:
     """A float weight as int8 per output channel (`quantize_weight`, the scale rounded to fp16 first) packed
-    for `vnni_linear`: the channel's scale repeated for each group of 32 inputs (16 where 32 does not divide),
-    the groups along which the activations are rounded: an outlier channel costs its group only."""
+    for `vnni_linear`: the channel's scale repeated for each group of `group` inputs (the largest power of two
+    below it that divides K, 16 at least), the groups along which the activations are rounded: an outlier
+    channel costs its group only."""
     q, scale = quantize_weight(weight, torch.float16)
     n, k = q.shape
-    group = 32 if k % 32 == 0 else 16
+    group = next(g for g in (256, 128, 64, 32, 16) if g <= group and k % g == 0)
     codes = q.view(torch.uint8) ^ 0x80  # q + CODE_ZERO_8BIT as unsigned bytes: one byte-wide pass
     return vnni.VnniCodes.pack(codes, scale.float()[:, None].expand(n, k // group), None, 8, group,
                                vnni.CODE_ZERO_8BIT)
@@ -331,17 +345,20 @@ def quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, method: st
     if method == "int4":
         return int4_linear_from_float(weight, bias, name, hessian)
     if vnni_int8_preferred(weight.shape[1]):
-        return vnni_int8_codes(weight).linear(None if bias is None else bias.detach(), vnni.INT8_ACT_BITS[method])
+        group = VNNI_INPUT_GROUPS["down_proj" if grouped_inputs and method == "int8" else method]
+        return vnni_int8_codes(weight, group).linear(None if bias is None else bias.detach(),
+                                                     vnni.INT8_ACT_BITS[method])
     if method == "int8-weight-only" and grouped_int8_preferred(weight.shape[1]):
         return GroupedLinear(grouped_int8_codes(*quantize_weight(weight, weight.dtype)),
                              None if bias is None else bias.detach())
     return QuantizedLinear.from_float(weight, bias, method, grouped_inputs)
 
 
-def quantized_embedding(weight: torch.Tensor) -> torch.nn.Module:
-    """The int8 embedding of the quantized modes; tied, its `lm_head(method)` is the LM head on the same codes."""
+def quantized_embedding(weight: torch.Tensor, method: str = "int8") -> torch.nn.Module:
+    """The int8 embedding of the quantized modes; tied, its `lm_head(method)` is the LM head on the same codes
+    (on the VNNI kernel its activations rounded in `method`'s groups, 32 inputs for the others)."""
     if vnni_int8_preferred(weight.shape[1]):
-        return vnni_int8_codes(weight).embedding(weight.dtype)
+        return vnni_int8_codes(weight, VNNI_INPUT_GROUPS.get(method, 32)).embedding(weight.dtype)
     return QuantizedEmbedding.from_float(weight)
 
 

@@ -198,5 +198,5 @@ class VnniEmbedding(torch.nn.Module):
 
     def lm_head(self, method: str, max_abs_x: torch.Tensor | None = None) -> VnniLinear:
         """The tied LM head of an int8 mode (`QuantizedEmbedding.lm_head`'s counterpart): the same codes, the
-        activations rounded per group of 32 (no outlier channels to keep: a group's step is its own)."""
+        activations rounded in their groups (no outlier channels to keep: a group's step is its own)."""
         return self.weight_codes.linear(None, INT8_ACT_BITS[method])

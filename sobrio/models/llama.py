@@ -270,7 +270,7 @@ class CausalLM(torch.nn.Module):
             if isinstance(module, FusedExperts):  # each expert as a dense Linear is (layers/moe.py)
                 module.quantize(method, name)
         if isinstance(self.model.embed_tokens, torch.nn.Embedding):
-            self.model.embed_tokens = quantized_embedding(self.model.embed_tokens.weight)
+            self.model.embed_tokens = quantized_embedding(self.model.embed_tokens.weight, method)
         if self.quantized_lm_head is None:
             self.quantized_lm_head = self._quantized_head(method, head_input)
             self.lm_head = None

@@ -164,3 +164,19 @@ def test_int8_modes_on_the_kernel_keep_one_copy_for_embedding_and_head(method, a
         assert ((head(hidden).float() - expected).norm() / expected.norm()) < (2e-2 if act_bits == 8 else 5e-3)
     layer = quantization.quantized_linear(w[:70], torch.randn(70), method, "layer")
     assert isinstance(layer, VnniLinear) == quantization.vnni_int8_preferred(96)
+
+
+@needs_kernel
+@pytest.mark.skipif(not quantization.vnni_int8_preferred(256), reason="the int8 modes take AMX-INT8 here")
+def test_int8_rounds_activations_per_256_inputs_and_a_down_projs_per_32() -> None:
+    """W8A8's groups on the kernel (`quantization.VNNI_INPUT_GROUPS`): 256 inputs (the largest power of two
+    that divides K where 256 does not), a down_proj's 32 (its outliers), weight-only's 32; the head of a
+    tied embedding takes the mode's; the codes stand for the same int8 weight whatever the group."""
+    w = torch.randn(64, 768).bfloat16()
+    group = lambda layer: layer.weight_codes.group_size  # noqa: E731
+    assert group(quantization.quantized_linear(w, None, "int8", "q")) == 256
+    assert group(quantization.quantized_linear(w, None, "int8", "down", grouped_inputs=True)) == 32
+    assert group(quantization.quantized_linear(w, None, "int8-weight-only", "q")) == 32
+    assert quantization.vnni_int8_codes(w[:, :576], 256).group_size == 64  # SmolLM2's hidden size
+    assert quantization.quantized_embedding(w, "int8").lm_head("int8").weight_codes.group_size == 256
+    assert torch.equal(quantization.vnni_int8_codes(w, 256).dequantize(), quantization.vnni_int8_codes(w).dequantize())

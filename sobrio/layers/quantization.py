@@ -15,7 +15,7 @@ The kernel is chosen by the CPU and the step's row count, because no single one 
   bf16 for aten's matmul (compute-bound there, it pays for the conversion).
 - AVX512-VNNI without AMX-INT8 (AMD Zen 4): both modes take `vnni_linear` (layers/vnni.py,
   `vnni_int8_preferred`), activations rounded per group of inputs (`VNNI_INPUT_GROUPS`: 8 bits per 256 inputs
-  in `int8`, a down_proj's per 32; 16 bits per 32 in weight-only).
+  in `int8`, a down_proj's per 64; 16 bits per 32 in weight-only).
 
 Quality: `int8` first calibrates SmoothQuant's scales (layers/smoothing.py) and keeps the tied head's
 `OUTLIER_CHANNELS` largest calibrated inputs in fp32 (`Outliers`): the head cannot be smoothed without
@@ -294,12 +294,12 @@ class QuantizedLinear(torch.nn.Module):
 # int32 sum is scaled once in float32, so a larger group leaves more of the VNNI units to the dot products:
 # Llama-3.2-1B's four layer matmuls, 8-bit activations, 16 rows: 463 GOP/s in groups of 32, 575 of 128, 630
 # of 256; 256 rows: 616, 767, 807 (AMD EPYC Zen 4, 2 threads, VNNI peak ~900). A down_proj's inputs (the
-# gated activation's products) have the outliers: rounded per 256 there cost Gemma 3 270M's perplexity
-# +1.24% against +0.96% in groups of 32 everywhere; 256 with down_proj's at 32: +0.74% (SmolLM2: -0.14% in
-# 32s, -0.06% in 256s, +0.15% with down_proj's at 32: noise; `sobrio bench perplexity --quantization
-# none,int8`, 2026-12-05). 16-bit activations
-# (weight-only) overflow a group's int32 sum past 128 inputs and are fine already: they stay at 32.
-VNNI_INPUT_GROUPS = {"int8": 256, "down_proj": 32, "int8-weight-only": 32}
+# gated activation's products) have the outliers, so they stay finer, 64 as on the AMX kernel
+# (`AMX_ACT_GROUP`). `sobrio bench perplexity --quantization none,int8`, 2026-12-05, Gemma 3 270M / SmolLM2:
+# 32 everywhere +0.96% / -0.14%; 256 everywhere +1.24% / -0.06%; 256 with a down_proj's at 32 +0.74% /
+# +0.15%, at 64 +0.88% / +0.21% (Llama-3.2-1B offline at 16 in flight 86.6 -> 92.8 tok/s against 32).
+# 16-bit activations (weight-only) overflow a group's int32 sum past 128 inputs and are fine already: 32.
+VNNI_INPUT_GROUPS = {"int8": 256, "down_proj": 64, "int8-weight-only": 32}
 
 
 def vnni_int8_preferred(in_features: int) -> bool:

@@ -168,14 +168,14 @@ def test_int8_modes_on_the_kernel_keep_one_copy_for_embedding_and_head(method, a
 
 @needs_kernel
 @pytest.mark.skipif(not quantization.vnni_int8_preferred(256), reason="the int8 modes take AMX-INT8 here")
-def test_int8_rounds_activations_per_256_inputs_and_a_down_projs_per_32() -> None:
+def test_int8_rounds_activations_per_256_inputs_and_a_down_projs_per_64() -> None:
     """W8A8's groups on the kernel (`quantization.VNNI_INPUT_GROUPS`): 256 inputs (the largest power of two
-    that divides K where 256 does not), a down_proj's 32 (its outliers), weight-only's 32; the head of a
+    that divides K where 256 does not), a down_proj's 64 (its outliers), weight-only's 32; the head of a
     tied embedding takes the mode's; the codes stand for the same int8 weight whatever the group."""
     w = torch.randn(64, 768).bfloat16()
     group = lambda layer: layer.weight_codes.group_size  # noqa: E731
     assert group(quantization.quantized_linear(w, None, "int8", "q")) == 256
-    assert group(quantization.quantized_linear(w, None, "int8", "down", grouped_inputs=True)) == 32
+    assert group(quantization.quantized_linear(w, None, "int8", "down", grouped_inputs=True)) == 64
     assert group(quantization.quantized_linear(w, None, "int8-weight-only", "q")) == 32
     assert quantization.vnni_int8_codes(w[:, :576], 256).group_size == 64  # SmolLM2's hidden size
     assert quantization.quantized_embedding(w, "int8").lm_head("int8").weight_codes.group_size == 256

@@ -114,7 +114,7 @@ class FileMapping:
                 self.map = mmap.mmap(self.f.fileno(), 0, access=mmap.ACCESS_COPY)
             except (OSError, ValueError):  # a file that cannot be mapped (a pipe, an odd file system): read it
                 self.failed = True
-        if self.map is None or nbytes == 0:
+        if self.map is None or nbytes == 0 or offset + nbytes > len(self.map):  # a short file: the read says so
             return None
         return torch.frombuffer(self.map, dtype=torch.uint8, count=nbytes, offset=offset)
 

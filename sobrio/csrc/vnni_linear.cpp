@@ -31,8 +31,7 @@ namespace {
 constexpr int64_t kTile = 32;    // output channels a tile
 constexpr int64_t kRowBlock = 4;  // rows of x computed per pass over a tile (the tile stays in L1/L2)
 // Rows of x a pass over the whole weight takes, so their rounded activations stay in the core's L2 while every
-// tile reads them (2,048 rows at once were read from memory once a tile: Llama-3.2-1B's four layer matmuls at
-// 2,048 rows 555 -> 432 ms in 256-row passes, 64: 457, 512: 499; AMD EPYC Zen 4, 2 threads).
+// tile reads them (all the rows of a 2,048-token chunk were read from memory once a tile; docs/quantization.md).
 constexpr int64_t kRowPass = 256;
 // Bytes ahead to prefetch: the hardware prefetchers ramp up too slowly on a decode step's small matrices
 // (SmolLM2's 120 layer matmuls from memory: 2.6-2.7 ms with 512 bytes ahead, 3.2-3.8 without, AMD EPYC
@@ -154,11 +153,12 @@ inline void group_dot(const uint8_t* w, const int8_t* hi_x, const int8_t* lo_x, 
       }
 }
 
+// The first `n` of 16 lanes.
+inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
+
 // 16 outputs of a row, the first `valid` of them, in y's dtype (as a float32 stored there rounds: to nearest
 // even for bf16).
-inline void store_outputs(float* y, __m512 v, int64_t valid) {
-  _mm512_mask_storeu_ps(y, valid >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1), v);
-}
+inline void store_outputs(float* y, __m512 v, int64_t valid) { _mm512_mask_storeu_ps(y, first_lanes(valid), v); }
 inline void store_outputs(c10::BFloat16* y, __m512 v, int64_t valid) {
 #if defined(__AVX512BF16__)
   if (valid >= 16) return sobrio_vec::store16(y, v);
@@ -198,8 +198,7 @@ void tile_rows(const uint8_t* w, const uint16_t* scales, const uint16_t* offsets
   for (int h = 0; h < 2; ++h) {
     const int64_t left = valid - h * 16;
     if (left <= 0) break;
-    const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + h * 16) : _mm512_setzero_ps();
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(first_lanes(left), bias + h * 16) : _mm512_setzero_ps();
     for (int r = 0; r < kM; ++r) store_outputs(y + r * ldy + h * 16, _mm512_add_ps(acc[r][h], b), left);
   }
 }

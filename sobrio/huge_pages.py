@@ -2,10 +2,9 @@
 
 numpy asks the kernel for transparent huge pages for each of its allocations from 4 MB up
 (`madvise(MADV_HUGEPAGE)`). Where the kernel's THP defrag setting is `madvise` (its default), each first
-write into such memory may then wait on memory compaction: on a 2-core AMD EPYC Zen 4 VM a 1B Q4_0 GGUF
-loaded in 22.8-23.4 s with it and 12.7 s without, and mapping 2 GiB of `np.zeros` took 15.5 s against 1.1 s
-(docs/memory.md). PyTorch's own allocator does not ask. `NUMPY_MADVISE_HUGEPAGE`, numpy's documented switch,
-wins where the user sets it.
+write into such memory may then wait on memory compaction, which made a GGUF's load almost twice as long on a
+2-core VM (docs/memory.md, "numpy without transparent huge pages"). PyTorch's own allocator does not ask.
+`NUMPY_MADVISE_HUGEPAGE`, numpy's documented switch, wins where the user sets it.
 """
 
 import os

@@ -291,14 +291,10 @@ class QuantizedLinear(torch.nn.Module):
 
 
 # The inputs whose activations `vnni_linear` rounds together (one step each group) in the int8 modes. Each group's
-# int32 sum is scaled once in float32, so a larger group leaves more of the VNNI units to the dot products:
-# Llama-3.2-1B's four layer matmuls, 8-bit activations, 16 rows: 463 GOP/s in groups of 32, 575 of 128, 630
-# of 256; 256 rows: 616, 767, 807 (AMD EPYC Zen 4, 2 threads, VNNI peak ~900). A down_proj's inputs (the
-# gated activation's products) have the outliers, so they stay finer, 64 as on the AMX kernel
-# (`AMX_ACT_GROUP`). `sobrio bench perplexity --quantization none,int8`, 2026-12-05, Gemma 3 270M / SmolLM2:
-# 32 everywhere +0.96% / -0.14%; 256 everywhere +1.24% / -0.06%; 256 with a down_proj's at 32 +0.74% /
-# +0.15%, at 64 +0.88% / +0.21% (Llama-3.2-1B offline at 16 in flight 86.6 -> 92.8 tok/s against 32).
-# 16-bit activations (weight-only) overflow a group's int32 sum past 128 inputs and are fine already: 32.
+# int32 sum is scaled once in float32, so a larger group leaves more of the VNNI units to the dot products. A
+# down_proj's inputs (the gated activation's products) have the outliers, so they stay finer, 64 as on the AMX
+# kernel (`AMX_ACT_GROUP`). 16-bit activations (weight-only) overflow a group's int32 sum past 128 inputs and are
+# fine already at 32. Speed and perplexity of each choice: docs/quantization.md.
 VNNI_INPUT_GROUPS = {"int8": 256, "down_proj": 64, "int8-weight-only": 32}
 
 

@@ -24,13 +24,13 @@ from sobrio.engine.step_energy import StepFlops  # noqa: E402
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model")
-    parser.add_argument("--quantization", default=None)
-    parser.add_argument("--num-prompts", type=int, default=48)
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--max-num-seqs", type=int, default=16)
-    parser.add_argument("--kv-cache-memory", type=int, default=2 * 10**9)
+    parser.add_argument("model", help="alias, HF model folder or .gguf file")
+    parser.add_argument("--quantization", default=None, help="as `sobrio serve --quantization` (default: none)")
+    parser.add_argument("--num-prompts", type=int, default=48, help="requests (default: %(default)s)")
+    parser.add_argument("--input-len", type=int, default=128, help="prompt tokens a request (default: %(default)s)")
+    parser.add_argument("--output-len", type=int, default=64, help="output tokens a request (default: %(default)s)")
+    parser.add_argument("--max-num-seqs", type=int, default=16, help="requests in flight (default: %(default)s)")
+    parser.add_argument("--kv-cache-memory", type=int, default=2 * 10**9, help="KV cache bytes (default: %(default)s)")
     args = parser.parse_args()
     llm = LLM(args.model, quantization=args.quantization, max_num_seqs=args.max_num_seqs,
               kv_cache_memory=args.kv_cache_memory)

@@ -37,10 +37,12 @@ def codes(n: int, k: int, bits: int, group: int) -> vnni.VnniCodes:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rows", default="128,512,2048")
-    parser.add_argument("--bits", type=int, default=8, choices=[4, 8])
-    parser.add_argument("--act-bits", type=int, default=8, choices=[8, 16])
-    parser.add_argument("--group", type=int, default=32, choices=[32, 64, 128, 256])
+    parser.add_argument("--rows", default="128,512,2048", help="row counts, comma-separated (default: %(default)s)")
+    parser.add_argument("--bits", type=int, default=8, choices=[4, 8], help="bits a weight code (default: %(default)s)")
+    parser.add_argument("--act-bits", type=int, default=8, choices=[8, 16],
+                        help="bits an activation is rounded to (default: %(default)s)")
+    parser.add_argument("--group", type=int, default=32, choices=[32, 64, 128, 256],
+                        help="inputs rounded together, one weight scale each (default: %(default)s)")
     args = parser.parse_args()
     ops = cpu_ops()
     weights = [codes(n, k, args.bits, args.group) for n, k in SHAPES]

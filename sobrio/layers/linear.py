@@ -114,14 +114,45 @@ def blocked_view(packed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | N
     n, k = weight.shape
     if not blocked_gemv_available() or n % BLOCK or k % 2 or torch.ops.mkldnn._nbytes(packed) != n * k * 2:
         return None
-    memory = (ctypes.c_uint8 * (n * k * 2)).from_address(torch.ops.mkldnn.data_ptr(packed))
-    blocks = torch.frombuffer(memory, dtype=torch.bfloat16).view(n // BLOCK, k // 2, BLOCK, 2)
+    blocks = _blocks_of(packed, n, k)
     # numpy on this thread: torch.equal's parallel regions woke the OpenMP threads ~500 times (2.5 s on a busy host)
     got = blocks.view(torch.int16).numpy()
     expected = weight.detach().contiguous().view(torch.int16).numpy().reshape(n // BLOCK, BLOCK, k // 2, 2)
     last = n // BLOCK - 1
     checked = sorted({round(i * last / max(CHECKED_BLOCKS - 1, 1)) for i in range(CHECKED_BLOCKS)})
     return blocks if all(numpy.array_equal(got[i].transpose(1, 0, 2), expected[i]) for i in checked) else None
+
+
+def _blocks_of(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The memory of oneDNN's packed copy of an [n, k] bf16 weight, as a [n/64, k/2, 64, 2] tensor."""
+    memory = (ctypes.c_uint8 * (n * k * 2)).from_address(torch.ops.mkldnn.data_ptr(packed))
+    return torch.frombuffer(memory, dtype=torch.bfloat16).view(n // BLOCK, k // 2, BLOCK, 2)
+
+
+class BlockedPacker:
+    """oneDNN's packed copies of a model's bf16 weights, and their blocked views where the few-row kernel
+    reads them. A model has many weights of a few shapes: the first of each shape goes through oneDNN's
+    reorder and its layout is checked (`blocked_view`); each later one starts as a copy of that packed tensor
+    (its oneDNN descriptor, in fresh memory) which the C++ `pack_blocked_bf16` overwrites with its own
+    weight, in the same layout (oneDNN's reorder transposes element by element: docs/memory.md has the
+    times). Keep one packer for one model's load: it holds the first packed copy of each shape."""
+
+    def __init__(self):
+        self.templates: dict[torch.Size, torch.Tensor] = {}
+
+    def pack(self, weight: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(`pack_weight(weight)`, its `blocked_view` or None)."""
+        template = self.templates.get(weight.shape)
+        if template is not None:
+            packed = template.clone()
+            blocks = _blocks_of(packed, *weight.shape)
+            cpu_ops().pack_blocked_bf16(weight.detach().contiguous(), blocks)
+            return packed, blocks
+        packed = pack_weight(weight)
+        blocks = blocked_view(packed, weight) if packed is not None else None
+        if blocks is not None:
+            self.templates[weight.shape] = packed
+        return packed, blocks
 
 
 @functools.cache
@@ -180,20 +211,28 @@ class Linear(torch.nn.Linear):
     batch_invariant = False
     packed_at_load = False  # packed by `models.pack_on_load` as the checkpoint was read: the next prepack skips
 
-    def prepack(self, batch_invariant: bool = False) -> None:
+    def prepack(self, batch_invariant: bool = False, packer: BlockedPacker | None = None) -> None:
         """Choose the matmul once the weights are final: oneDNN's and AMX's packed copies, or the
         batch-invariant kernel (which reads the plain weight, so no packed copy is kept). Where the few-row
-        kernel reads oneDNN's copy, the plain weight is dropped (one copy of each weight)."""
+        kernel reads oneDNN's copy, the plain weight is dropped (one copy of each weight). `packer`: the
+        model's, shared by its Linears (one of its own otherwise)."""
         if self.packed_at_load and not batch_invariant:
             self.packed_at_load = False
             return
+        weight = self.weight  # a copy unpacked from the blocked view where an earlier prepack dropped it
         self.batch_invariant = batch_invariant
-        self.packed = None if batch_invariant else pack_weight(self.weight)
-        self.amx_packed = None if batch_invariant else amx_pack_weight(self.weight)
-        if self.packed is not None and self.amx_packed is None:
-            self.blocks = blocked_view(self.packed, self.weight)
-            if self.blocks is not None:
-                del self.weight  # the Parameter goes; `weight` now unpacks a copy (`__getattr__`)
+        self.packed = self.amx_packed = self.blocks = None
+        if "weight" not in self._parameters:
+            self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        if batch_invariant:
+            return
+        self.amx_packed = amx_pack_weight(weight)
+        if self.amx_packed is None:
+            self.packed, self.blocks = (packer or BlockedPacker()).pack(weight)
+        else:
+            self.packed = pack_weight(weight)
+        if self.blocks is not None:
+            del self.weight  # the Parameter goes; `weight` now unpacks a copy (`__getattr__`)
 
     def __getattr__(self, name: str):
         if name == "weight" and self.__dict__.get("blocks") is not None:

@@ -11,13 +11,12 @@ from sobrio.layers.attention import AttentionMetadata, BatchedDecodeAttention, R
 from sobrio.layers.cpu_ops import cpu_ops
 from sobrio.layers.linear import (
     BlockedEmbedding,
+    BlockedPacker,
     Linear,
     amx_pack_weight,
     blocked_linear,
-    blocked_view,
     linear,
     one_copy_layout,
-    pack_weight,
 )
 from sobrio.layers.moe import FusedExperts
 from sobrio.layers.norm import RMSNorm
@@ -232,15 +231,18 @@ class CausalLM(torch.nn.Module):
         weights are loaded and cast."""
         if self.quantized_lm_head is None and self.lm_head is not None and type(self.lm_head) is torch.nn.Linear:
             self.lm_head = Linear.of(self.lm_head)  # packed as the other Linears, its plain weight then dropped
+        packer = BlockedPacker()
         for module in self.modules():
-            if isinstance(module, (Linear, FusedExperts)):
+            if isinstance(module, Linear):
+                module.prepack(self.batch_invariant, packer)
+            elif isinstance(module, FusedExperts):
                 module.prepack(self.batch_invariant)
         if self.quantized_lm_head is None and self.lm_head is None and not self.batch_invariant:
             # Tied: one copy where the few-row kernel reads oneDNN's layout (the embedding then reads the
             # head's packed copy); else the packed copy beside the embedding's, as the Linears keep two there.
             weight = self.lm_head_weight()
-            packed = pack_weight(weight)
-            self.lm_head_blocks = blocked_view(packed, weight) if packed is not None and one_copy_layout() else None
+            packed, blocks = packer.pack(weight)
+            self.lm_head_blocks = blocks if one_copy_layout() else None
             if self.lm_head_blocks is not None:
                 self.model.embed_tokens = BlockedEmbedding(packed, self.lm_head_blocks)
             self.packed_lm_head = packed if self.lm_head_blocks is not None or not one_copy_layout() else None

@@ -17,7 +17,7 @@ are never copied (docs/memory.md has the start times).
 
 import torch
 
-from sobrio.layers.linear import Linear
+from sobrio.layers.linear import BlockedPacker, Linear
 
 TIED_EMBEDDING = "model.embed_tokens.weight"
 
@@ -37,6 +37,7 @@ class PackOnLoad:
         self.tied_embedding = getattr(model, "lm_head", False) is None
         # target -> (param, its stored tensor, the address of the file's bytes it points at)
         self.mapped: dict[str, tuple[torch.nn.Parameter, object, int]] = {}
+        self.packer = BlockedPacker()  # the first packed copy of each shape: the later ones copy its layout
 
     def before_fill(self, target: str, param: torch.nn.Parameter, tensor=None) -> bool:
         """Prepare `param` for the checkpoint's `tensor`; True where it now holds the tensor's bytes already
@@ -73,7 +74,7 @@ class PackOnLoad:
         if len(shards) < len(getattr(module, "shard_offsets", [None])):
             return
         staging = param.data
-        module.prepack()
+        module.prepack(packer=self.packer)
         module.packed_at_load = True  # `Linear.prepack` leaves it as it is once
         # The plain weight stays where the few-row kernel cannot read the packed copy: then in its own memory.
         param.data = staging.clone() if "weight" in module._parameters else staging.new_empty(0)
@@ -94,3 +95,4 @@ class PackOnLoad:
             tensor.release()
         self.mapped.clear()
         self.free.clear()
+        self.packer = BlockedPacker()

@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sobrio.layers.linear import Linear, one_copy_layout
+from sobrio.layers.cpu_ops import cpu_ops
+from sobrio.layers.linear import BlockedPacker, Linear, blocked_view, one_copy_layout, pack_weight
 from sobrio.loader.hf import iter_safetensors_weights, safetensors_elements
 from sobrio.models.weights import resident_bytes
 
@@ -137,6 +138,46 @@ def test_the_packed_copy_alone_computes_the_linear(rows):
     x = torch.randn(rows, 96).bfloat16()
     expected = F.linear(x.float(), weight.float(), bias.float())
     torch.testing.assert_close(layer(x).float(), expected, rtol=1e-2, atol=2e-2)
+
+
+@needs_blocked
+@pytest.mark.parametrize("shape", [(64, 32), (128, 160), (192, 96), (320, 2048)])
+def test_sobrios_packer_writes_the_bytes_onednns_reorder_writes(shape):
+    """One block of outputs to many, one run of 16 input pairs to many (oneDNN pads other widths)."""
+    weight = torch.randn(*shape).bfloat16()
+    packed = pack_weight(weight)  # the view reads its memory: it must live
+    expected = blocked_view(packed, weight)
+    got = torch.full_like(expected, float("nan"))
+    cpu_ops().pack_blocked_bf16(weight, got)
+    assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+
+
+@needs_blocked
+def test_a_later_weight_of_a_shape_is_packed_into_a_copy_of_the_first_and_computes_its_own_linear():
+    packer = BlockedPacker()
+    first, second = torch.randn(192, 96).bfloat16(), torch.randn(192, 96).bfloat16()
+    packed_first, blocks_first = packer.pack(first)
+    packed_second, blocks_second = packer.pack(second)
+    assert blocks_second.data_ptr() != blocks_first.data_ptr()
+    for blocks, weight in ((blocks_first, first), (blocks_second, second)):
+        reordered = pack_weight(weight)
+        assert torch.equal(blocks.view(torch.int16), blocked_view(reordered, weight).view(torch.int16))
+    x = torch.randn(16, 96).bfloat16()  # past the few-row kernel: oneDNN's GEMM reads the filled copy
+    got = torch.ops.mkldnn._linear_pointwise(x, packed_second, None, "none", [], "")
+    assert torch.equal(got, torch.ops.mkldnn._linear_pointwise(x, pack_weight(second), None, "none", [], ""))
+    torch.testing.assert_close(got.float(), F.linear(x.float(), second.float()), rtol=1e-2, atol=2e-2)
+
+
+def test_packing_again_after_the_plain_weight_was_dropped_keeps_the_same_weight():
+    layer = Linear(96, 192, bias=False, dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(192, 96))
+    expected = layer.weight.detach().clone()
+    layer.prepack()
+    layer.prepack(batch_invariant=True)
+    assert torch.equal(layer.weight, expected) and layer.blocks is None and layer.packed is None
+    layer.prepack()
+    assert torch.equal(layer.weight, expected)
 
 
 def test_a_layout_the_kernel_cannot_read_keeps_the_plain_weight():

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from sobrio import openmp
+from sobrio import collector, openmp
 from sobrio.config import SobrioConfig
 from sobrio.engine.cpu_share import open_governor, spin_count_for_start
 from sobrio.engine.orphan import exit_with_parent
@@ -72,7 +72,8 @@ def run_engine_core(config: SobrioConfig, input_addr: str, output_addr: str, log
     inputs.connect(input_addr)
     outputs.connect(output_addr)
     try:
-        core = _start_core(config)
+        with collector.paused():
+            core = _start_core(config)
     except Exception as exc:  # a start-up error: say what it was, then exit
         if isinstance(exc, SobrioError):  # a flag or model the user named: its message says it all (no traceback)
             logger.error("engine core failed to start: %s", exc)

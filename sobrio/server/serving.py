@@ -17,6 +17,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from sobrio import collector
 from sobrio.config import ServerConfig, SobrioConfig
 from sobrio.engine.launch import build_clients, close_cores, start_cores
 from sobrio.engine_args import add_config_args, add_engine_args, config_from_args, engine_kwargs
@@ -28,6 +29,7 @@ from sobrio.server.startup import RootPath, StatsLogger, bind_socket, listening_
 from sobrio.timing import log_step
 
 if TYPE_CHECKING:
+    import uvicorn
     from fastapi import FastAPI
 
     from sobrio.engine.client import Served
@@ -79,6 +81,18 @@ def plan_serving(args) -> ServePlan:
 def run_server(args, extra_routes: tuple = ()) -> int:
     """Check the flags and models, bind the port, load every model, then serve; each step logged with its
     timing. Errors a user can fix raise (the CLI prints one line and exits 2, or 1 for a busy port)."""
+    with collector.paused():  # the start's objects are not garbage: no collection walks them (sobrio/collector.py)
+        started = _start_server(args, extra_routes)
+    if isinstance(started, int):
+        return started
+    server, sock, fatal = started
+    server.run(sockets=[sock])
+    return 1 if fatal.is_set() else 0
+
+
+def _start_server(args, extra_routes: tuple) -> tuple[uvicorn.Server, socket.socket, threading.Event] | int:
+    """The server ready to run on its bound socket, with the event set by an engine core that keeps dying; or
+    the exit code of a start that failed."""
     started = time.monotonic()
     plan = plan_serving(args)
     config = plan.config
@@ -106,8 +120,7 @@ def run_server(args, extra_routes: tuple = ()) -> int:
     server = _uvicorn_server(config, asgi, list(engines.values()))
     limits_layer.count_connections = lambda: len(server.server_state.connections)
     threading.Thread(target=_exit_on_fatal, args=(fatal, server), daemon=True).start()
-    server.run(sockets=[sock])
-    return 1 if fatal.is_set() else 0
+    return server, sock, fatal
 
 
 def build_app(plan: ServePlan, engines: dict[str, Served], sock: socket.socket, extra_routes: tuple) -> FastAPI:

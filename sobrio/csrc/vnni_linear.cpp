@@ -107,10 +107,11 @@ inline __m512 load_half16(const uint16_t* p) {
 
 // One group of a tile (32 channels, `group` inputs from w) against kM rows of int8 activations (row stride
 // K): dot[r][half] += codes . hi, 16 channels a half; with kWide also dot_lo[r][half] += codes . lo, a
-// chain of its own (one chain twice as long waited on vpdpbusd's latency at one row).
-template <int kBits, int kM, bool kWide>
+// chain of its own (one chain twice as long waited on vpdpbusd's latency at one row). kNextTile: one of
+// several passes over a tile, which prefetches the next tile's same bytes (`tile_bytes` on) into L2.
+template <int kBits, int kM, bool kWide, bool kNextTile>
 inline void group_dot(const uint8_t* w, const int8_t* hi_x, const int8_t* lo_x, int64_t K, int64_t group,
-                      __m512i (&dot)[kM][2], __m512i (&dot_lo)[kM][2]) {
+                      int64_t tile_bytes, __m512i (&dot)[kM][2], __m512i (&dot_lo)[kM][2]) {
   const int64_t per_chunk = kBits == 4 ? 8 : 4;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   // At 4 bits and one or two rows, the high nibbles' products go to chains of their own, summed at the
@@ -122,7 +123,10 @@ inline void group_dot(const uint8_t* w, const int8_t* hi_x, const int8_t* lo_x, 
     for (int r = 0; r < kM; ++r) dot_b[r][0] = dot_b[r][1] = dot_lo_b[r][0] = dot_lo_b[r][1] = _mm512_setzero_si512();
   for (int64_t k = 0; k < group; k += per_chunk) {
     for (int h = 0; h < 2; ++h, w += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetch, _MM_HINT_T0);
+      if constexpr (kNextTile)
+        _mm_prefetch(reinterpret_cast<const char*>(w) + tile_bytes, _MM_HINT_T1);
+      else
+        _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetch, _MM_HINT_T0);
       const __m512i raw = _mm512_loadu_si512(w);
       if constexpr (kBits == 4) {
         const __m512i lo = _mm512_and_si512(raw, low4);
@@ -170,7 +174,7 @@ inline void store_outputs(c10::BFloat16* y, __m512 v, int64_t valid) {
 
 // kM rows of x against one tile of 32 channels: y[r, 0..valid) in y's dtype (row stride ldy), plus the bias
 // (float32, this tile's, or null).
-template <int kBits, int kM, bool kWide, typename T>
+template <int kBits, int kM, bool kWide, bool kNextTile, typename T>
 void tile_rows(const uint8_t* w, const uint16_t* scales, const uint16_t* offsets, const QuantizedRows& xq,
                int64_t m0, int64_t K, int64_t group, int32_t code_zero, T* y, int64_t ldy, const float* bias,
                int64_t valid) {
@@ -181,8 +185,8 @@ void tile_rows(const uint8_t* w, const uint16_t* scales, const uint16_t* offsets
     __m512i dot[kM][2], dot_lo[kM][2];
     for (int r = 0; r < kM; ++r) dot[r][0] = dot[r][1] = dot_lo[r][0] = dot_lo[r][1] = _mm512_setzero_si512();
     const int64_t first = m0 * K + g * group;
-    group_dot<kBits, kM, kWide>(w, xq.hi.data() + first, kWide ? xq.lo.data() + first : nullptr, K, group, dot,
-                                dot_lo);
+    group_dot<kBits, kM, kWide, kNextTile>(w, xq.hi.data() + first, kWide ? xq.lo.data() + first : nullptr, K,
+                                           group, G * group_bytes, dot, dot_lo);
     for (int h = 0; h < 2; ++h) {
       const __m512 s = load_half16(scales + (g * 2 + h) * 16);
       const __m512 o = offsets ? load_half16(offsets + (g * 2 + h) * 16) : _mm512_setzero_ps();
@@ -203,18 +207,30 @@ void tile_rows(const uint8_t* w, const uint16_t* scales, const uint16_t* offsets
   }
 }
 
-// Rows [m_begin, m_end) against one tile, kRowBlock rows a pass over it.
+// Rows [m_begin, m_end) against one tile, kRowBlock rows a pass over it. Where there is more than one pass,
+// every pass prefetches the next tile into L2 (which its own passes then read from cache), so at 5-16 rows
+// (decode batches) memory and dot products overlap instead of taking turns; one pass streams its own tile.
 template <int kBits, bool kWide, typename T>
 void tile_all_rows(const uint8_t* w, const uint16_t* scales, const uint16_t* offsets, const QuantizedRows& xq,
                    int64_t m_begin, int64_t m_end, int64_t K, int64_t group, int32_t code_zero, T* y, int64_t ldy,
                    const float* bias, int64_t valid) {
   for (int64_t m = m_begin; m < m_end; m += kRowBlock) {
     T* ym = y + m * ldy;
-    switch (std::min<int64_t>(kRowBlock, m_end - m)) {
-      case 4: tile_rows<kBits, 4, kWide>(w, scales, offsets, xq, m, K, group, code_zero, ym, ldy, bias, valid); break;
-      case 3: tile_rows<kBits, 3, kWide>(w, scales, offsets, xq, m, K, group, code_zero, ym, ldy, bias, valid); break;
-      case 2: tile_rows<kBits, 2, kWide>(w, scales, offsets, xq, m, K, group, code_zero, ym, ldy, bias, valid); break;
-      default: tile_rows<kBits, 1, kWide>(w, scales, offsets, xq, m, K, group, code_zero, ym, ldy, bias, valid); break;
+    const int64_t rows = std::min<int64_t>(kRowBlock, m_end - m);
+    if (m_end - m_begin <= kRowBlock) {  // one pass
+      switch (rows) {
+        case 4: tile_rows<kBits, 4, kWide, false>(w, scales, offsets, xq, m, K, group, code_zero, ym, ldy, bias, valid); break;
+        case 3: tile_rows<kBits, 3, kWide, false>(w, scales, offsets, xq, m, K, group, code_zero, ym, ldy, bias, valid); break;
+        case 2: tile_rows<kBits, 2, kWide, false>(w, scales, offsets, xq, m, K, group, code_zero, ym, ldy, bias, valid); break;
+        default: tile_rows<kBits, 1, kWide, false>(w, scales, offsets, xq, m, K, group, code_zero, ym, ldy, bias, valid); break;
+      }
+    } else {
+      switch (rows) {
+        case 4: tile_rows<kBits, 4, kWide, true>(w, scales, offsets, xq, m, K, group, code_zero, ym, ldy, bias, valid); break;
+        case 3: tile_rows<kBits, 3, kWide, true>(w, scales, offsets, xq, m, K, group, code_zero, ym, ldy, bias, valid); break;
+        case 2: tile_rows<kBits, 2, kWide, true>(w, scales, offsets, xq, m, K, group, code_zero, ym, ldy, bias, valid); break;
+        default: tile_rows<kBits, 1, kWide, true>(w, scales, offsets, xq, m, K, group, code_zero, ym, ldy, bias, valid); break;
+      }
     }
   }
 }

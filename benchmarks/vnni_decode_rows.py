@@ -1,0 +1,61 @@
+"""A decode step's layer matmuls on int8 VNNI codes, by batch: wall ms of Llama-3.2-1B's 64 layer matmuls (16
+layers of qkv 2048->3072, o 2048->2048, gate_up 2048->16384, down 8192->2048), each matrix distinct so that it
+comes from memory as in a step, with `--quantization int8`'s activation groups (`quantization.VNNI_INPUT_GROUPS`:
+256 inputs, a down_proj's 64). Wall time, best and median of 7: from a few rows on, a step is both memory-bound
+(the first pass over each tile of weights) and compute-bound (the later passes), so time is what counts.
+
+    .venv/bin/python benchmarks/vnni_decode_rows.py [--rows 1,4,8,16,32]
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+# isort: off
+import sobrio  # noqa: F401  (first: it sets the OpenMP thread policy before torch loads)
+# isort: on
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from quantization_start import avx512_flags, cpu_name  # noqa: E402
+from vnni_prompt_rows import SHAPES, codes  # noqa: E402
+
+from sobrio.layers import vnni  # noqa: E402
+from sobrio.layers.cpu_ops import cpu_ops  # noqa: E402
+from sobrio.layers.quantization import VNNI_INPUT_GROUPS  # noqa: E402
+
+LAYERS = 16
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default="1,4,8,16,32", help="batch sizes, comma-separated (default: %(default)s)")
+    args = parser.parse_args()
+    ops = cpu_ops()
+    groups = [VNNI_INPUT_GROUPS["down_proj"] if k > n else VNNI_INPUT_GROUPS["int8"] for n, k in SHAPES]
+    layers = [[codes(n, k, 8, g) for (n, k), g in zip(SHAPES, groups)] for _ in range(LAYERS)]
+    megabytes = sum(w.weight.numel() for layer in layers for w in layer) / 1e6
+    print(f"{cpu_name()} ({avx512_flags()}), {torch.get_num_threads()} threads; {megabytes:.0f} MB of int8 codes")
+    for rows in (int(r) for r in args.rows.split(",")):
+        xs = [torch.randn(rows, k).bfloat16() for _, k in SHAPES]
+
+        def step(xs=xs) -> None:
+            for layer in layers:
+                for x, w in zip(xs, layer):
+                    ops.vnni_linear(x, w.weight, w.scales, w.offsets, w.out_features, w.bits, w.group_size,
+                                    w.code_zero, 8, None, vnni.NO_DENSE_ROWS)
+
+        step()
+        times = []
+        for _ in range(7):
+            start = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - start) * 1000)
+        print(f"rows {rows:>3}: {min(times):6.1f} ms best, {statistics.median(times):6.1f} ms median")
+
+
+if __name__ == "__main__":
+    main()

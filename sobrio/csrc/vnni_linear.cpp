@@ -108,7 +108,7 @@ inline __m512 load_half16(const uint16_t* p) {
 // One group of a tile (32 channels, `group` inputs from w) against kM rows of int8 activations (row stride
 // K): dot[r][half] += codes . hi, 16 channels a half; with kWide also dot_lo[r][half] += codes . lo, a
 // chain of its own (one chain twice as long waited on vpdpbusd's latency at one row). kNextTile: one of
-// several passes over a tile, which prefetches the next tile's same bytes (`tile_bytes` on) into L2.
+// several passes over a tile, which also prefetches the next tile's same bytes (`tile_bytes` on) into L2.
 template <int kBits, int kM, bool kWide, bool kNextTile>
 inline void group_dot(const uint8_t* w, const int8_t* hi_x, const int8_t* lo_x, int64_t K, int64_t group,
                       int64_t tile_bytes, __m512i (&dot)[kM][2], __m512i (&dot_lo)[kM][2]) {
@@ -123,10 +123,8 @@ inline void group_dot(const uint8_t* w, const int8_t* hi_x, const int8_t* lo_x, 
     for (int r = 0; r < kM; ++r) dot_b[r][0] = dot_b[r][1] = dot_lo_b[r][0] = dot_lo_b[r][1] = _mm512_setzero_si512();
   for (int64_t k = 0; k < group; k += per_chunk) {
     for (int h = 0; h < 2; ++h, w += 64) {
-      if constexpr (kNextTile)
-        _mm_prefetch(reinterpret_cast<const char*>(w) + tile_bytes, _MM_HINT_T1);
-      else
-        _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetch, _MM_HINT_T0);
+      if constexpr (kNextTile) _mm_prefetch(reinterpret_cast<const char*>(w) + tile_bytes, _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetch, _MM_HINT_T0);
       const __m512i raw = _mm512_loadu_si512(w);
       if constexpr (kBits == 4) {
         const __m512i lo = _mm512_and_si512(raw, low4);

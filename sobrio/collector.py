@@ -1,4 +1,5 @@
-"""Python's cyclic garbage collector paused while a `sobrio serve` process starts, its survivors then frozen.
+"""Python's cyclic garbage collector paused while a `sobrio serve` process starts (its survivors then frozen)
+or an offline `LLM` loads.
 
 Importing torch and transformers and building a model leave millions of long-lived objects, none of them
 garbage, and each full collection during the start walks all of them: six of them took 0.4 s of a 1B
@@ -11,13 +12,15 @@ import gc
 
 
 @contextlib.contextmanager
-def paused():
-    """No collection inside; afterwards what exists is frozen and collection is on again (where it was on)."""
+def paused(freeze: bool = True):
+    """No collection inside; afterwards what exists is frozen (`freeze`: a process of sobrio's own, not a
+    user's program that builds an `LLM`) and collection is on again (where it was on)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
-        gc.freeze()
+        if freeze:
+            gc.freeze()
         if enabled:
             gc.enable()

@@ -4,6 +4,7 @@ import dataclasses
 import itertools
 from collections.abc import Sequence
 
+from sobrio import collector
 from sobrio.config import ModelConfig, SobrioConfig
 from sobrio.engine.llm_engine import LLMEngine
 from sobrio.engine.outputs import RequestOutput
@@ -17,7 +18,8 @@ class LLM:
     def __init__(self, model: str = ModelConfig.model, **engine_args):
         """`engine_args`: any engine config field, flat (`max_num_seqs=8, block_size=16`), as vLLM's EngineArgs;
         an unknown one raises ConfigError."""
-        self.engine = LLMEngine(SobrioConfig.from_kwargs(model=model, **engine_args))
+        with collector.paused(freeze=False):  # the load's objects are not garbage (sobrio/collector.py)
+            self.engine = LLMEngine(SobrioConfig.from_kwargs(model=model, **engine_args))
         self._ids = itertools.count()
 
     def close(self) -> None:

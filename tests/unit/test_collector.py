@@ -27,3 +27,11 @@ def test_a_collector_the_process_had_turned_off_stays_off():
     finally:
         gc.enable()
         gc.unfreeze()
+
+
+def test_an_offline_load_pauses_without_freezing_the_users_objects():
+    frozen_before = gc.get_freeze_count()
+    with collector.paused(freeze=False):
+        assert not gc.isenabled()
+        kept = [[i] for i in range(1000)]
+    assert gc.isenabled() and gc.get_freeze_count() == frozen_before and len(kept) == 1000

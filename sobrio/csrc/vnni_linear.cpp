@@ -205,6 +205,19 @@ void tile_rows(const uint8_t* w, const uint16_t* scales, const uint16_t* offsets
   }
 }
 
+// One pass of `rows` (1 to kRowBlock) rows from m against one tile.
+template <int kBits, bool kWide, bool kNextTile, typename T>
+void tile_pass(int64_t rows, const uint8_t* w, const uint16_t* scales, const uint16_t* offsets,
+               const QuantizedRows& xq, int64_t m, int64_t K, int64_t group, int32_t code_zero, T* ym, int64_t ldy,
+               const float* bias, int64_t valid) {
+  switch (rows) {
+    case 4: return tile_rows<kBits, 4, kWide, kNextTile>(w, scales, offsets, xq, m, K, group, code_zero, ym, ldy, bias, valid);
+    case 3: return tile_rows<kBits, 3, kWide, kNextTile>(w, scales, offsets, xq, m, K, group, code_zero, ym, ldy, bias, valid);
+    case 2: return tile_rows<kBits, 2, kWide, kNextTile>(w, scales, offsets, xq, m, K, group, code_zero, ym, ldy, bias, valid);
+    default: return tile_rows<kBits, 1, kWide, kNextTile>(w, scales, offsets, xq, m, K, group, code_zero, ym, ldy, bias, valid);
+  }
+}
+
 // Rows [m_begin, m_end) against one tile, kRowBlock rows a pass over it. Where there is more than one pass,
 // every pass prefetches the next tile into L2 (which its own passes then read from cache), so at 5-16 rows
 // (decode batches) memory and dot products overlap instead of taking turns; one pass streams its own tile.
@@ -212,25 +225,10 @@ template <int kBits, bool kWide, typename T>
 void tile_all_rows(const uint8_t* w, const uint16_t* scales, const uint16_t* offsets, const QuantizedRows& xq,
                    int64_t m_begin, int64_t m_end, int64_t K, int64_t group, int32_t code_zero, T* y, int64_t ldy,
                    const float* bias, int64_t valid) {
-  for (int64_t m = m_begin; m < m_end; m += kRowBlock) {
-    T* ym = y + m * ldy;
-    const int64_t rows = std::min<int64_t>(kRowBlock, m_end - m);
-    if (m_end - m_begin <= kRowBlock) {  // one pass
-      switch (rows) {
-        case 4: tile_rows<kBits, 4, kWide, false>(w, scales, offsets, xq, m, K, group, code_zero, ym, ldy, bias, valid); break;
-        case 3: tile_rows<kBits, 3, kWide, false>(w, scales, offsets, xq, m, K, group, code_zero, ym, ldy, bias, valid); break;
-        case 2: tile_rows<kBits, 2, kWide, false>(w, scales, offsets, xq, m, K, group, code_zero, ym, ldy, bias, valid); break;
-        default: tile_rows<kBits, 1, kWide, false>(w, scales, offsets, xq, m, K, group, code_zero, ym, ldy, bias, valid); break;
-      }
-    } else {
-      switch (rows) {
-        case 4: tile_rows<kBits, 4, kWide, true>(w, scales, offsets, xq, m, K, group, code_zero, ym, ldy, bias, valid); break;
-        case 3: tile_rows<kBits, 3, kWide, true>(w, scales, offsets, xq, m, K, group, code_zero, ym, ldy, bias, valid); break;
-        case 2: tile_rows<kBits, 2, kWide, true>(w, scales, offsets, xq, m, K, group, code_zero, ym, ldy, bias, valid); break;
-        default: tile_rows<kBits, 1, kWide, true>(w, scales, offsets, xq, m, K, group, code_zero, ym, ldy, bias, valid); break;
-      }
-    }
-  }
+  const auto pass = m_end - m_begin <= kRowBlock ? tile_pass<kBits, kWide, false, T> : tile_pass<kBits, kWide, true, T>;
+  for (int64_t m = m_begin; m < m_end; m += kRowBlock)
+    pass(std::min<int64_t>(kRowBlock, m_end - m), w, scales, offsets, xq, m, K, group, code_zero, y + m * ldy, ldy,
+         bias, valid);
 }
 
 // One tile, a range of rows: the kernel for these bits, activation width and output dtype.

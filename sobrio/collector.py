@@ -2,9 +2,9 @@
 or an offline `LLM` loads.
 
 Importing torch and transformers and building a model leave millions of long-lived objects, none of them
-garbage, and each full collection during the start walks all of them: six of them took 0.4 s of a 1B
-model's load on a 2-core Zen 4 (docs/memory.md). Frozen (`gc.freeze`) once the process has started, later
-collections skip them too, as vLLM's engine does after its start.
+garbage, and each full collection during the start walks all of them (docs/memory.md has what that cost).
+Frozen (`gc.freeze`) once the process has started, later collections skip them too, as vLLM's engine does
+after its start.
 """
 
 import contextlib

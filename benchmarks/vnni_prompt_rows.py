@@ -5,9 +5,11 @@ dot products, the same call forced onto the dequantized product, and oneDNN's bf
 (the unquantized model). CPU ms (all threads, best of 3: a busy neighbour stretches wall time, not this).
 
     .venv/bin/python benchmarks/vnni_prompt_rows.py [--rows 128,512,2048] [--bits 8] [--act-bits 8] [--group 32]
+        [--channel]
 
 `--group`: the inputs whose activations are rounded together (and whose weight scale is one): `int8` takes 256
-(`quantization.VNNI_INPUT_GROUPS`), GGUF's blocks 32.
+(`quantization.VNNI_INPUT_GROUPS`), GGUF's blocks 32. `--channel`: one weight scale a channel instead, as
+`--quantization int8` packs its weights (8-bit codes, no offsets).
 """
 
 import argparse
@@ -28,11 +30,12 @@ NEVER = vnni.NO_DENSE_ROWS
 
 
 
-def codes(n: int, k: int, bits: int, group: int) -> vnni.VnniCodes:
+def codes(n: int, k: int, bits: int, group: int, channel: bool) -> vnni.VnniCodes:
     gen = torch.Generator().manual_seed(n + k)
     values = torch.randint(0, 2 ** bits, (n, k), generator=gen)
-    scales = torch.rand(n, k // group, generator=gen) * 0.01
-    return vnni.VnniCodes.pack(values, scales, scales if bits == 4 else None, bits, group, 128 if bits == 8 else 0)
+    scales = torch.rand(n, 1 if channel else k // group, generator=gen) * 0.01
+    offsets = scales if bits == 4 and not channel else None
+    return vnni.VnniCodes.pack(values, scales, offsets, bits, group, 128 if bits == 8 else 0)
 
 
 def main() -> None:
@@ -43,9 +46,10 @@ def main() -> None:
                         help="bits an activation is rounded to (default: %(default)s)")
     parser.add_argument("--group", type=int, default=32, choices=[32, 64, 128, 256],
                         help="inputs rounded together, one weight scale each (default: %(default)s)")
+    parser.add_argument("--channel", action="store_true", help="one weight scale a channel (int8's packing)")
     args = parser.parse_args()
     ops = cpu_ops()
-    weights = [codes(n, k, args.bits, args.group) for n, k in SHAPES]
+    weights = [codes(n, k, args.bits, args.group, args.channel) for n, k in SHAPES]
     packed = [pack_weight(torch.randn(n, k).bfloat16()) for n, k in SHAPES]
 
     def layer(xs, dense_min_rows: int) -> None:
@@ -53,7 +57,8 @@ def main() -> None:
             ops.vnni_linear(x, w.weight, w.scales, w.offsets, w.out_features, w.bits, w.group_size, w.code_zero,
                             args.act_bits, None, dense_min_rows)
 
-    print(f"{args.bits}-bit codes, {args.act_bits}-bit activations in groups of {args.group}, "
+    print(f"{args.bits}-bit codes{', one scale a channel' if args.channel else ''}, {args.act_bits}-bit "
+          f"activations in groups of {args.group}, "
           f"{torch.get_num_threads()} threads; "
           f"dense_min_rows here: {vnni.dense_min_rows(args.act_bits)}; CPU ms a layer")
     print(f"{'rows':>6} {'dot products':>13} {'dequantized':>12} {'bf16 packed':>12} {'dot/dequant':>12} "

@@ -9,7 +9,10 @@
 // The weights are read once, in a layout made for this loop (layers/vnni.py packs it): tiles of 32 output
 // channels; per group, chunks of 64 bytes holding 16 channels x 4 consecutive inputs (8 bits), or 16
 // channels x 8 inputs as two nibbles (4 bits: the low nibble input j, the high one input j + 4), so one
-// vpdpbusd multiplies 16 channels by 4 broadcast activations. Scales and offsets: fp16, [tiles, G, 32].
+// vpdpbusd multiplies 16 channels by 4 broadcast activations. Scales and offsets: fp16, [tiles, G, 32]; or
+// one scale a channel, [tiles, 1, 32], and no offsets (`--quantization int8`'s weights): then each group's
+// sums are scaled by x's step only, and by the channel's scale once at the end (two vector operations a row,
+// half-tile and group instead of four: docs/quantization.md). A group's sums start at the code_zero term.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -105,6 +108,18 @@ inline __m512 load_half16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+// A group's int32 sums of kM rows start at -code_zero * sum_k xq[m, k], the code_zero term (in the low half's
+// sum with 16-bit activations: hi * 256 + lo): exact, and no operation after the dot products.
+template <int kM, bool kWide>
+inline void start_sums(const QuantizedRows& xq, int64_t mg, int64_t G, int32_t code_zero, __m512i (&dot)[kM][2],
+                       __m512i (&dot_lo)[kM][2]) {
+  for (int r = 0; r < kM; ++r) {
+    const __m512i term = _mm512_set1_epi32(-code_zero * xq.qsum[mg + r * G]);
+    dot[r][0] = dot[r][1] = kWide ? _mm512_setzero_si512() : term;
+    dot_lo[r][0] = dot_lo[r][1] = kWide ? term : _mm512_setzero_si512();
+  }
+}
+
 // One group of a tile (32 channels, `group` inputs from w) against kM rows of int8 activations (row stride
 // K): dot[r][half] += codes . hi, 16 channels a half; with kWide also dot_lo[r][half] += codes . lo, a
 // chain of its own (one chain twice as long waited on vpdpbusd's latency at one row). kNextTile: one of
@@ -147,12 +162,20 @@ inline void group_dot(const uint8_t* w, const int8_t* hi_x, const int8_t* lo_x, 
       }
     }
   }
-  if constexpr (kSplit)
-    for (int r = 0; r < kM; ++r)
-      for (int h = 0; h < 2; ++h) {
+  // The sums leave the loop in registers (an empty asm that reads and writes each): without it GCC 12 gave a
+  // sum's value inside and after the loop different registers and copied every accumulator twice a chunk
+  // (32 copies to 16 vpdpbusd at 4 rows with 16-bit activations): the results are the same, bit for bit.
+  for (int r = 0; r < kM; ++r)
+    for (int h = 0; h < 2; ++h) {
+      asm("" : "+v"(dot[r][h]));
+      if constexpr (kWide) asm("" : "+v"(dot_lo[r][h]));
+      if constexpr (kSplit) {
+        asm("" : "+v"(dot_b[r][h]));
+        if constexpr (kWide) asm("" : "+v"(dot_lo_b[r][h]));
         dot[r][h] = _mm512_add_epi32(dot[r][h], dot_b[r][h]);
         dot_lo[r][h] = _mm512_add_epi32(dot_lo[r][h], dot_lo_b[r][h]);
       }
+    }
 }
 
 // The first `n` of 16 lanes.
@@ -181,7 +204,7 @@ void tile_rows(const uint8_t* w, const uint16_t* scales, const uint16_t* offsets
   for (int r = 0; r < kM; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g, w += group_bytes) {
     __m512i dot[kM][2], dot_lo[kM][2];
-    for (int r = 0; r < kM; ++r) dot[r][0] = dot[r][1] = dot_lo[r][0] = dot_lo[r][1] = _mm512_setzero_si512();
+    start_sums<kM, kWide>(xq, m0 * G + g, G, code_zero, dot, dot_lo);
     const int64_t first = m0 * K + g * group;
     group_dot<kBits, kM, kWide, kNextTile>(w, xq.hi.data() + first, kWide ? xq.lo.data() + first : nullptr, K,
                                            group, G * group_bytes, dot, dot_lo);
@@ -190,8 +213,7 @@ void tile_rows(const uint8_t* w, const uint16_t* scales, const uint16_t* offsets
       const __m512 o = offsets ? load_half16(offsets + (g * 2 + h) * 16) : _mm512_setzero_ps();
       for (int r = 0; r < kM; ++r) {
         const int64_t mg = (m0 + r) * G + g;
-        __m512i d = kWide ? _mm512_add_epi32(_mm512_slli_epi32(dot[r][h], 8), dot_lo[r][h]) : dot[r][h];
-        if (code_zero) d = _mm512_sub_epi32(d, _mm512_set1_epi32(code_zero * xq.qsum[mg]));
+        const __m512i d = kWide ? _mm512_add_epi32(_mm512_slli_epi32(dot[r][h], 8), dot_lo[r][h]) : dot[r][h];
         acc[r][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s, _mm512_set1_ps(xq.step[mg])), acc[r][h]);
         if (offsets) acc[r][h] = _mm512_fmadd_ps(o, _mm512_set1_ps(xq.sum[mg]), acc[r][h]);
       }
@@ -205,41 +227,85 @@ void tile_rows(const uint8_t* w, const uint16_t* scales, const uint16_t* offsets
   }
 }
 
+// tile_rows for weights with one scale a channel (scales [tiles, 1, 32], no offsets): a group's int32 sums
+// are scaled by x's step alone (cvt, fma), and by the channel's scale once at the end.
+template <int kBits, int kM, bool kWide, bool kNextTile, typename T>
+void tile_rows_channel(const uint8_t* w, const uint16_t* scales, const uint16_t*, const QuantizedRows& xq,
+                       int64_t m0, int64_t K, int64_t group, int32_t code_zero, T* y, int64_t ldy, const float* bias,
+                       int64_t valid) {
+  const int64_t G = K / group, group_bytes = kTile * group * kBits / 8;
+  const float* step = xq.step.data() + m0 * G;
+  __m512 acc[kM][2];
+  for (int r = 0; r < kM; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g, w += group_bytes) {
+    __m512i dot[kM][2], dot_lo[kM][2];
+    start_sums<kM, kWide>(xq, m0 * G + g, G, code_zero, dot, dot_lo);
+    const int64_t first = m0 * K + g * group;
+    group_dot<kBits, kM, kWide, kNextTile>(w, xq.hi.data() + first, kWide ? xq.lo.data() + first : nullptr, K,
+                                           group, G * group_bytes, dot, dot_lo);
+    for (int r = 0; r < kM; ++r) {
+      const __m512 s = _mm512_set1_ps(step[r * G + g]);
+      for (int h = 0; h < 2; ++h) {
+        const __m512i d = kWide ? _mm512_add_epi32(_mm512_slli_epi32(dot[r][h], 8), dot_lo[r][h]) : dot[r][h];
+        acc[r][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, acc[r][h]);
+      }
+    }
+  }
+  for (int h = 0; h < 2; ++h) {
+    const int64_t left = valid - h * 16;
+    if (left <= 0) break;
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(first_lanes(left), bias + h * 16) : _mm512_setzero_ps();
+    const __m512 s = load_half16(scales + h * 16);
+    for (int r = 0; r < kM; ++r) store_outputs(y + r * ldy + h * 16, _mm512_fmadd_ps(acc[r][h], s, b), left);
+  }
+}
+
 // One pass of `rows` (1 to kRowBlock) rows from m against one tile.
-template <int kBits, bool kWide, bool kNextTile, typename T>
+template <int kBits, bool kWide, bool kNextTile, bool kChannel, typename T>
 void tile_pass(int64_t rows, const uint8_t* w, const uint16_t* scales, const uint16_t* offsets,
                const QuantizedRows& xq, int64_t m, int64_t K, int64_t group, int32_t code_zero, T* ym, int64_t ldy,
                const float* bias, int64_t valid) {
+#define SOBRIO_TILE_ROWS(kM)                                                                                      \
+  (kChannel ? tile_rows_channel<kBits, kM, kWide, kNextTile, T> : tile_rows<kBits, kM, kWide, kNextTile, T>)( \
+      w, scales, offsets, xq, m, K, group, code_zero, ym, ldy, bias, valid)
   switch (rows) {
-    case 4: return tile_rows<kBits, 4, kWide, kNextTile>(w, scales, offsets, xq, m, K, group, code_zero, ym, ldy, bias, valid);
-    case 3: return tile_rows<kBits, 3, kWide, kNextTile>(w, scales, offsets, xq, m, K, group, code_zero, ym, ldy, bias, valid);
-    case 2: return tile_rows<kBits, 2, kWide, kNextTile>(w, scales, offsets, xq, m, K, group, code_zero, ym, ldy, bias, valid);
-    default: return tile_rows<kBits, 1, kWide, kNextTile>(w, scales, offsets, xq, m, K, group, code_zero, ym, ldy, bias, valid);
+    case 4: return SOBRIO_TILE_ROWS(4);
+    case 3: return SOBRIO_TILE_ROWS(3);
+    case 2: return SOBRIO_TILE_ROWS(2);
+    default: return SOBRIO_TILE_ROWS(1);
   }
+#undef SOBRIO_TILE_ROWS
 }
 
 // Rows [m_begin, m_end) against one tile, kRowBlock rows a pass over it. Where there is more than one pass,
 // every pass prefetches the next tile into L2 (which its own passes then read from cache), so at 5-16 rows
 // (decode batches) memory and dot products overlap instead of taking turns; one pass streams its own tile.
-template <int kBits, bool kWide, typename T>
+template <int kBits, bool kWide, bool kChannel, typename T>
 void tile_all_rows(const uint8_t* w, const uint16_t* scales, const uint16_t* offsets, const QuantizedRows& xq,
                    int64_t m_begin, int64_t m_end, int64_t K, int64_t group, int32_t code_zero, T* y, int64_t ldy,
                    const float* bias, int64_t valid) {
-  const auto pass = m_end - m_begin <= kRowBlock ? tile_pass<kBits, kWide, false, T> : tile_pass<kBits, kWide, true, T>;
+  const auto pass = m_end - m_begin <= kRowBlock ? tile_pass<kBits, kWide, false, kChannel, T>
+                                                 : tile_pass<kBits, kWide, true, kChannel, T>;
   for (int64_t m = m_begin; m < m_end; m += kRowBlock)
     pass(std::min<int64_t>(kRowBlock, m_end - m), w, scales, offsets, xq, m, K, group, code_zero, y + m * ldy, ldy,
          bias, valid);
 }
 
-// One tile, a range of rows: the kernel for these bits, activation width and output dtype.
+// One tile, a range of rows: the kernel for these bits, activation width, scales (per group or channel) and
+// output dtype.
 template <typename T>
 using TileKernel = void (*)(const uint8_t*, const uint16_t*, const uint16_t*, const QuantizedRows&, int64_t,
                             int64_t, int64_t, int64_t, int32_t, T*, int64_t, const float*, int64_t);
 
+template <int kBits, typename T>
+TileKernel<T> tile_kernel_of(bool wide, bool channel) {
+  if (channel) return wide ? tile_all_rows<kBits, true, true, T> : tile_all_rows<kBits, false, true, T>;
+  return wide ? tile_all_rows<kBits, true, false, T> : tile_all_rows<kBits, false, false, T>;
+}
+
 template <typename T>
-TileKernel<T> tile_kernel(int64_t bits, bool wide) {
-  if (bits == 4) return wide ? tile_all_rows<4, true, T> : tile_all_rows<4, false, T>;
-  return wide ? tile_all_rows<8, true, T> : tile_all_rows<8, false, T>;
+TileKernel<T> tile_kernel(int64_t bits, bool wide, bool channel) {
+  return bits == 4 ? tile_kernel_of<4, T>(wide, channel) : tile_kernel_of<8, T>(wide, channel);
 }
 #endif  // AVX512 F / BW / VNNI, F16C
 
@@ -251,12 +317,26 @@ bool vnni_linear_supported() {
 #endif
 }
 
+// How many scales a tile's channel has: G (one a group, [tiles, G, 32]) or 1 (one a channel, [tiles, 1, 32],
+// which takes no offsets); offsets, where given, are laid out as the scales.
+int64_t scale_groups(const torch::Tensor& scales, const c10::optional<torch::Tensor>& offsets, int64_t tiles,
+                     int64_t G) {
+  TORCH_CHECK(scales.is_contiguous() && scales.element_size() == 2 &&
+                  (scales.numel() == tiles * G * kTile || scales.numel() == tiles * kTile),
+              "scales: contiguous fp16 [tiles, K / group, 32] or [tiles, 1, 32]");
+  const int64_t groups = scales.numel() == tiles * G * kTile ? G : 1;
+  TORCH_CHECK(!offsets.has_value() || (groups == G && offsets->is_contiguous() && offsets->element_size() == 2 &&
+                                       offsets->numel() == scales.numel()),
+              "offsets: as scales, one a group");
+  return groups;
+}
+
 // The weight these codes stand for, w[n, k] = scale * (code - code_zero) + offset in float32, stored in
 // bf16 or float32 as [N, K]: what `vnni_linear` multiplies prompt chunks by. Row by row within a tile and
 // group, so each channel's outputs are written in order.
 template <typename T>
 void dequantize_tiles(const uint8_t* w, const uint16_t* scales, const uint16_t* offsets, int64_t N, int64_t K,
-                      int64_t bits, int64_t group, int32_t code_zero, T* out) {
+                      int64_t bits, int64_t group, int64_t scale_groups, int32_t code_zero, T* out) {
   const int64_t G = K / group, tiles = (N + kTile - 1) / kTile, per_chunk = bits == 4 ? 8 : 4;
   const int64_t group_bytes = kTile * group * bits / 8;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
@@ -264,8 +344,8 @@ void dequantize_tiles(const uint8_t* w, const uint16_t* scales, const uint16_t* 
       for (int64_t g = 0; g < G; ++g) {
         const uint8_t* wg = w + (t * G + g) * group_bytes;
         for (int64_t c = 0; c < kTile && t * kTile + c < N; ++c) {
-          const int64_t at = (t * G + g) * kTile + c;
-          const float s = c10::Half(scales[at], c10::Half::from_bits());
+          const int64_t at = (t * G + g) * kTile + c;  // offsets: one a group
+          const float s = c10::Half(scales[(t * scale_groups + g % scale_groups) * kTile + c], c10::Half::from_bits());
           const float o = offsets ? static_cast<float>(c10::Half(offsets[at], c10::Half::from_bits())) : 0.f;
           T* row = out + (t * kTile + c) * K + g * group;
           const uint8_t* p = wg + (c / 16) * 64 + (c % 16) * 4;  // this channel's 4 bytes in chunk 0
@@ -288,23 +368,20 @@ torch::Tensor vnni_dequantize(torch::Tensor weight, torch::Tensor scales, c10::o
   const int64_t tiles = (N + kTile - 1) / kTile;
   TORCH_CHECK(weight.scalar_type() == at::kByte && weight.is_contiguous() && weight.numel() == tiles * kTile * K * bits / 8,
               "weight: contiguous uint8 codes for N, K = ", N, ", ", K);
-  TORCH_CHECK(scales.is_contiguous() && scales.element_size() == 2 && scales.numel() == tiles * (K / group) * kTile,
-              "scales: contiguous fp16 [tiles, K / group, 32]");
-  TORCH_CHECK(!offsets.has_value() || (offsets->is_contiguous() && offsets->element_size() == 2 &&
-                                       offsets->numel() == scales.numel()), "offsets: as scales");
+  const int64_t groups = scale_groups(scales, offsets, tiles, K / group);
   auto out = torch::empty({N, K}, torch::TensorOptions().dtype(dtype));
   const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr());
   const auto* op = offsets.has_value() ? reinterpret_cast<const uint16_t*>(offsets->data_ptr()) : nullptr;
   const int32_t cz = static_cast<int32_t>(code_zero);
   if (dtype == at::kFloat)
-    dequantize_tiles(weight.data_ptr<uint8_t>(), sp, op, N, K, bits, group, cz, out.data_ptr<float>());
+    dequantize_tiles(weight.data_ptr<uint8_t>(), sp, op, N, K, bits, group, groups, cz, out.data_ptr<float>());
   else
-    dequantize_tiles(weight.data_ptr<uint8_t>(), sp, op, N, K, bits, group, cz, out.data_ptr<c10::BFloat16>());
+    dequantize_tiles(weight.data_ptr<uint8_t>(), sp, op, N, K, bits, group, groups, cz, out.data_ptr<c10::BFloat16>());
   return out;
 }
 
 // x [M, K] (float32 or bf16); weight uint8 [tiles, G, chunks, 2, 64] as layers/vnni.py packs it; scales and
-// offsets fp16 (stored as int16) [tiles, G, 32]; returns [M, N] in x's dtype, the bias added in float32 (from
+// offsets fp16 (stored as int16) [tiles, G, 32], or scales [tiles, 1, 32] alone; returns [M, N] in x's dtype, the bias added in float32 (from
 // `dense_min_rows` rows: x times the dequantized weight by aten, the bias in x's dtype).
 torch::Tensor vnni_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor scales,
                           c10::optional<torch::Tensor> offsets, int64_t N, int64_t bits, int64_t group,
@@ -323,14 +400,9 @@ torch::Tensor vnni_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor s
   const int64_t G = K / group, tile_bytes = kTile * K * bits / 8;
   TORCH_CHECK(weight.scalar_type() == at::kByte && weight.is_contiguous() && weight.numel() == tiles * tile_bytes,
               "weight: contiguous uint8, ", tiles * tile_bytes, " bytes for N, K = ", N, ", ", K);
-  TORCH_CHECK(scales.is_contiguous() && scales.element_size() == 2 && scales.numel() == tiles * G * kTile,
-              "scales: contiguous fp16 [tiles, K / group, 32]");
-  const uint16_t* off = nullptr;
-  if (offsets.has_value()) {
-    TORCH_CHECK(offsets->is_contiguous() && offsets->element_size() == 2 && offsets->numel() == scales.numel(),
-                "offsets: as scales");
-    off = reinterpret_cast<const uint16_t*>(offsets->data_ptr());
-  }
+  const int64_t groups = scale_groups(scales, offsets, tiles, G);
+  [[maybe_unused]] const bool channel = groups == 1 && G > 1;  // (one group: the two kernels are the same)
+  const uint16_t* off = offsets.has_value() ? reinterpret_cast<const uint16_t*>(offsets->data_ptr()) : nullptr;
   if (M >= dense_min_rows) {
     const auto dense = vnni_dequantize(weight, scales, offsets, N, K, bits, group, code_zero,
                                        x.scalar_type() == at::kBFloat16);
@@ -351,13 +423,13 @@ torch::Tensor vnni_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor s
   // each tile writes its own outputs of y (float32 sums rounded once into y's dtype, the bias added first)
   auto run = [&](auto* yp) {
     using T = std::remove_pointer_t<decltype(yp)>;
-    const TileKernel<T> kernel = tile_kernel<T>(bits, act_bits == 16);
+    const TileKernel<T> kernel = tile_kernel<T>(bits, act_bits == 16, channel);
     for (int64_t m = 0; m < M; m += kRowPass) {
       const int64_t m_end = std::min(M, m + kRowPass);
       at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
         for (int64_t t = begin; t < end; ++t) {
           const uint16_t* ot = off ? off + t * G * kTile : nullptr;
-          kernel(wp + t * tile_bytes, sp + t * G * kTile, ot, xq, m, m_end, K, group, code_zero, yp + t * kTile, N,
+          kernel(wp + t * tile_bytes, sp + t * groups * kTile, ot, xq, m, m_end, K, group, code_zero, yp + t * kTile, N,
                  bp ? bp + t * kTile : nullptr, std::min(kTile, N - t * kTile));
         }
       });

@@ -322,15 +322,14 @@ def grouped_int8_codes(q: torch.Tensor, scale: torch.Tensor) -> GroupedCodes:
 
 def vnni_int8_codes(weight: torch.Tensor, group: int = 32) -> vnni.VnniCodes:
     """A float weight as int8 per output channel (`quantize_weight`, the scale rounded to fp16 first) packed
-    for `vnni_linear`: the channel's scale repeated for each group of `group` inputs (the largest power of two
+    for `vnni_linear` with the channel's one scale, in groups of `group` inputs (the largest power of two
     below it that divides K, 16 at least), the groups along which the activations are rounded: an outlier
     channel costs its group only."""
     q, scale = quantize_weight(weight, torch.float16)
-    n, k = q.shape
+    k = q.shape[1]
     group = next(g for g in (256, 128, 64, 32, 16) if g <= group and k % g == 0)
     codes = q.view(torch.uint8) ^ 0x80  # q + CODE_ZERO_8BIT as unsigned bytes: one byte-wide pass
-    return vnni.VnniCodes.pack(codes, scale.float()[:, None].expand(n, k // group), None, 8, group,
-                               vnni.CODE_ZERO_8BIT)
+    return vnni.VnniCodes.pack(codes, scale.float()[:, None], None, 8, group, vnni.CODE_ZERO_8BIT)
 
 
 def quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, method: str, name: str,

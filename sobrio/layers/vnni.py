@@ -33,7 +33,8 @@ INT8_ACT_BITS = {"int8": 8, "int8-weight-only": 16}  # `--quantization` int8 mod
 @dataclass
 class VnniCodes:
     """A weight [out_features, in_features] packed for `vnni_linear` (`pack`): weight uint8
-    [tiles, G, chunks, 2, 16, 4]; scales and offsets fp16 [tiles, G, 32] (offsets None: none)."""
+    [tiles, G, chunks, 2, 16, 4]; scales and offsets fp16 [tiles, G, 32] (offsets None: none), or scales
+    [tiles, 1, 32], one a channel, where the kernel scales each group's sums by the activations' step alone."""
 
     weight: torch.Tensor
     scales: torch.Tensor
@@ -47,11 +48,13 @@ class VnniCodes:
     @classmethod
     def pack(cls, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, bits: int,
              group_size: int, code_zero: int = 0) -> "VnniCodes":
-        """From unsigned codes [N, K] (< 2**bits) and float scales and offsets [N, K / group_size]."""
+        """From unsigned codes [N, K] (< 2**bits) and float scales and offsets [N, K / group_size], or
+        scales [N, 1] without offsets (one a channel)."""
         n, k = codes.shape
         assert bits in (4, 8) and k % group_size == 0 and group_size % 16 == 0, (bits, k, group_size)
         assert int(codes.min()) >= 0 and int(codes.max()) < 2 ** bits, "codes: unsigned, below 2**bits"
         tiles, groups = -(-n // TILE), k // group_size
+        assert scales.shape == (n, groups) or (scales.shape == (n, 1) and offsets is None), (scales.shape, groups)
         padded = F.pad(codes.to(torch.uint8), (0, 0, 0, tiles * TILE - n))
         per_chunk = 8 if bits == 4 else 4
         c = padded.view(tiles, 2, 16, groups, group_size // per_chunk, per_chunk)

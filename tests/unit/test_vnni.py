@@ -72,6 +72,40 @@ def test_kernel_equals_its_reference_and_the_dequantized_product(rows, bits, n, 
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 5, 9, 261])
+@pytest.mark.parametrize("bits, k, group, code_zero", [(8, 256, 64, 128), (8, 96, 16, 128), (4, 128, 32, 0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("act_bits", [8, 16])
+def test_one_scale_a_channel_computes_what_that_scale_in_every_group_does(rows, bits, k, group, code_zero, dtype,
+                                                                          act_bits) -> None:
+    """Scales [N, 1] (`--quantization int8`'s): the kernel scales each group's sums by x's step alone and by
+    the channel's scale once at the end; the result is the reference's, and the same weight with its scale
+    repeated in every group gives it too, within the output's rounding, also for activations far from zero
+    on average (a large code_zero term). 261 rows: two passes of 256."""
+    n = 45
+    codes, scales, _ = random_weight(n, k, bits, group, False, seed=rows)
+    channel = vnni.VnniCodes.pack(codes, scales[:, :1], None, bits, group, code_zero)
+    grouped = vnni.VnniCodes.pack(codes, scales[:, :1].expand(n, k // group), None, bits, group, code_zero)
+    assert channel.scales.shape == (2, 1, vnni.TILE) and torch.equal(channel.dequantize(), grouped.dequantize())
+    assert torch.equal(vnni.dense_weight(channel, dtype), vnni.dense_weight(grouped, dtype))
+    gen = torch.Generator().manual_seed(k)
+    bias = torch.randn(n, generator=gen)
+    ulp = 1e-5 if dtype == torch.float32 else 1e-2
+
+    def product(w: vnni.VnniCodes, x: torch.Tensor) -> torch.Tensor:
+        return cpu_ops().vnni_linear(x, w.weight, w.scales, None, n, bits, group, code_zero, act_bits, bias,
+                                     vnni.NO_DENSE_ROWS).float()
+
+    centred = torch.randn(rows, k, generator=gen).to(dtype)
+    off_centre = (torch.randn(rows, k, generator=gen) * 0.1 + 2).to(dtype)
+    reference = vnni.reference(centred, channel, bias, act_bits).float()
+    torch.testing.assert_close(product(channel, centred), reference, rtol=ulp, atol=ulp * reference.abs().max().item())
+    # (the reference is left out here: off-centre x * step lands on ties, which it may round the other way)
+    got, expected = product(channel, off_centre), product(grouped, off_centre)
+    torch.testing.assert_close(got, expected, rtol=ulp, atol=ulp * expected.abs().max().item())
+
+
+@needs_kernel
 @pytest.mark.parametrize("bits, act_bits", [(8, 8), (8, 16), (4, 16)])
 def test_prompt_rows_below_the_dense_threshold_take_the_dot_products(bits, act_bits) -> None:
     """Up to `dense_min_rows` (where there is no AMX: a whole 2,048-token chunk with W8A8's 8-bit activations,
@@ -125,6 +159,14 @@ def test_bad_arguments_are_errors_naming_the_problem() -> None:
         vnni.vnni_linear(torch.randn(1, 512), w, act_bits=4)
     with pytest.raises(RuntimeError, match="weight: contiguous uint8"):
         cpu_ops().vnni_linear(torch.randn(1, 512), w.weight.flatten()[64:], w.scales, None, 32, 8, 512, 128, 8, None)
+    codes, scales, offsets = random_weight(32, 128, 4, 32, True)
+    grouped = vnni.VnniCodes.pack(codes, scales, offsets, 4, 32)
+    with pytest.raises(RuntimeError, match="offsets: as scales, one a group"):  # one scale a channel: no offsets
+        cpu_ops().vnni_linear(torch.randn(1, 128), grouped.weight, grouped.scales[:, :1].contiguous(),
+                              grouped.offsets, 32, 4, 32, 0, 16, None)
+    with pytest.raises(RuntimeError, match=r"scales: contiguous fp16 \[tiles, K / group, 32\] or \[tiles, 1, 32\]"):
+        cpu_ops().vnni_linear(torch.randn(1, 128), grouped.weight, grouped.scales[:, :2].contiguous(), None, 32, 4,
+                              32, 0, 16, None)
 
 
 def test_gguf_records_convert_exactly_up_to_fp16_scales() -> None:

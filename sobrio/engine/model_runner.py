@@ -20,6 +20,7 @@ from sobrio.errors import ConfigError, InvalidRequestError
 from sobrio.kv.cache import KV_CACHE_DTYPES, KVCache, KVCacheSpec, kv_budget
 from sobrio.layers.attention import AttentionMetadata
 from sobrio.loader.load import LoadedModelFiles, quantization_cache
+from sobrio.memory import reuse_step_buffers
 from sobrio.models.llama import DecoderModel
 from sobrio.models.registry import build_model
 from sobrio.models.sizing import kv_cache_spec, resolve_dtype
@@ -94,6 +95,7 @@ class ModelRunner:
         if eagle is not None:
             logger.info("EAGLE head for %s: %d draft tokens, its own KV cache of one layer", eagle.config["base_model"],
                         len(self.eagle.vocab_ids))
+        reuse_step_buffers()
         with log_step(logger, "warming up %s", files.source.name):
             self.warm_up()
 

@@ -36,7 +36,7 @@ def main() -> None:
     args = parser.parse_args()
     ops = cpu_ops()
     groups = [VNNI_INPUT_GROUPS["down_proj"] if k > n else VNNI_INPUT_GROUPS["int8"] for n, k in SHAPES]
-    layers = [[codes(n, k, 8, g) for (n, k), g in zip(SHAPES, groups)] for _ in range(LAYERS)]
+    layers = [[codes(n, k, 8, g, channel=True) for (n, k), g in zip(SHAPES, groups)] for _ in range(LAYERS)]
     megabytes = sum(w.weight.numel() for layer in layers for w in layer) / 1e6
     print(f"{cpu_name()} ({avx512_flags()}), {torch.get_num_threads()} threads; {megabytes:.0f} MB of int8 codes")
     for rows in (int(r) for r in args.rows.split(",")):

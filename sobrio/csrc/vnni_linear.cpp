@@ -23,8 +23,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
-#include <vector>
 
 #include "ops.h"
 #include "vec.h"
@@ -61,19 +61,23 @@ constexpr int64_t kDenseMinRows = 128;
 // products a chunk, 15-bit activations, finer than bf16's 8-bit mantissa; SmolLM2's Q4_1 file: perplexity
 // +0.1% against the file dequantized, where 8-bit activations cost +1.6%). Per group: the step, the sum of
 // the integer values, the sum of x itself.
+// The arrays are left uninitialized (`make_unique_for_overwrite`): every value is written before it is read, and
+// zeroing a 2,048-row chunk's 16 MB a down_proj was a memory pass of its own.
 struct QuantizedRows {
-  std::vector<int8_t> hi, lo;  // lo: empty at 8 bits
-  std::vector<float> step;
-  std::vector<int32_t> qsum;
-  std::vector<float> sum;
+  std::unique_ptr<int8_t[]> hi, lo;  // lo: null at 8 bits
+  std::unique_ptr<float[]> step;
+  std::unique_ptr<int32_t[]> qsum;
+  std::unique_ptr<float[]> sum;
 };
 
 template <typename T>
 QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K, int64_t group, bool wide) {
   const int64_t G = K / group;
   const float top = wide ? 32512.f : 127.f;  // 127 * 256: hi stays within int8
-  QuantizedRows out{std::vector<int8_t>(M * K), std::vector<int8_t>(wide ? M * K : 0), std::vector<float>(M * G),
-                    std::vector<int32_t>(M * G), std::vector<float>(M * G)};
+  QuantizedRows out{std::make_unique_for_overwrite<int8_t[]>(M * K),
+                    wide ? std::make_unique_for_overwrite<int8_t[]>(M * K) : nullptr,
+                    std::make_unique_for_overwrite<float[]>(M * G), std::make_unique_for_overwrite<int32_t[]>(M * G),
+                    std::make_unique_for_overwrite<float[]>(M * G)};
   at::parallel_for(0, M * G, 256, [&](int64_t begin, int64_t end) {
   for (int64_t mg = begin; mg < end; ++mg) {
     const T* xg = x + mg * group;  // rows are contiguous: group mg of the flattened [M, K]
@@ -90,9 +94,9 @@ QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K, int64_t group, boo
       const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(sobrio_vec::load16(xg + k), inv));  // nearest even
       qsum = _mm512_add_epi32(qsum, q);
       const __m512i hi = wide ? _mm512_srai_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(128)), 8) : q;
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out.hi.data() + mg * group + k), _mm512_cvtepi32_epi8(hi));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out.hi.get() + mg * group + k), _mm512_cvtepi32_epi8(hi));
       if (wide)
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out.lo.data() + mg * group + k),
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out.lo.get() + mg * group + k),
                          _mm512_cvtepi32_epi8(_mm512_sub_epi32(q, _mm512_slli_epi32(hi, 8))));
     }
     out.step[mg] = a / top;
@@ -211,7 +215,7 @@ void tile_rows(const uint8_t* w, const uint16_t* scales, const uint16_t* offsets
     __m512i dot[kM][2], dot_lo[kM][2];
     start_sums<kM, kWide>(xq, m0 * G + g, G, code_zero, dot, dot_lo);
     const int64_t first = m0 * K + g * group;
-    group_dot<kBits, kM, kWide, kNextTile>(w, xq.hi.data() + first, kWide ? xq.lo.data() + first : nullptr, K,
+    group_dot<kBits, kM, kWide, kNextTile>(w, xq.hi.get() + first, kWide ? xq.lo.get() + first : nullptr, K,
                                            group, G * group_bytes, dot, dot_lo);
     for (int h = 0; h < 2; ++h) {
       const __m512 s = load_half16(scales + (g * 2 + h) * 16);
@@ -240,7 +244,7 @@ void tile_rows_channel(const uint8_t* w, const uint16_t* scales, const uint16_t*
                        int64_t m0, int64_t K, int64_t group, int32_t code_zero, T* y, int64_t ldy, const float* bias,
                        int64_t valid) {
   const int64_t G = K / group, group_bytes = kTile * group * kBits / 8;
-  const float* step = xq.step.data() + m0 * G;
+  const float* step = xq.step.get() + m0 * G;
   alignas(64) float acc[kM][kTile];
   for (int r = 0; r < kM; ++r)
     for (int h = 0; h < 2; ++h) _mm512_store_ps(acc[r] + h * 16, _mm512_setzero_ps());
@@ -248,7 +252,7 @@ void tile_rows_channel(const uint8_t* w, const uint16_t* scales, const uint16_t*
     __m512i dot[kM][2], dot_lo[kM][2];
     start_sums<kM, kWide>(xq, m0 * G + g, G, code_zero, dot, dot_lo);
     const int64_t first = m0 * K + g * group;
-    group_dot<kBits, kM, kWide, kNextTile>(w, xq.hi.data() + first, kWide ? xq.lo.data() + first : nullptr, K,
+    group_dot<kBits, kM, kWide, kNextTile>(w, xq.hi.get() + first, kWide ? xq.lo.get() + first : nullptr, K,
                                            group, G * group_bytes, dot, dot_lo);
     for (int r = 0; r < kM; ++r) {
       const __m512 s = _mm512_set1_ps(step[r * G + g]);

@@ -187,6 +187,16 @@ inline void group_dot(const uint8_t* w, const int8_t* hi_x, const int8_t* lo_x, 
     }
 }
 
+// Group g of a tile (at w) against rows m0.. (kM of them): the sums, started at the code_zero term.
+template <int kBits, int kM, bool kWide, bool kNextTile>
+inline void group_sums(const uint8_t* w, const QuantizedRows& xq, int64_t m0, int64_t K, int64_t g, int64_t group,
+                       int32_t code_zero, __m512i (&dot)[kM][2], __m512i (&dot_lo)[kM][2]) {
+  const int64_t G = K / group, first = m0 * K + g * group;
+  start_sums<kM, kWide>(xq, m0 * G + g, G, code_zero, dot, dot_lo);
+  group_dot<kBits, kM, kWide, kNextTile>(w, xq.hi.get() + first, kWide ? xq.lo.get() + first : nullptr, K, group,
+                                         K * kTile * kBits / 8, dot, dot_lo);
+}
+
 // The first `n` of 16 lanes.
 inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
 
@@ -213,10 +223,7 @@ void tile_rows(const uint8_t* w, const uint16_t* scales, const uint16_t* offsets
   for (int r = 0; r < kM; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g, w += group_bytes) {
     __m512i dot[kM][2], dot_lo[kM][2];
-    start_sums<kM, kWide>(xq, m0 * G + g, G, code_zero, dot, dot_lo);
-    const int64_t first = m0 * K + g * group;
-    group_dot<kBits, kM, kWide, kNextTile>(w, xq.hi.get() + first, kWide ? xq.lo.get() + first : nullptr, K,
-                                           group, G * group_bytes, dot, dot_lo);
+    group_sums<kBits, kM, kWide, kNextTile>(w, xq, m0, K, g, group, code_zero, dot, dot_lo);
     for (int h = 0; h < 2; ++h) {
       const __m512 s = load_half16(scales + (g * 2 + h) * 16);
       const __m512 o = offsets ? load_half16(offsets + (g * 2 + h) * 16) : _mm512_setzero_ps();
@@ -250,10 +257,7 @@ void tile_rows_channel(const uint8_t* w, const uint16_t* scales, const uint16_t*
     for (int h = 0; h < 2; ++h) _mm512_store_ps(acc[r] + h * 16, _mm512_setzero_ps());
   for (int64_t g = 0; g < G; ++g, w += group_bytes) {
     __m512i dot[kM][2], dot_lo[kM][2];
-    start_sums<kM, kWide>(xq, m0 * G + g, G, code_zero, dot, dot_lo);
-    const int64_t first = m0 * K + g * group;
-    group_dot<kBits, kM, kWide, kNextTile>(w, xq.hi.get() + first, kWide ? xq.lo.get() + first : nullptr, K,
-                                           group, G * group_bytes, dot, dot_lo);
+    group_sums<kBits, kM, kWide, kNextTile>(w, xq, m0, K, g, group, code_zero, dot, dot_lo);
     for (int r = 0; r < kM; ++r) {
       const __m512 s = _mm512_set1_ps(step[r * G + g]);
       for (int h = 0; h < 2; ++h) {

@@ -75,11 +75,11 @@ def release_freed_memory() -> None:
 
 def reuse_step_buffers() -> bool:
     """Have glibc serve large allocations from its heap and keep them there once freed (up to HEAP_KEPT), so
-    that a model step's large activations (a 1B model's gate_up output for a 2,048-token chunk: 64 MB) reuse
-    the pages the step before used. By default each allocation past 32 MB is a fresh memory map whose every
-    page faults in zeroed, and is unmapped when freed: that cost a 1B int8 prompt step 9% (docs/memory.md,
-    "A step's buffers"). Called once the weights are loaded, so their memory is laid out as before; the
-    engine core's `malloc_trim` every 30 s still returns what is free. False where the C library is not glibc."""
+    that a model step's large activations (a gate_up output for a whole prompt chunk) reuse the pages the step
+    before used. By default each allocation past 32 MB is a fresh memory map whose every page faults in
+    zeroed, and is unmapped when freed (what that cost: docs/memory.md, "A step's buffers"). Called once the
+    weights are loaded, so their memory is laid out as before; the engine core's `malloc_trim` every 30 s
+    still returns what is free. False where the C library is not glibc."""
     libc = _libc()
     mallopt = getattr(libc, "mallopt", None)
     if mallopt is None:

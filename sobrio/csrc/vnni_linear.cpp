@@ -10,7 +10,7 @@
 // channels; per group, chunks of 64 bytes holding 16 channels x 4 consecutive inputs (8 bits), or 16
 // channels x 8 inputs as two nibbles (4 bits: the low nibble input j, the high one input j + 4), so one
 // vpdpbusd multiplies 16 channels by 4 broadcast activations. Scales and offsets: fp16, [tiles, G, 32]; or
-// one scale a channel, [tiles, 1, 32], and no offsets (`--quantization int8`'s weights): then each group's
+// one scale a channel, [tiles, 1, 32], and no offsets (the int8 modes' weights): then each group's
 // sums are scaled by x's step only, and by the channel's scale once at the end (two vector operations a row,
 // half-tile and group instead of four: docs/quantization.md). A group's sums start at the code_zero term.
 #include <torch/extension.h>
@@ -34,9 +34,8 @@ namespace {
 constexpr int64_t kTile = 32;    // output channels a tile
 constexpr int64_t kRowBlock = 4;  // rows of x computed per pass over a tile (the tile stays in L1/L2)
 // Rows a pass in the channel-scale kernel with 8-bit activations, past 8 rows: 16 sums in registers, so each
-// tile is read from L2 half as often (1B int8 decode matmuls at 16 rows 48.4 -> 45.8 ms, docs/quantization.md).
-// Up to 8 rows, two passes of 4 keep the next-tile prefetch that one pass of 8 would lose (8 rows: 29.3 ms
-// against 32.5).
+// tile is read from L2 half as often. Up to 8 rows, two passes of 4 keep the next-tile prefetch that one pass
+// of 8 would lose (both measured in docs/quantization.md).
 constexpr int64_t kChannelRowBlock = 8;
 // Rows of x a pass over the whole weight takes, so their rounded activations stay in the core's L2 while every
 // tile reads them (all the rows of a 2,048-token chunk were read from memory once a tile; docs/quantization.md).
@@ -375,9 +374,10 @@ void dequantize_tiles(const uint8_t* w, const uint16_t* scales, const uint16_t* 
     for (int64_t t = begin; t < end; ++t)
       for (int64_t g = 0; g < G; ++g) {
         const uint8_t* wg = w + (t * G + g) * group_bytes;
+        const uint16_t* sg = scales + (t * scale_groups + (scale_groups == 1 ? 0 : g)) * kTile;  // this group's
         for (int64_t c = 0; c < kTile && t * kTile + c < N; ++c) {
           const int64_t at = (t * G + g) * kTile + c;  // offsets: one a group
-          const float s = c10::Half(scales[(t * scale_groups + g % scale_groups) * kTile + c], c10::Half::from_bits());
+          const float s = c10::Half(sg[c], c10::Half::from_bits());
           const float o = offsets ? static_cast<float>(c10::Half(offsets[at], c10::Half::from_bits())) : 0.f;
           T* row = out + (t * kTile + c) * K + g * group;
           const uint8_t* p = wg + (c / 16) * 64 + (c % 16) * 4;  // this channel's 4 bytes in chunk 0

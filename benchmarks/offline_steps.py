@@ -2,7 +2,8 @@
 workload (48 requests of 128 random prompt tokens and 64 output, EOS ignored, 16 at a time) through `LLM`, each
 model step timed (`ModelRunner.run`) and grouped into pure decode steps and steps with prompt rows, with each
 group's rate in GOP/s of the decoder layers (2 x a dense layer's weights a row, `StepFlops`; the LM head and
-attention left out, so it reads low; wrong for mixtures of experts).
+attention left out, so it reads low; wrong for mixtures of experts) and the first steps' minor page faults
+(docs/memory.md, "A step's buffers").
 
     .venv/bin/python benchmarks/offline_steps.py MODEL [--quantization int8] [--num-prompts 48]
         [--input-len 128] [--output-len 64] [--max-num-seqs 16]
@@ -11,6 +12,7 @@ attention left out, so it reads low; wrong for mixtures of experts).
 import argparse
 import collections
 import random
+import resource
 import time
 
 # isort: off
@@ -38,13 +40,14 @@ def main() -> None:
     prompts = [[rng.randrange(200, 20000) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
     llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
 
-    steps: list[tuple[int, int, float]] = []  # (rows, sampled rows, seconds)
+    steps: list[tuple[int, int, float, int]] = []  # (rows, sampled rows, seconds, minor page faults)
     run = model_runner.ModelRunner.run
 
     def timed(self, step, *rest, **kwargs):
-        start = time.perf_counter()
+        start, faults = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         out = run(self, step, *rest, **kwargs)
-        steps.append((len(step.input_ids), len(step.sample_rows), time.perf_counter() - start))
+        steps.append((len(step.input_ids), len(step.sample_rows), time.perf_counter() - start,
+                      resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults))
         return out
 
     model_runner.ModelRunner.run = timed
@@ -58,15 +61,17 @@ def main() -> None:
     layer_gop = (StepFlops(config).per_token - 2.0 * config.vocab_size * config.hidden_size) / 1e9  # dense shapes
     print(f"{args.model} quantization={args.quantization}: {args.num_prompts * args.output_len / elapsed:.1f} output "
           f"tok/s, {elapsed:.1f} s, {len(steps)} steps ({sum(s[2] for s in steps):.1f} s in the model)")
-    groups = collections.defaultdict(lambda: [0, 0.0, 0])
-    for rows, sampled, seconds in steps:
+    groups = collections.defaultdict(lambda: [0, 0.0, 0, []])
+    for rows, sampled, seconds, faults in steps:
         group = groups["decode" if rows == sampled else "with prompt rows"]
         group[0] += 1
         group[1] += seconds
         group[2] += rows
-    for kind, (count, seconds, rows) in groups.items():
+        group[3].append(faults)
+    for kind, (count, seconds, rows, faults) in groups.items():
         print(f"  {kind}: {count} steps, {seconds:.2f} s, {seconds / count * 1e3:.0f} ms a step, "
-              f"{rows / count:.0f} rows a step, {layer_gop * rows / seconds:.0f} GOP/s in the layers")
+              f"{rows / count:.0f} rows a step, {layer_gop * rows / seconds:.0f} GOP/s in the layers, "
+              f"minor page faults a step: {' '.join(map(str, faults[:6]))}{' ...' if len(faults) > 6 else ''}")
 
 
 if __name__ == "__main__":

@@ -37,10 +37,14 @@ def _messages_text(messages) -> str:
 async def send(client: aiohttp.ClientSession, url: str, body: dict, headers: dict, t0: float,
                sample: SampleRequest, count_tokens=None) -> RequestResult:
     """Stream one request. Token counts come from the server's `usage`; a server that sends none is
-    counted with `count_tokens(text)` (the dataset's tokenizer), else one token per chunk."""
+    counted with `count_tokens(text)` (the dataset's tokenizer), else one token per chunk.
+
+    Chunks with text time the tokens. A stream that answered only in empty pieces (tokens that decode to no
+    text, as random weights' special tokens do) is timed by its chunks with choices instead of being counted
+    as a failure: the server did deliver its tokens."""
     result = RequestResult(prompt_tokens=sample.prompt_len, start=time.perf_counter() - t0)
     sent = time.perf_counter()
-    chunks, pieces = 0, []
+    chunks, pieces, empty_times = 0, [], []
     try:
         async with client.post(url, json=body, headers=headers) as resp:
             if resp.status != 200:
@@ -52,22 +56,29 @@ async def send(client: aiohttp.ClientSession, url: str, body: dict, headers: dic
                 if not line.startswith("data:") or line == "data: [DONE]":
                     continue
                 data = json.loads(line[5:])
+                if data.get("error"):  # the server cut the stream: the request failed, whatever came before
+                    result.error = "error event in the stream"
+                    return result
                 if data.get("usage"):
                     result.prompt_tokens = data["usage"].get("prompt_tokens", result.prompt_tokens)
                     result.output_tokens = data["usage"].get("completion_tokens", 0)
                 if _has_content(data):
-                    now = time.perf_counter()
-                    result.chunk_times.append(now - t0)
+                    result.chunk_times.append(time.perf_counter() - t0)
                     chunks += 1
                     pieces.append(_content(data))
+                elif data.get("choices"):
+                    empty_times.append(time.perf_counter() - t0)
         result.e2e = time.perf_counter() - sent
+        if not result.chunk_times:
+            result.chunk_times, chunks = empty_times, len(empty_times)
         if not result.chunk_times:
             result.error = "no tokens received"
             return result
         result.ttft = result.chunk_times[0] - (sent - t0)
         result.itl = [b - a for a, b in zip(result.chunk_times, result.chunk_times[1:])]
         if not result.output_tokens:
-            result.output_tokens = count_tokens("".join(pieces)) if count_tokens else chunks
+            text = "".join(pieces)
+            result.output_tokens = count_tokens(text) if count_tokens and text else chunks
         result.success = True
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:  # ValueError: bad JSON, text or line
         result.error = type(exc).__name__
@@ -81,6 +92,6 @@ def _content(data: dict) -> str:
 def _has_content(data: dict) -> bool:
     for choice in data.get("choices") or []:
         delta = choice.get("delta") or {}
-        if choice.get("text") or delta.get("content") or delta.get("reasoning_content"):
+        if choice.get("text") or delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"):
             return True
     return False

@@ -1,10 +1,11 @@
-"""A decode step's layer matmuls on int8 VNNI codes, by batch: wall ms of Llama-3.2-1B's 64 layer matmuls (16
-layers of qkv 2048->3072, o 2048->2048, gate_up 2048->16384, down 8192->2048), each matrix distinct so that it
-comes from memory as in a step, with `--quantization int8`'s activation groups (`quantization.VNNI_INPUT_GROUPS`:
-256 inputs, a down_proj's 64). Wall time, best and median of 7: from a few rows on, a step is both memory-bound
-(the first pass over each tile of weights) and compute-bound (the later passes), so time is what counts.
+"""A decode step's layer matmuls on int8 VNNI codes, by batch: wall ms of a real model's layer matmuls (by
+default Llama-3.2-1B's: 16 layers of qkv 2048->3072, o 2048->2048, gate_up 2048->16384, down 8192->2048; `--shape`
+takes any of `peers/real_shapes.py`'s), each matrix distinct so that it comes from memory as in a step, with
+`--quantization int8`'s activation groups (`quantization.VNNI_INPUT_GROUPS`: 256 inputs, a down_proj's 64). Wall
+time, best and median of 7: from a few rows on, a step is both memory-bound (the first pass over each tile of
+weights) and compute-bound (the later passes), so time is what counts.
 
-    .venv/bin/python benchmarks/vnni_decode_rows.py [--rows 1,4,8,16,32]
+    .venv/bin/python benchmarks/vnni_decode_rows.py [--rows 1,4,8,16,32] [--shape qwen2.5-3b]
 """
 
 import argparse
@@ -20,27 +21,39 @@ import sobrio  # noqa: F401  (first: it sets the OpenMP thread policy before tor
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
 from quantization_start import avx512_flags, cpu_name  # noqa: E402
-from vnni_prompt_rows import SHAPES, codes  # noqa: E402
+from real_shapes import SHAPES as MODELS  # noqa: E402
+from vnni_prompt_rows import codes  # noqa: E402
 
 from sobrio.layers import vnni  # noqa: E402
 from sobrio.layers.cpu_ops import cpu_ops  # noqa: E402
 from sobrio.layers.quantization import VNNI_INPUT_GROUPS  # noqa: E402
 
-LAYERS = 16
+
+def layer_shapes(model: str) -> tuple[int, list[tuple[int, int]]]:
+    """The model's layer count and a layer's (out, in) matmuls: qkv, o, gate_up, down."""
+    c = MODELS[model]
+    hidden, heads, kv_heads = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    head_dim = c.get("head_dim", hidden // heads)
+    return c["num_hidden_layers"], [((heads + 2 * kv_heads) * head_dim, hidden), (hidden, heads * head_dim),
+                                    (2 * c["intermediate_size"], hidden), (hidden, c["intermediate_size"])]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1,4,8,16,32", help="batch sizes, comma-separated (default: %(default)s)")
+    parser.add_argument("--shape", default="llama3.2-1b", choices=sorted(MODELS), help="default: %(default)s")
     args = parser.parse_args()
     ops = cpu_ops()
-    groups = [VNNI_INPUT_GROUPS["down_proj"] if k > n else VNNI_INPUT_GROUPS["int8"] for n, k in SHAPES]
-    layers = [[codes(n, k, 8, g, channel=True) for (n, k), g in zip(SHAPES, groups)] for _ in range(LAYERS)]
+    count, shapes = layer_shapes(args.shape)
+    groups = [VNNI_INPUT_GROUPS["down_proj"] if k > n else VNNI_INPUT_GROUPS["int8"] for n, k in shapes]
+    layers = [[codes(n, k, 8, g, channel=True) for (n, k), g in zip(shapes, groups)] for _ in range(count)]
     megabytes = sum(w.weight.numel() for layer in layers for w in layer) / 1e6
-    print(f"{cpu_name()} ({avx512_flags()}), {torch.get_num_threads()} threads; {megabytes:.0f} MB of int8 codes")
+    print(f"{cpu_name()} ({avx512_flags()}), {torch.get_num_threads()} threads; {args.shape}: {megabytes:.0f} MB of "
+          "int8 codes")
     for rows in (int(r) for r in args.rows.split(",")):
-        xs = [torch.randn(rows, k).bfloat16() for _, k in SHAPES]
+        xs = [torch.randn(rows, k).bfloat16() for _, k in shapes]
 
         def step(xs=xs) -> None:
             for layer in layers:

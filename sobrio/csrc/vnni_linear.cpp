@@ -128,13 +128,22 @@ inline void start_sums(const QuantizedRows& xq, int64_t mg, int64_t G, int32_t c
   }
 }
 
+// Where one of P passes over a tile prefetches the next tile into L2: pass p takes the p-th P-th of it, 1/P
+// of a line for each line it reads, so memory streams the next tile at an even rate through all P passes
+// (every pass prefetching the whole next tile put all of memory's work in the first pass, while the others
+// computed from L2 and memory idled; figures: docs/quantization.md).
+struct NextTile {
+  const char* at;  // the next line to prefetch
+  int64_t step;    // bytes to move on a chunk (128 bytes of this tile): 128 / P, rounded up
+};
+
 // One group of a tile (32 channels, `group` inputs from w) against kM rows of int8 activations (row stride
 // K): dot[r][half] += codes . hi, 16 channels a half; with kWide also dot_lo[r][half] += codes . lo, a
 // chain of its own (one chain twice as long waited on vpdpbusd's latency at one row). kNextTile: one of
-// several passes over a tile, which also prefetches the next tile's same bytes (`tile_bytes` on) into L2.
+// several passes over a tile, which also prefetches its share of the next tile (`next`) into L2.
 template <int kBits, int kM, bool kWide, bool kNextTile>
 inline void group_dot(const uint8_t* w, const int8_t* hi_x, const int8_t* lo_x, int64_t K, int64_t group,
-                      int64_t tile_bytes, __m512i (&dot)[kM][2], __m512i (&dot_lo)[kM][2]) {
+                      NextTile& next, __m512i (&dot)[kM][2], __m512i (&dot_lo)[kM][2]) {
   const int64_t per_chunk = kBits == 4 ? 8 : 4;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   // At 4 bits and one or two rows, the high nibbles' products go to chains of their own, summed at the
@@ -145,8 +154,11 @@ inline void group_dot(const uint8_t* w, const int8_t* hi_x, const int8_t* lo_x, 
   if constexpr (kSplit)
     for (int r = 0; r < kM; ++r) dot_b[r][0] = dot_b[r][1] = dot_lo_b[r][0] = dot_lo_b[r][1] = _mm512_setzero_si512();
   for (int64_t k = 0; k < group; k += per_chunk) {
+    if constexpr (kNextTile) {
+      _mm_prefetch(next.at, _MM_HINT_T1);
+      next.at += next.step;
+    }
     for (int h = 0; h < 2; ++h, w += 64) {
-      if constexpr (kNextTile) _mm_prefetch(reinterpret_cast<const char*>(w) + tile_bytes, _MM_HINT_T1);
       _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetch, _MM_HINT_T0);
       const __m512i raw = _mm512_loadu_si512(w);
       if constexpr (kBits == 4) {
@@ -189,11 +201,11 @@ inline void group_dot(const uint8_t* w, const int8_t* hi_x, const int8_t* lo_x, 
 // Group g of a tile (at w) against rows m0.. (kM of them): the sums, started at the code_zero term.
 template <int kBits, int kM, bool kWide, bool kNextTile>
 inline void group_sums(const uint8_t* w, const QuantizedRows& xq, int64_t m0, int64_t K, int64_t g, int64_t group,
-                       int32_t code_zero, __m512i (&dot)[kM][2], __m512i (&dot_lo)[kM][2]) {
+                       int32_t code_zero, NextTile& next, __m512i (&dot)[kM][2], __m512i (&dot_lo)[kM][2]) {
   const int64_t G = K / group, first = m0 * K + g * group;
   start_sums<kM, kWide>(xq, m0 * G + g, G, code_zero, dot, dot_lo);
   group_dot<kBits, kM, kWide, kNextTile>(w, xq.hi.get() + first, kWide ? xq.lo.get() + first : nullptr, K, group,
-                                         K * kTile * kBits / 8, dot, dot_lo);
+                                         next, dot, dot_lo);
 }
 
 // The first `n` of 16 lanes.
@@ -216,13 +228,13 @@ inline void store_outputs(c10::BFloat16* y, __m512 v, int64_t valid) {
 template <int kBits, int kM, bool kWide, bool kNextTile, typename T>
 void tile_rows(const uint8_t* w, const uint16_t* scales, const uint16_t* offsets, const QuantizedRows& xq,
                int64_t m0, int64_t K, int64_t group, int32_t code_zero, T* y, int64_t ldy, const float* bias,
-               int64_t valid) {
+               int64_t valid, NextTile next) {
   const int64_t G = K / group, group_bytes = kTile * group * kBits / 8;
   __m512 acc[kM][2];
   for (int r = 0; r < kM; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g, w += group_bytes) {
     __m512i dot[kM][2], dot_lo[kM][2];
-    group_sums<kBits, kM, kWide, kNextTile>(w, xq, m0, K, g, group, code_zero, dot, dot_lo);
+    group_sums<kBits, kM, kWide, kNextTile>(w, xq, m0, K, g, group, code_zero, next, dot, dot_lo);
     for (int h = 0; h < 2; ++h) {
       const __m512 s = load_half16(scales + (g * 2 + h) * 16);
       const __m512 o = offsets ? load_half16(offsets + (g * 2 + h) * 16) : _mm512_setzero_ps();
@@ -248,7 +260,7 @@ void tile_rows(const uint8_t* w, const uint16_t* scales, const uint16_t* offsets
 template <int kBits, int kM, bool kWide, bool kNextTile, typename T>
 void tile_rows_channel(const uint8_t* w, const uint16_t* scales, const uint16_t*, const QuantizedRows& xq,
                        int64_t m0, int64_t K, int64_t group, int32_t code_zero, T* y, int64_t ldy, const float* bias,
-                       int64_t valid) {
+                       int64_t valid, NextTile next) {
   const int64_t G = K / group, group_bytes = kTile * group * kBits / 8;
   const float* step = xq.step.get() + m0 * G;
   alignas(64) float acc[kM][kTile];
@@ -256,7 +268,7 @@ void tile_rows_channel(const uint8_t* w, const uint16_t* scales, const uint16_t*
     for (int h = 0; h < 2; ++h) _mm512_store_ps(acc[r] + h * 16, _mm512_setzero_ps());
   for (int64_t g = 0; g < G; ++g, w += group_bytes) {
     __m512i dot[kM][2], dot_lo[kM][2];
-    group_sums<kBits, kM, kWide, kNextTile>(w, xq, m0, K, g, group, code_zero, dot, dot_lo);
+    group_sums<kBits, kM, kWide, kNextTile>(w, xq, m0, K, g, group, code_zero, next, dot, dot_lo);
     for (int r = 0; r < kM; ++r) {
       const __m512 s = _mm512_set1_ps(step[r * G + g]);
       for (int h = 0; h < 2; ++h) {
@@ -281,14 +293,14 @@ void tile_rows_channel(const uint8_t* w, const uint16_t* scales, const uint16_t*
 template <int kBits, bool kWide, bool kNextTile, bool kChannel, typename T>
 void tile_pass(int64_t rows, const uint8_t* w, const uint16_t* scales, const uint16_t* offsets,
                const QuantizedRows& xq, int64_t m, int64_t K, int64_t group, int32_t code_zero, T* ym, int64_t ldy,
-               const float* bias, int64_t valid) {
+               const float* bias, int64_t valid, NextTile next) {
 #define SOBRIO_TILE_ROWS(kM)                                                                                    \
   if constexpr (kChannel)                                                                                       \
     return tile_rows_channel<kBits, kM, kWide, kNextTile, T>(w, scales, offsets, xq, m, K, group, code_zero, ym, \
-                                                            ldy, bias, valid);                                  \
+                                                            ldy, bias, valid, next);                            \
   else                                                                                                          \
     return tile_rows<kBits, kM, kWide, kNextTile, T>(w, scales, offsets, xq, m, K, group, code_zero, ym, ldy,   \
-                                                    bias, valid)
+                                                    bias, valid, next)
   if constexpr (kChannel && !kWide) {
     switch (rows) {
       case 8: SOBRIO_TILE_ROWS(8);
@@ -308,8 +320,8 @@ void tile_pass(int64_t rows, const uint8_t* w, const uint16_t* scales, const uin
 }
 
 // Rows [m_begin, m_end) against one tile, kRowBlock rows a pass over it. Where there is more than one pass,
-// every pass prefetches the next tile into L2 (which its own passes then read from cache), so at 5-16 rows
-// (decode batches) memory and dot products overlap instead of taking turns; one pass streams its own tile.
+// the passes prefetch the next tile into L2, each its share (NextTile), so at 5-16 rows (decode batches)
+// memory and dot products overlap instead of taking turns; one pass streams its own tile.
 template <int kBits, bool kWide, bool kChannel, typename T>
 void tile_all_rows(const uint8_t* w, const uint16_t* scales, const uint16_t* offsets, const QuantizedRows& xq,
                    int64_t m_begin, int64_t m_end, int64_t K, int64_t group, int32_t code_zero, T* y, int64_t ldy,
@@ -317,9 +329,11 @@ void tile_all_rows(const uint8_t* w, const uint16_t* scales, const uint16_t* off
   const int64_t block = kChannel && !kWide && m_end - m_begin > kChannelRowBlock ? kChannelRowBlock : kRowBlock;
   const auto pass = m_end - m_begin <= block ? tile_pass<kBits, kWide, false, kChannel, T>
                                               : tile_pass<kBits, kWide, true, kChannel, T>;
-  for (int64_t m = m_begin; m < m_end; m += block)
+  const int64_t passes = (m_end - m_begin + block - 1) / block, tile_bytes = kTile * K * kBits / 8;
+  const char* next_tile = reinterpret_cast<const char*>(w) + tile_bytes;
+  for (int64_t m = m_begin, p = 0; m < m_end; m += block, ++p)
     pass(std::min<int64_t>(block, m_end - m), w, scales, offsets, xq, m, K, group, code_zero, y + m * ldy, ldy,
-         bias, valid);
+         bias, valid, NextTile{next_tile + p * tile_bytes / passes, (128 + passes - 1) / passes});
 }
 
 // One tile, a range of rows: the kernel for these bits, activation width, scales (per group or channel) and

@@ -2,6 +2,7 @@
 the C++ operator, on the same paged cache; prints ms per layer and the speed-up over the reference.
 
     .venv/bin/python benchmarks/attention_backends.py [--seqs 64] [--dtype bfloat16] [--skewed]
+        [--heads 9 --kv-heads 3 --head-dim 64]   (SmolLM2-135M's; Qwen2.5-3B's: 16 2 128, Llama-3.1-8B's: 32 8 128)
 
 `--skewed`: the first half of the sequences at --max-ctx, the others at --min-ctx (a split of the tasks by
 count gives one thread all the long ones; the C++ operator splits them by key rows).
@@ -66,11 +67,15 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--skewed", action="store_true", help="half the sequences long, then half short")
+    parser.add_argument("--heads", type=int, default=9, help="query heads (default: %(default)s)")
+    parser.add_argument("--kv-heads", type=int, default=3, help="(default: %(default)s)")
+    parser.add_argument("--head-dim", type=int, default=64, help="(default: %(default)s)")
     args = parser.parse_args()
-    heads, kv_heads, dim, block = 9, 3, 64, 16  # SmolLM2-135M's attention shapes
+    heads, kv_heads, dim, block = args.heads, args.kv_heads, args.head_dim, 16
     cache, meta, q, kv, tokens = decode_step(args.seqs, args.min_ctx, args.max_ctx, heads, kv_heads, dim, block,
                                              getattr(torch, args.dtype), args.skewed)
-    print(f"{args.seqs} decoding sequences, {tokens} context tokens, {args.dtype}, {torch.get_num_threads()} threads")
+    print(f"{args.seqs} decoding sequences, {tokens} context tokens, heads {heads}/{kv_heads} of {dim}, {args.dtype}, "
+          f"{torch.get_num_threads()} threads")
     backends = [ReferenceAttention, BatchedDecodeAttention] + ([CppPagedAttention] if load() else [])
     base = None
     for cls in backends:

@@ -127,43 +127,44 @@ inline __m512 hsum16(const __m512 (&v)[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
 }
 
-// A 64-dim bf16 query head rounded to int16 on its own symmetric scale (max |q| / 32767), as 32 pairs in
+// A kD-dim bf16 query head rounded to int16 on its own symmetric scale (max |q| / 32767), as 32 pairs in
 // each of `out`; returns the scale.
-inline float quantize_query_int16(const c10::BFloat16* q, __m512i (&out)[2]) {
-  __m512 v[4], mx = _mm512_setzero_ps();
-  for (int j = 0; j < 4; ++j) v[j] = sobrio_vec::load16(q + 16 * j), mx = _mm512_max_ps(mx, _mm512_abs_ps(v[j]));
+template <int kD>
+inline float quantize_query_int16(const c10::BFloat16* q, __m512i (&out)[kD / 32]) {
+  __m512 v[kD / 16], mx = _mm512_setzero_ps();
+  for (int j = 0; j < kD / 16; ++j) v[j] = sobrio_vec::load16(q + 16 * j), mx = _mm512_max_ps(mx, _mm512_abs_ps(v[j]));
   const float qs = std::max(_mm512_reduce_max_ps(mx), std::numeric_limits<float>::min()) / 32767.f;
   const __m512 inv = _mm512_set1_ps(1.f / qs);
-  __m256i h[4];
-  for (int j = 0; j < 4; ++j) h[j] = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v[j], inv)));
-  out[0] = _mm512_inserti64x4(_mm512_castsi256_si512(h[0]), h[1], 1);
-  out[1] = _mm512_inserti64x4(_mm512_castsi256_si512(h[2]), h[3], 1);
+  __m256i h[kD / 16];
+  for (int j = 0; j < kD / 16; ++j) h[j] = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v[j], inv)));
+  for (int j = 0; j < kD / 32; ++j) out[j] = _mm512_inserti64x4(_mm512_castsi256_si512(h[2 * j]), h[2 * j + 1], 1);
   return qs;
 }
 
-// The common case, bf16 queries with head_dim 64 and at most 8 query heads per kv head: scores by
-// AVX512-BF16 dot products straight from the cache rows, 16 keys at a time summed together (`hsum16`),
-// output accumulated in registers. A key's score is computed the same way wherever it falls in its group of
-// 16 (absent keys are zeros), so a row's result depends on its sequence alone.
+// The common case, bf16 queries with head_dim kD (64 or 128: most models from 1B up) and at most 8 query
+// heads per kv head: scores by AVX512-BF16 dot products straight from the cache rows, 16 keys at a time
+// summed together (`hsum16`), output accumulated in registers, 64 dims a pass over the values (at 128 dims
+// and 8 heads, one pass would need 64 registers of sums). A key's score is computed the same way wherever it
+// falls in its group of 16 (absent keys are zeros), so a row's result depends on its sequence alone.
 // C = int8_t: a quantized cache, with one bf16 scale per row in `ks` / `vs` (indexed like the rows, by
-// offset / 64). Each query head is rounded once to int16 on a scale of its own (15 bits: finer than its bf16
+// offset / kD). Each query head is rounded once to int16 on a scale of its own (15 bits: finer than its bf16
 // values), and a key row is sign-extended to int16 in registers for VNNI's exact int16 dot products
-// (vpdpwssd; |sum| <= 64 * 32767 * 127 < 2^31): no conversion of the row to floats, half the bytes of a bf16
+// (vpdpwssd; |sum| <= 128 * 32767 * 127 < 2^31): no conversion of the row to floats, half the bytes of a bf16
 // row read. A key's scale times the query head's multiplies its score, a value's scale its weight.
-template <typename C, int G>
-void decode_task_d64(const c10::BFloat16* q, const C* kc, const C* vc, const c10::BFloat16* ks,
-                     const c10::BFloat16* vs, const int64_t* table, int64_t block_size, int64_t kv_stride,
-                     int64_t start, int64_t ctx, float scale, float* scores, c10::BFloat16* out) {
+template <typename C, int kD, int G>
+void decode_task(const c10::BFloat16* q, const C* kc, const C* vc, const c10::BFloat16* ks,
+                 const c10::BFloat16* vs, const int64_t* table, int64_t block_size, int64_t kv_stride,
+                 int64_t start, int64_t ctx, float scale, float* scores, c10::BFloat16* out) {
   constexpr bool kQuantized = std::is_same_v<C, int8_t>;
+  constexpr int64_t kRowBytes = kD * static_cast<int64_t>(sizeof(C));
   const int64_t n = ctx - start;
-  __m512i qv[G][2];  // bf16 pairs, or (quantized cache) int16 pairs
+  __m512i qv[G][kD / 32];  // bf16 pairs, or (quantized cache) int16 pairs
   float q_scale[G];
   for (int g = 0; g < G; ++g) {
     if constexpr (kQuantized) {
-      q_scale[g] = quantize_query_int16(q + g * 64, qv[g]);
+      q_scale[g] = quantize_query_int16<kD>(q + g * kD, qv[g]);
     } else {
-      qv[g][0] = _mm512_loadu_si512(q + g * 64);
-      qv[g][1] = _mm512_loadu_si512(q + g * 64 + 32);
+      for (int j = 0; j < kD / 32; ++j) qv[g][j] = _mm512_loadu_si512(q + g * kD + 32 * j);
       q_scale[g] = 1.f;
     }
   }
@@ -185,10 +186,10 @@ void decode_task_d64(const c10::BFloat16* q, const C* kc, const C* vc, const c10
   auto prefetch_next = [&] {
     if (t_ahead++ >= ctx) return;
     const int64_t r = ahead.next();
-    _mm_prefetch(reinterpret_cast<const char*>(kc + r), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(kc + r + 32), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(vc + r), _MM_HINT_T1);
-    _mm_prefetch(reinterpret_cast<const char*>(vc + r + 32), _MM_HINT_T1);
+    for (int64_t b = 0; b < kRowBytes; b += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(kc + r) + b, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(vc + r) + b, _MM_HINT_T1);
+    }
   };
   for (int i = 0; i < 16; ++i) prefetch_next();
   const __m512 vscale = _mm512_set1_ps(scale);
@@ -199,7 +200,7 @@ void decode_task_d64(const c10::BFloat16* q, const C* kc, const C* vc, const c10
     for (int i = 0; i < m; ++i) {
       const int64_t r = key_rows.next();
       prefetch_next();
-      if constexpr (kQuantized) key_scales[i] = sobrio_vec::to_float(ks[r / 64]);
+      if constexpr (kQuantized) key_scales[i] = sobrio_vec::to_float(ks[r / kD]);
       keys[i] = kc + r;
     }
     const __m512 row_scales = kQuantized ? _mm512_mul_ps(_mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << m) - 1),
@@ -211,14 +212,14 @@ void decode_task_d64(const c10::BFloat16* q, const C* kc, const C* vc, const c10
         if (i >= m) { d[i] = _mm512_setzero_ps(); continue; }
         if constexpr (kQuantized) {
           const auto* row = reinterpret_cast<const __m256i*>(keys[i]);
-          const __m512i k0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(row));
-          const __m512i k1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(row + 1));
-          d[i] = _mm512_cvtepi32_ps(_mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), qv[g][0], k0),
-                                                        qv[g][1], k1));
+          __m512i sum = _mm512_setzero_si512();
+          for (int j = 0; j < kD / 32; ++j)
+            sum = _mm512_dpwssd_epi32(sum, qv[g][j], _mm512_cvtepi8_epi16(_mm256_loadu_si256(row + j)));
+          d[i] = _mm512_cvtepi32_ps(sum);
         } else {
-          const __m512bh k0 = (__m512bh)_mm512_loadu_si512(keys[i]), k1 = (__m512bh)_mm512_loadu_si512(keys[i] + 32);
-          d[i] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)qv[g][0], k0), (__m512bh)qv[g][1],
-                                  k1);
+          d[i] = _mm512_setzero_ps();
+          for (int j = 0; j < kD / 32; ++j)
+            d[i] = _mm512_dpbf16_ps(d[i], (__m512bh)qv[g][j], (__m512bh)_mm512_loadu_si512(keys[i] + 32 * j));
         }
       }
       const __m512 head_scales = kQuantized ? _mm512_mul_ps(row_scales, _mm512_set1_ps(q_scale[g])) : row_scales;
@@ -231,30 +232,32 @@ void decode_task_d64(const c10::BFloat16* q, const C* kc, const C* vc, const c10
     float* sg = scores + g * n;
     inv[g] = 1.f / exp_and_sum(sg, n, *std::max_element(sg, sg + n));
   }
-  __m512 acc[G][4];
-  for (int g = 0; g < G; ++g)
-    for (int j = 0; j < 4; ++j) acc[g][j] = _mm512_setzero_ps();
-  Rows value_rows = first, value_ahead = first;
-  for (int64_t t = start; t < std::min<int64_t>(ctx, start + 8); ++t) value_ahead.next();
-  for (int64_t t = start; t < ctx; ++t) {
-    if (t + 8 < ctx) {
-      const int64_t r = value_ahead.next();
-      _mm_prefetch(reinterpret_cast<const char*>(vc + r), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(vc + r + 32), _MM_HINT_T0);
+  for (int64_t dim0 = 0; dim0 < kD; dim0 += 64) {  // 64 dims of the values a pass
+    const int64_t half_bytes = 64 * static_cast<int64_t>(sizeof(C));
+    __m512 acc[G][4];
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < 4; ++j) acc[g][j] = _mm512_setzero_ps();
+    Rows value_rows = first, value_ahead = first;
+    for (int64_t t = start; t < std::min<int64_t>(ctx, start + 8); ++t) value_ahead.next();
+    for (int64_t t = start; t < ctx; ++t) {
+      if (t + 8 < ctx) {
+        const char* ahead_row = reinterpret_cast<const char*>(vc + value_ahead.next() + dim0);
+        for (int64_t b = 0; b < half_bytes; b += 64) _mm_prefetch(ahead_row + b, _MM_HINT_T0);
+      }
+      const int64_t r = value_rows.next();
+      __m512 vf[4];
+      for (int j = 0; j < 4; ++j) vf[j] = sobrio_vec::load16(vc + r + dim0 + 16 * j);
+      const float value_scale = kQuantized ? sobrio_vec::to_float(vs[r / kD]) : 1.f;
+      for (int g = 0; g < G; ++g) {
+        const __m512 p = _mm512_set1_ps(scores[g * n + (t - start)] * value_scale);
+        for (int j = 0; j < 4; ++j) acc[g][j] = _mm512_fmadd_ps(p, vf[j], acc[g][j]);
+      }
     }
-    const int64_t r = value_rows.next();
-    __m512 vf[4];
-    for (int j = 0; j < 4; ++j) vf[j] = sobrio_vec::load16(vc + r + 16 * j);
-    const float value_scale = kQuantized ? sobrio_vec::to_float(vs[r / 64]) : 1.f;
     for (int g = 0; g < G; ++g) {
-      const __m512 p = _mm512_set1_ps(scores[g * n + (t - start)] * value_scale);
-      for (int j = 0; j < 4; ++j) acc[g][j] = _mm512_fmadd_ps(p, vf[j], acc[g][j]);
+      float buf[64];
+      for (int j = 0; j < 4; ++j) _mm512_storeu_ps(buf + 16 * j, _mm512_mul_ps(acc[g][j], _mm512_set1_ps(inv[g])));
+      for (int i = 0; i < 64; ++i) out[g * kD + dim0 + i] = static_cast<c10::BFloat16>(buf[i]);
     }
-  }
-  for (int g = 0; g < G; ++g) {
-    float buf[64];
-    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(buf + 16 * j, _mm512_mul_ps(acc[g][j], _mm512_set1_ps(inv[g])));
-    for (int i = 0; i < 64; ++i) out[g * 64 + i] = static_cast<c10::BFloat16>(buf[i]);
   }
 }
 
@@ -284,10 +287,11 @@ inline std::vector<int64_t> split_by_rows(const int64_t* lens, int64_t batch, in
 template <typename C>
 using FastTask = void (*)(const c10::BFloat16*, const C*, const C*, const c10::BFloat16*, const c10::BFloat16*,
                           const int64_t*, int64_t, int64_t, int64_t, int64_t, float, float*, c10::BFloat16*);
-template <typename C>
-constexpr FastTask<C> kFastTasks[] = {nullptr, decode_task_d64<C, 1>, decode_task_d64<C, 2>, decode_task_d64<C, 3>,
-                                      decode_task_d64<C, 4>, decode_task_d64<C, 5>, decode_task_d64<C, 6>,
-                                      decode_task_d64<C, 7>, decode_task_d64<C, 8>};
+// The task for head_dim kD and G query heads a kv head (1 to 8).
+template <typename C, int kD>
+constexpr FastTask<C> kFastTasks[] = {nullptr, decode_task<C, kD, 1>, decode_task<C, kD, 2>, decode_task<C, kD, 3>,
+                                      decode_task<C, kD, 4>, decode_task<C, kD, 5>, decode_task<C, kD, 6>,
+                                      decode_task<C, kD, 7>, decode_task<C, kD, 8>};
 
 // C: the cache's rows, bf16 or int8 (then with `key_scales` / `value_scales`, else null).
 template <typename C>
@@ -297,7 +301,8 @@ bool decode_fast(const torch::Tensor& query, const torch::Tensor& key_cache, con
                  const c10::BFloat16* value_scales) {
   const int64_t batch = query.size(0), heads = query.size(1), dim = query.size(2);
   const int64_t kv_heads = key_cache.size(1), group = heads / kv_heads;
-  if (query.scalar_type() != at::kBFloat16 || dim != 64 || group > 8) return false;
+  if (query.scalar_type() != at::kBFloat16 || (dim != 64 && dim != 128) || group > 8) return false;
+  const FastTask<C> task_of_group = dim == 64 ? kFastTasks<C, 64>[group] : kFastTasks<C, 128>[group];
   const auto* q = query.data_ptr<c10::BFloat16>();
   const C* kc = key_cache.data_ptr<C>();
   const C* vc = value_cache.data_ptr<C>();
@@ -318,8 +323,8 @@ bool decode_fast(const torch::Tensor& query, const torch::Tensor& key_cache, con
       const int64_t start = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
       scores.resize(group * (ctx - start));
       const int64_t first = (b * heads + kh * group) * dim;
-      // Scales are indexed by row offset / 64: shifted by kh here, as the rows are by kh * dim.
-      kFastTasks<C>[group](q + first, kc + kh * dim, vc + kh * dim, key_scales ? key_scales + kh : nullptr,
+      // Scales are indexed by row offset / dim: shifted by kh here, as the rows are by kh * dim.
+      task_of_group(q + first, kc + kh * dim, vc + kh * dim, key_scales ? key_scales + kh : nullptr,
                            value_scales ? value_scales + kh : nullptr, tables + b * max_blocks, block_size,
                            kv_heads * dim, start, ctx, static_cast<float>(scale), scores.data(), o + first);
     }

@@ -48,7 +48,7 @@ def test_cpp_operator_builds():
 @pytest.mark.parametrize("backend", FAST_BACKENDS, ids=lambda c: c.__name__)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("window", [None, 24])
-@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 32), (9, 3, 64)])  # 64: the C++ bf16 fast path
+@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 32), (9, 3, 64), (16, 2, 128)])  # 64, 128: C++ fast paths
 @pytest.mark.parametrize("query_lens, context_lens", [
     ([1, 7, 1, 1, 30, 1, 16], [1, 40, 77, 5, 30, 130, 16]),  # decodes, a chunk with context, a whole prompt
     ([4, 2, 1, 3], [60, 9, 33, 120])],  # verifying drafts only: every query short, several rows each
@@ -111,19 +111,21 @@ def test_each_layer_reads_and_writes_its_own_cache(backend):
 
 
 @pytest.mark.parametrize("window", [None, 200])
-def test_a_skewed_decode_batch_split_over_threads_equals_each_sequence_alone(window):
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (16, 2, 128)])
+def test_a_skewed_decode_batch_split_over_threads_equals_each_sequence_alone(window, heads, kv_heads, dim):
     """Long contexts first, short after: past ~4k key rows the C++ operator splits the tasks over the
     threads by key rows. A row's result must not depend on that: bitwise the result of its sequence alone
     (under 4k rows: one thread), and close to the reference."""
     if load() is None:
         pytest.skip("C++ operators unavailable")
     context_lens = [900] * 6 + [20] * 6
-    cache, meta, q, k, v = ragged_step([1] * len(context_lens), context_lens, 16, 9, 3, 64, torch.bfloat16)
-    attn = CppPagedAttention(9, 3, 64, 0.125, window)
+    cache, meta, q, k, v = ragged_step([1] * len(context_lens), context_lens, 16, heads, kv_heads, dim,
+                                       torch.bfloat16)
+    attn = CppPagedAttention(heads, kv_heads, dim, dim ** -0.5, window)
     batched = attn(q, k, v, meta)
     for i, ctx in enumerate(context_lens):
         one = AttentionMetadata(meta.slot_mapping[i:i + 1], [0, 1], [ctx], meta.block_tables[i:i + 1], 16,
                                 meta.kv_cache)
         assert torch.equal(attn(q[i:i + 1], k[i:i + 1], v[i:i + 1], one), batched[i:i + 1])
-    reference = ReferenceAttention(9, 3, 64, 0.125, window)(q, k, v, meta)
+    reference = ReferenceAttention(heads, kv_heads, dim, dim ** -0.5, window)(q, k, v, meta)
     torch.testing.assert_close(batched.float(), reference.float(), atol=2e-2, rtol=2e-2)

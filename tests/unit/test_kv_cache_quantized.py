@@ -48,7 +48,7 @@ BACKENDS = [ReferenceAttention, BatchedDecodeAttention, CppPagedAttention, Batch
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=lambda c: c.__name__)
 @pytest.mark.parametrize("dtype", CACHE_DTYPES, ids=str)
-@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 32), (9, 3, 64)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 32), (9, 3, 64), (16, 2, 128)])
 def test_every_backend_reads_a_quantized_cache_close_to_the_dense_one(backend, dtype, heads, kv_heads, dim):
     if backend in (CppPagedAttention, BatchInvariantAttention) and load() is None:
         pytest.skip("C++ operators unavailable")
@@ -71,11 +71,14 @@ def test_every_backend_reads_a_quantized_cache_close_to_the_dense_one(backend, d
 
 @pytest.mark.skipif(load() is None, reason="C++ operators unavailable")
 @pytest.mark.parametrize("dtype", CACHE_DTYPES, ids=str)
-def test_cpp_kernel_equals_the_dequantized_gather(dtype):
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (16, 2, 128)])
+def test_cpp_kernel_equals_the_dequantized_gather(dtype, heads, kv_heads, dim):
     """In-place reads with the scales applied to scores and weights equal attention over the dequantized rows."""
-    _, meta, q, k, v = ragged_step([1] * 6, [1, 17, 40, 77, 130, 5], 16, 9, 3, 64, torch.bfloat16, seed=3)
+    _, meta, q, k, v = ragged_step([1] * 6, [1, 17, 40, 77, 130, 5], 16, heads, kv_heads, dim, torch.bfloat16,
+                                   seed=3)
     quantized = quantized_copy(meta, dtype)
-    outs = [cls(9, 3, 64, 0.125)(q, k, v, quantized).float() for cls in (ReferenceAttention, CppPagedAttention)]
+    outs = [cls(heads, kv_heads, dim, dim ** -0.5)(q, k, v, quantized).float()
+            for cls in (ReferenceAttention, CppPagedAttention)]
     torch.testing.assert_close(outs[1], outs[0], atol=2e-2, rtol=2e-2)
 
 

@@ -44,7 +44,7 @@ async def send(client: aiohttp.ClientSession, url: str, body: dict, headers: dic
     as a failure: the server did deliver its tokens."""
     result = RequestResult(prompt_tokens=sample.prompt_len, start=time.perf_counter() - t0)
     sent = time.perf_counter()
-    chunks, pieces, empty_times = 0, [], []
+    pieces, empty_times = [], []
     try:
         async with client.post(url, json=body, headers=headers) as resp:
             if resp.status != 200:
@@ -64,13 +64,12 @@ async def send(client: aiohttp.ClientSession, url: str, body: dict, headers: dic
                     result.output_tokens = data["usage"].get("completion_tokens", 0)
                 if _has_content(data):
                     result.chunk_times.append(time.perf_counter() - t0)
-                    chunks += 1
                     pieces.append(_content(data))
                 elif data.get("choices"):
                     empty_times.append(time.perf_counter() - t0)
         result.e2e = time.perf_counter() - sent
         if not result.chunk_times:
-            result.chunk_times, chunks = empty_times, len(empty_times)
+            result.chunk_times = empty_times
         if not result.chunk_times:
             result.error = "no tokens received"
             return result
@@ -78,7 +77,7 @@ async def send(client: aiohttp.ClientSession, url: str, body: dict, headers: dic
         result.itl = [b - a for a, b in zip(result.chunk_times, result.chunk_times[1:])]
         if not result.output_tokens:
             text = "".join(pieces)
-            result.output_tokens = count_tokens(text) if count_tokens and text else chunks
+            result.output_tokens = count_tokens(text) if count_tokens and text else len(result.chunk_times)
         result.success = True
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:  # ValueError: bad JSON, text or line
         result.error = type(exc).__name__

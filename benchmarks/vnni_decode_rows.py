@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
 from quantization_start import avx512_flags, cpu_name  # noqa: E402
 from real_shapes import SHAPES as MODELS  # noqa: E402
+from real_shapes import hf_config, parameter_shapes  # noqa: E402
 from vnni_prompt_rows import codes  # noqa: E402
 
 from sobrio.layers import vnni  # noqa: E402
@@ -32,12 +33,14 @@ from sobrio.layers.quantization import VNNI_INPUT_GROUPS  # noqa: E402
 
 
 def layer_shapes(model: str) -> tuple[int, list[tuple[int, int]]]:
-    """The model's layer count and a layer's (out, in) matmuls: qkv, o, gate_up, down."""
-    c = MODELS[model]
-    hidden, heads, kv_heads = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
-    head_dim = c.get("head_dim", hidden // heads)
-    return c["num_hidden_layers"], [((heads + 2 * kv_heads) * head_dim, hidden), (hidden, heads * head_dim),
-                                    (2 * c["intermediate_size"], hidden), (hidden, c["intermediate_size"])]
+    """The model's layer count and a layer's (out, in) matmuls as sobrio fuses them: qkv, o, gate_up, down
+    (the shapes of transformers' own model of `peers/real_shapes.py`'s config)."""
+    config = hf_config(model)
+    shapes = {name.removeprefix("model.layers.0.").removesuffix("_proj.weight"): shape
+              for name, shape in parameter_shapes(config).items() if name.startswith("model.layers.0.")}
+    q, k, v, o = (shapes[f"self_attn.{p}"] for p in "qkvo")
+    gate, up, down = (shapes[f"mlp.{p}"] for p in ("gate", "up", "down"))
+    return config.num_hidden_layers, [(q[0] + k[0] + v[0], q[1]), tuple(o), (gate[0] + up[0], gate[1]), tuple(down)]
 
 
 def main() -> None:

@@ -46,7 +46,8 @@ def main() -> None:
     if populating is not None and not args.no_kv_wait:
         waited = time.perf_counter()
         populating.join(timeout=300)
-        print(f"waited {time.perf_counter() - waited:.1f} s for the KV cache's pages to be mapped")
+        state = "still mapping, timing anyway" if populating.is_alive() else "mapped"
+        print(f"waited {time.perf_counter() - waited:.1f} s for the KV cache's pages ({state})")
 
     steps: list[tuple[int, int, float, int]] = []  # (rows, sampled rows, seconds, minor page faults)
     run = model_runner.ModelRunner.run

@@ -157,6 +157,7 @@ void decode_task(const c10::BFloat16* q, const C* kc, const C* vc, const c10::BF
                  int64_t start, int64_t ctx, float scale, float* scores, c10::BFloat16* out) {
   constexpr bool kQuantized = std::is_same_v<C, int8_t>;
   constexpr int64_t kRowBytes = kD * static_cast<int64_t>(sizeof(C));
+  constexpr int64_t kPassBytes = 64 * static_cast<int64_t>(sizeof(C));  // the values' 64 dims a pass
   const int64_t n = ctx - start;
   __m512i qv[G][kD / 32];  // bf16 pairs, or (quantized cache) int16 pairs
   float q_scale[G];
@@ -233,7 +234,6 @@ void decode_task(const c10::BFloat16* q, const C* kc, const C* vc, const c10::BF
     inv[g] = 1.f / exp_and_sum(sg, n, *std::max_element(sg, sg + n));
   }
   for (int64_t dim0 = 0; dim0 < kD; dim0 += 64) {  // 64 dims of the values a pass
-    const int64_t half_bytes = 64 * static_cast<int64_t>(sizeof(C));
     __m512 acc[G][4];
     for (int g = 0; g < G; ++g)
       for (int j = 0; j < 4; ++j) acc[g][j] = _mm512_setzero_ps();
@@ -242,7 +242,7 @@ void decode_task(const c10::BFloat16* q, const C* kc, const C* vc, const c10::BF
     for (int64_t t = start; t < ctx; ++t) {
       if (t + 8 < ctx) {
         const char* ahead_row = reinterpret_cast<const char*>(vc + value_ahead.next() + dim0);
-        for (int64_t b = 0; b < half_bytes; b += 64) _mm_prefetch(ahead_row + b, _MM_HINT_T0);
+        for (int64_t b = 0; b < kPassBytes; b += 64) _mm_prefetch(ahead_row + b, _MM_HINT_T0);
       }
       const int64_t r = value_rows.next();
       __m512 vf[4];

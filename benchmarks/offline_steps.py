@@ -5,7 +5,7 @@ group's rate in GOP/s of the decoder layers (2 x a dense layer's weights a row, 
 attention left out, so it reads low; wrong for mixtures of experts) and the first steps' minor page faults
 (docs/memory.md, "A step's buffers"). The run starts once the KV cache's pages are mapped (its lowest-priority
 thread, `memory.populate_in_background`), as a served benchmark's does after its quiet gap; `--no-kv-wait` times
-from the start, with that thread's page faults (about 1 s of CPU for 2 GB here) taken from the run.
+from the start, with that thread's page faults taken from the run (its cost: docs/memory.md).
 
     .venv/bin/python benchmarks/offline_steps.py MODEL [--quantization int8] [--num-prompts 48]
         [--input-len 128] [--output-len 64] [--max-num-seqs 16] [--no-kv-wait]

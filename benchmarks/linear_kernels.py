@@ -1,6 +1,7 @@
 """The matmuls of a SmolLM2-135M decode step (30 layers' qkv, o, gate_up and down, then the LM head: 270 MB
 of bf16 weights, read from memory as a step reads them) through each kernel at a given row count:
-aten (F.linear), oneDNN with its packed weight, the C++ AMX kernel, the C++ GEMV, the C++ GEMV on oneDNN's packed
+aten (F.linear), oneDNN with its packed weight, the C++ AMX kernel (on its own copy and on oneDNN's, which is
+what a bf16 Linear runs up to 64 rows on AMX), the C++ GEMV, the C++ GEMV on oneDNN's packed
 copy (`blocked_gemv_bf16`: what a bf16 Linear runs up to 4 rows where it keeps that copy alone) and the C++ lane kernel
 (`invariant_linear`: what float32 takes on an AVX2-only CPU), and on AMX-INT8 the W8A8 kernel that
 `--quantization int8` takes there (int8 weights per channel, activations rounded per token in the kernel,
@@ -29,7 +30,7 @@ from sobrio.layers.cpu_ops import (  # noqa: E402
     gemv_available,
     invariant_linear_available,
 )
-from sobrio.layers.linear import amx_pack_weight, blocked_view, pack_weight  # noqa: E402
+from sobrio.layers.linear import AMX_BLOCK, amx_pack_weight, blocked_view, pack_weight  # noqa: E402
 from sobrio.layers.quantization import AMX_ACT_GROUP, quantize_weight  # noqa: E402
 
 INT8 = "AMX int8"
@@ -58,8 +59,13 @@ def kernels(ws: list[torch.Tensor], rows: int) -> dict:
     if gemv_available() and ws[0].dtype == torch.bfloat16 and rows <= 8:
         found["GEMV"] = lambda: [cpu_ops().gemv_bf16(xs[w.shape[1]], w) for w in ws]
     views = [blocked_view(p, w) if p is not None else None for w, p in zip(ws, dnn)]
-    if all(v is not None for v in views) and rows <= 8:  # the few-row kernel on oneDNN's copy (one copy kept)
-        found["GEMV on oneDNN's"] = lambda: [cpu_ops().blocked_gemv_bf16(xs[w.shape[1]], v) for w, v in zip(ws, views)]
+    if all(v is not None for v in views):  # the few-row kernel on oneDNN's copy (one copy kept): AMX's or the GEMV
+        if views[0].shape[2] == AMX_BLOCK:
+            found["AMX on oneDNN's"] = lambda: [cpu_ops().amx_linear(xs[w.shape[1]], v, w.shape[0])
+                                                for w, v in zip(ws, views)]
+        elif rows <= 8:
+            found["GEMV on oneDNN's"] = lambda: [cpu_ops().blocked_gemv_bf16(xs[w.shape[1]], v)
+                                                 for w, v in zip(ws, views)]
     if invariant_linear_available() and rows <= 64:
         found["C++ lanes"] = lambda: [cpu_ops().invariant_linear(xs[w.shape[1]], w) for w in ws]
     if amx_int8_available():

@@ -2,12 +2,13 @@
 // streams a small weight at about 9 GB/s: y[M, N] = x[M, K] @ w[N, K]^T (+ bias), float32 accumulation,
 // one rounding to bf16 per output.
 //
-// The weight is packed once at load into the tile layout, 16 output columns by 32 inputs a tile, each
-// tile 1 KB with pairs of inputs side by side (what TDPBF16PS reads), the tiles of 16 output columns
-// one after another along K. A step then reads the weight as two sequential streams per block of 32
-// columns, prefetched ahead, and every tile product is 16x16x32 at once. x is read in blocks of 32 rows
-// (copied to a zero-padded buffer when its rows are not whole blocks), so one tile configuration serves
-// every shape.
+// The weight is read in oneDNN's packed layout on AMX, [N/32, K/32, 16 (input pairs), 32 (columns), 2]: for
+// each block of 32 output columns, 2 KB per 32 inputs, one row of 128 bytes per pair of inputs (what
+// TDPBF16PS reads, two 16-column tiles side by side). So a Linear keeps oneDNN's copy alone, which its
+// GEMM reads past the decode batches (layers/linear.py checks the layout at load). A step reads the weight
+// as one sequential stream per block of 32 columns, prefetched ahead, and every tile product is 16x16x32
+// at once. x is read in blocks of 32 rows (copied to a zero-padded buffer when its rows are not whole
+// blocks), so one tile configuration serves every shape.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -57,20 +58,21 @@ inline void prefetch_tile(const void* p) {  // a 1 KB tile: 16 lines of 64 bytes
   for (int line = 0; line < 16; ++line) _mm_prefetch(static_cast<const char*>(p) + line * 64, _MM_HINT_T0);
 }
 
-// y rows [m, m+32) x columns [n, n+32): the float block in `acc` [32][32].
-void block_product(const c10::BFloat16* xp, const c10::BFloat16* w0, const c10::BFloat16* w1, int64_t K,
-                   float* acc) {
+// y rows [m, m+32) x columns [n, n+32), `w` the block's 32 columns (K/32 slabs of 2 KB): the float block in
+// `acc` [32][32].
+void block_product(const c10::BFloat16* xp, const c10::BFloat16* w, int64_t K, float* acc) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
-  const int64_t tile_elems = kTileRows * kTileK, k_tiles = K / kTileK, x_stride = K * 2;
+  const int64_t slab = kTileRows * kBlockN * 2, k_tiles = K / kTileK, x_stride = K * 2;
   for (int64_t kt = 0; kt < k_tiles; ++kt) {
-    if (kt + 4 < k_tiles) prefetch_tile(w0 + (kt + 4) * tile_elems), prefetch_tile(w1 + (kt + 4) * tile_elems);
+    const c10::BFloat16* wt = w + kt * slab;
+    if (kt + 4 < k_tiles) prefetch_tile(wt + 4 * slab), prefetch_tile(wt + 4 * slab + slab / 2);
     _tile_loadd(4, xp + kt * kTileK, x_stride);
     _tile_loadd(5, xp + kTileRows * K + kt * kTileK, x_stride);
-    _tile_loadd(6, w0 + kt * tile_elems, 64);
-    _tile_loadd(7, w1 + kt * tile_elems, 64);
+    _tile_loadd(6, wt, 4 * kTileRows * 2);  // columns 0-15 of each 128-byte row
+    _tile_loadd(7, wt + kTileRows * 2, 4 * kTileRows * 2);  // columns 16-31
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
     _tile_dpbf16ps(2, 5, 6);
@@ -359,19 +361,21 @@ void check_packable(const torch::Tensor& w) {
   TORCH_CHECK(w.size(0) % kBlockN == 0 && w.size(1) % kTileK == 0, "amx: N a multiple of 32, K of 32");
 }
 
-// w [N, K] -> [N/16, K/32, 16 (input pairs), 16 (columns), 2]: tile (n, k) holds w[n*16 + c][k*32 + 2r + e]
-// at [r][c][e].
+// w [N, K] -> [N/32, K/32, 16 (input pairs), 32 (columns), 2]: slab (n, k) holds w[n*32 + c][k*32 + 2r + e]
+// at [r][c][e]; the bytes oneDNN's reorder writes on AMX.
 torch::Tensor amx_pack_weight(torch::Tensor w) {
   check_packable(w);
   const int64_t N = w.size(0), K = w.size(1);
-  return w.contiguous().view({N / kTileRows, kTileRows, K / kTileK, kTileK / 2, 2}).permute({0, 2, 3, 1, 4}).contiguous();
+  return w.contiguous().view({N / kBlockN, kBlockN, K / kTileK, kTileK / 2, 2}).permute({0, 2, 3, 1, 4}).contiguous();
 }
 
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(amx_supported(), "amx_linear needs AMX-BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "amx_linear: x [M, K] bf16");
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(packed.numel() == N * K && N % kBlockN == 0 && K % kTileK == 0, "amx_linear: packed weight shape");
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() && packed.numel() == N * K &&
+                  N % kBlockN == 0 && K % kTileK == 0,
+              "amx_linear: a contiguous bf16 weight packed by amx_pack_weight, N a multiple of 32, K of 32");
   auto y = torch::empty({M, N}, x.options());
 #if defined(SOBRIO_AMX)
   if (M == 0) return y;
@@ -390,9 +394,9 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::
     configure_tiles();
     alignas(64) float acc[2 * kTileRows * kBlockN];
     for (int64_t nb = begin; nb < end; ++nb) {
-      const c10::BFloat16* w0 = wp + (2 * nb) * kTileRows * K;
+      const c10::BFloat16* w = wp + nb * kBlockN * K;
       for (int64_t m = 0; m < M; m += 2 * kTileRows) {
-        block_product(xp + m * K, w0, w0 + kTileRows * K, K, acc);
+        block_product(xp + m * K, w, K, acc);
         store_block(acc, b, yp + m * N, std::min<int64_t>(2 * kTileRows, M - m), N, nb * kBlockN);
       }
     }

@@ -103,30 +103,34 @@ torch::Tensor blocked_gemv_bf16(torch::Tensor x, torch::Tensor blocks, c10::opti
   return y;
 }
 
-// blocks[N/64, K/2, 64, 2] = weight[N, K] in the layout above: what oneDNN's reorder writes, at several times
-// its speed (the reorder transposes element by element). Each block of 64 rows is transposed as 32-bit pairs,
-// 16 pairs at a time through a 4 KB tile (one cache line of each of the 64 rows in, 16 runs of 256 bytes out).
+// blocks[N/B, K/2, B, 2] = weight[N, K] in the layout above (B = 64), or in oneDNN's on AMX (B = 32, the same
+// bytes as [N/32, K/32, 16, 32, 2]: csrc/amx_linear.cpp): what oneDNN's reorder writes, at several times its
+// speed (the reorder transposes element by element). Each block of B rows is transposed as 32-bit pairs, 16
+// pairs at a time through a tile of at most 4 KB (one cache line of each of the B rows in, 16 runs of 4B
+// bytes out).
 void pack_blocked_bf16(torch::Tensor weight, torch::Tensor blocks) {
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && blocks.scalar_type() == at::kBFloat16, "bf16 weight");
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "weight: a contiguous [N, K] tensor");
   const int64_t N = weight.size(0), K = weight.size(1), pairs = K / 2;
-  TORCH_CHECK(N % kBlock == 0 && K % 2 == 0, "weight: N a multiple of 64, K even");
-  TORCH_CHECK(blocks.dim() == 4 && blocks.is_contiguous() && blocks.size(0) * kBlock == N &&
-                  blocks.size(1) == pairs && blocks.size(2) == kBlock && blocks.size(3) == 2,
-              "blocks: a contiguous [N/64, K/2, 64, 2] tensor");
+  TORCH_CHECK(blocks.dim() == 4 && (blocks.size(2) == kBlock || blocks.size(2) == kBlock / 2),
+              "blocks: [N/B, K/2, B, 2] with B 64 or 32");
+  const int64_t block = blocks.size(2);
+  TORCH_CHECK(N % block == 0 && K % 2 == 0, "weight: N a multiple of the block, K even");
+  TORCH_CHECK(blocks.is_contiguous() && blocks.size(0) * block == N && blocks.size(1) == pairs && blocks.size(3) == 2,
+              "blocks: a contiguous [N/B, K/2, B, 2] tensor of the weight's shape");
   const uint32_t* src = reinterpret_cast<const uint32_t*>(weight.data_ptr());
   uint32_t* dst = reinterpret_cast<uint32_t*>(blocks.data_ptr());
-  at::parallel_for(0, N / kBlock, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, N / block, 1, [&](int64_t begin, int64_t end) {
     alignas(64) uint32_t tile[kBlock][16];
     for (int64_t b = begin; b < end; ++b) {
-      const uint32_t* s = src + b * kBlock * pairs;
-      uint32_t* d = dst + b * kBlock * pairs;
+      const uint32_t* s = src + b * block * pairs;
+      uint32_t* d = dst + b * block * pairs;
       for (int64_t p0 = 0; p0 < pairs; p0 += 16) {
         const int64_t n = std::min<int64_t>(16, pairs - p0);
-        for (int64_t j = 0; j < kBlock; ++j) std::memcpy(tile[j], s + j * pairs + p0, n * sizeof(uint32_t));
+        for (int64_t j = 0; j < block; ++j) std::memcpy(tile[j], s + j * pairs + p0, n * sizeof(uint32_t));
         for (int64_t p = 0; p < n; ++p) {
-          uint32_t* o = d + (p0 + p) * kBlock;
-          for (int64_t j = 0; j < kBlock; ++j) o[j] = tile[j][p];
+          uint32_t* o = d + (p0 + p) * block;
+          for (int64_t j = 0; j < block; ++j) o[j] = tile[j][p];
         }
       }
     }
@@ -141,6 +145,6 @@ void register_blocked_ops(pybind11::module& m) {
         "few-row bf16 x @ W.T (+ bias), W as the [N/64, K/2, 64, 2] view of oneDNN's packed copy",
         py::arg("x"), py::arg("blocks"), py::arg("bias") = py::none());
   m.def("pack_blocked_bf16", &pack_blocked_bf16,
-        "writes a bf16 weight [N, K] into a [N/64, K/2, 64, 2] blocked view (oneDNN's packed layout)",
+        "writes a bf16 weight [N, K] into a [N/B, K/2, B, 2] blocked view (oneDNN's packed layout; B 64 or 32)",
         py::arg("weight"), py::arg("blocks"));
 }

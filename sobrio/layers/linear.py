@@ -6,9 +6,10 @@ bandwidth; the GEMV streams each weight row once through AVX512-BF16 dot product
 rows a blocked GEMM wins, and oneDNN's with a pre-packed weight beats aten's (which re-lays the weight out
 on every call). Same results as aten: both are oneDNN underneath.
 
-One copy of each weight: where oneDNN's packed copy has the blocked layout the C++ `blocked_gemv_bf16` reads
-(AVX512-BF16 without AMX: [N/64, K/2, 64, 2], checked against the weight itself at `prepack`), the few-row
-matmuls read that copy too and the plain weight is dropped, so a bf16 model holds its weights once.
+One copy of each weight: where oneDNN's packed copy has the blocked layout a C++ few-row kernel reads
+(AVX512-BF16 without AMX: [N/64, K/2, 64, 2], `blocked_gemv_bf16`; AMX: [N/32, K/2, 32, 2], `amx_linear`;
+checked against the weight itself at `prepack`), the few-row matmuls read that copy too and the plain weight
+is dropped, so a bf16 model holds its weights once.
 `Linear.weight` then unpacks a copy for the rare readers (adapters, tools); the model's matmuls never do. A
 tied embedding reads its rows from the LM head's packed copy (`BlockedEmbedding`).
 
@@ -17,9 +18,9 @@ oneDNN's and MKL's blockings differ by M, in fp32 too). With `batch_invariant` e
 `invariant_linear`, which computes each output element in one order for any M; for bf16 it is the GEMV
 itself, so on a CPU without AMX batch-invariant decode at batch <= 4 costs nothing.
 
-On Intel AMX, up to `AMX_MAX_ROWS` rows (the decode batches) take the C++ AMX kernel instead, on a copy of
-the weight packed in its tile layout and prefetched ahead; past that, prompt chunks are compute-bound and
-oneDNN's blocking wins. On a CPU with AVX2 and no AVX-512 (AMD Zen 2/3), where `--dtype auto` is float32,
+On Intel AMX, up to `AMX_MAX_ROWS` rows (the decode batches) take the C++ AMX kernel instead, on oneDNN's
+packed copy (its tile layout there) prefetched ahead; past that, prompt chunks are compute-bound and oneDNN's
+blocking wins. On a CPU with AVX2 and no AVX-512 (AMD Zen 2/3), where `--dtype auto` is float32,
 MKL reads an uncached weight far below memory bandwidth at few rows, so up to `FP32_KERNEL_MAX_ROWS` rows
 take the same C++ kernel in 8-lane form (unmeasured on AVX-512 CPUs, so float32 keeps aten there). The
 measurements (`benchmarks/linear_kernels.py`) are in docs/benchmarks.md, "The CPU fast path".
@@ -43,7 +44,8 @@ from sobrio.layers.cpu_ops import (
 
 GEMV_MAX_ROWS = 4
 BLOCKED_GEMV_MAX_ROWS = 4
-BLOCK = 64  # outputs per block of oneDNN's packed bf16 layout
+BLOCK = 64  # outputs per block of oneDNN's packed bf16 layout on AVX512-BF16 without AMX
+AMX_BLOCK = 32  # ... and on AMX
 CHECKED_BLOCKS = 4  # blocks of a packed weight compared with the weight before the few-row kernel reads it
 AMX_MAX_ROWS = 64
 FP32_KERNEL_MAX_ROWS = 48
@@ -95,38 +97,51 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def amx_pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """The AMX kernel's tile-layout copy of a bf16 weight, or None where AMX or the shape does not fit
-    (the kernel takes whole blocks of 32 outputs by 32 inputs)."""
+    """The AMX kernel's tile-layout copy of a bf16 weight (oneDNN's packed bytes on AMX), or None where AMX or
+    the shape does not fit (the kernel takes whole blocks of 32 outputs by 32 inputs). Only where oneDNN's
+    own copy is not that layout: `Linear.prepack` keeps one or the other."""
     n, k = weight.shape
     if weight.dtype != torch.bfloat16 or n % 32 or k % 32 or not amx_available():
         return None
     return cpu_ops().amx_pack_weight(weight.detach())
 
 
+@functools.cache
+def packed_block() -> int | None:
+    """Outputs per block of oneDNN's packed bf16 layout that a few-row kernel here reads: 32 where the AMX
+    kernel runs, 64 where `blocked_gemv_bf16` does (AVX512-BF16), None where neither is built."""
+    if amx_available():
+        return AMX_BLOCK
+    return BLOCK if blocked_gemv_available() else None
+
+
 def blocked_view(packed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN's packed copy of `weight` as the bf16 tensor [N/64, K/2, 64, 2] that `blocked_gemv_bf16` reads
-    (a view of its memory: valid while `packed` lives), or None where its bytes are not that layout (another
-    CPU's blocking, padded shapes) or the kernel is not built. The bytes must be exactly the weight's (no
-    padding), and `CHECKED_BLOCKS` blocks of 64 outputs, the first and the last among them, are compared
+    """oneDNN's packed copy of `weight` as the bf16 tensor [N/B, K/2, B, 2] (B: `packed_block()`) that a
+    few-row kernel reads (a view of its memory: valid while `packed` lives), or None where its bytes are not
+    that layout (another CPU's blocking, padded shapes) or no such kernel is built. The bytes must be exactly
+    the weight's (no padding), and `CHECKED_BLOCKS` blocks of B outputs, the first and the last among them, are compared
     element by element with the weight: a blocking is one pattern repeated over the whole matrix, so another
     one shows in any block, and comparing every element (a transposed read of the whole weight) took 1.5 s
     of a 1B model's start on a 2-core Zen 4."""
     n, k = weight.shape
-    if not blocked_gemv_available() or n % BLOCK or k % 2 or torch.ops.mkldnn._nbytes(packed) != n * k * 2:
+    block = packed_block()
+    if block is None or n % block or k % (32 if block == AMX_BLOCK else 2):  # AMX tiles take 32 inputs
         return None
-    blocks = _blocks_of(packed, n, k)
+    if torch.ops.mkldnn._nbytes(packed) != n * k * 2:
+        return None
+    blocks = _blocks_of(packed, n, k, block)
     # numpy on this thread: torch.equal's parallel regions woke the OpenMP threads ~500 times (2.5 s on a busy host)
     got = blocks.view(torch.int16).numpy()
-    expected = weight.detach().contiguous().view(torch.int16).numpy().reshape(n // BLOCK, BLOCK, k // 2, 2)
-    last = n // BLOCK - 1
+    expected = weight.detach().contiguous().view(torch.int16).numpy().reshape(n // block, block, k // 2, 2)
+    last = n // block - 1
     checked = sorted({round(i * last / max(CHECKED_BLOCKS - 1, 1)) for i in range(CHECKED_BLOCKS)})
     return blocks if all(numpy.array_equal(got[i].transpose(1, 0, 2), expected[i]) for i in checked) else None
 
 
-def _blocks_of(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """The memory of oneDNN's packed copy of an [n, k] bf16 weight, as a [n/64, k/2, 64, 2] tensor."""
+def _blocks_of(packed: torch.Tensor, n: int, k: int, block: int) -> torch.Tensor:
+    """The memory of oneDNN's packed copy of an [n, k] bf16 weight, as a [n/block, k/2, block, 2] tensor."""
     memory = (ctypes.c_uint8 * (n * k * 2)).from_address(torch.ops.mkldnn.data_ptr(packed))
-    return torch.frombuffer(memory, dtype=torch.bfloat16).view(n // BLOCK, k // 2, BLOCK, 2)
+    return torch.frombuffer(memory, dtype=torch.bfloat16).view(n // block, k // 2, block, 2)
 
 
 class BlockedPacker:
@@ -145,7 +160,7 @@ class BlockedPacker:
         template = self.templates.get(weight.shape)
         if template is not None:
             packed = template.clone()
-            blocks = _blocks_of(packed, *weight.shape)
+            blocks = _blocks_of(packed, *weight.shape, packed_block())
             cpu_ops().pack_blocked_bf16(weight.detach().contiguous(), blocks)
             return packed, blocks
         packed = pack_weight(weight)
@@ -157,24 +172,29 @@ class BlockedPacker:
 
 @functools.cache
 def one_copy_layout() -> bool:
-    """Whether a bf16 Linear here keeps oneDNN's packed copy alone (the few-row kernel reads its layout)."""
+    """Whether a bf16 Linear here keeps oneDNN's packed copy alone (a few-row kernel reads its layout)."""
     weight = torch.randn(BLOCK, 2 * BLOCK, generator=torch.Generator().manual_seed(0)).bfloat16()
     packed = pack_weight(weight)
-    return packed is not None and amx_pack_weight(weight) is None and blocked_view(packed, weight) is not None
+    return packed is not None and blocked_view(packed, weight) is not None
 
 
 def unblocked(blocks: torch.Tensor) -> torch.Tensor:
-    """The plain [N, K] weight of a blocked view (a copy)."""
+    """The plain [N, K] weight of a blocked view [N/B, K/2, B, 2] (a copy)."""
     nb, pairs, block, _ = blocks.shape
     return blocks.transpose(1, 2).reshape(nb * block, pairs * 2)
 
 
 def blocked_linear(x: torch.Tensor, packed: torch.Tensor, blocks: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias from oneDNN's packed copy alone: the C++ kernel on its blocked view for a few rows,
-    oneDNN's GEMM past them."""
+    """x @ weight.T + bias from oneDNN's packed copy alone: a C++ kernel on its blocked view for a few rows
+    (the AMX kernel on AMX's blocks of 32, the GEMV on blocks of 64), oneDNN's GEMM past them."""
     rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] <= BLOCKED_GEMV_MAX_ROWS:
+    if blocks.shape[2] == AMX_BLOCK:
+        if rows.shape[0] <= AMX_MAX_ROWS:
+            y = cpu_ops().amx_linear(rows, blocks, blocks.shape[0] * AMX_BLOCK, bias)
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+    elif rows.shape[0] <= BLOCKED_GEMV_MAX_ROWS:
         y = cpu_ops().blocked_gemv_bf16(rows, blocks, bias)
     else:
         y = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
@@ -187,8 +207,8 @@ class BlockedEmbedding(torch.nn.Module):
 
     def __init__(self, packed: torch.Tensor, blocks: torch.Tensor):
         super().__init__()
-        self.packed, self.blocks = packed, blocks
-        self.num_embeddings, self.embedding_dim = blocks.shape[0] * BLOCK, blocks.shape[1] * 2
+        self.packed, self.blocks, self.block = packed, blocks, blocks.shape[2]
+        self.num_embeddings, self.embedding_dim = blocks.shape[0] * self.block, blocks.shape[1] * 2
 
     @property
     def weight(self) -> torch.Tensor:
@@ -200,7 +220,7 @@ class BlockedEmbedding(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.reshape(-1)
-        rows = self.blocks[ids // BLOCK, :, ids % BLOCK, :]  # [tokens, K/2, 2]
+        rows = self.blocks[ids // self.block, :, ids % self.block, :]  # [tokens, K/2, 2]
         return rows.reshape(*input_ids.shape, self.embedding_dim)
 
 
@@ -226,12 +246,10 @@ class Linear(torch.nn.Linear):
             self.weight = torch.nn.Parameter(weight, requires_grad=False)
         if batch_invariant:
             return
-        self.amx_packed = amx_pack_weight(weight)
-        if self.amx_packed is None:
-            self.packed, self.blocks = (packer or BlockedPacker()).pack(weight)
+        self.packed, self.blocks = (packer or BlockedPacker()).pack(weight)
+        if self.blocks is None:  # the plain weight stays, and the AMX kernel's own copy where that runs
+            self.amx_packed = amx_pack_weight(weight)
         else:
-            self.packed = pack_weight(weight)
-        if self.blocks is not None:
             del self.weight  # the Parameter goes; `weight` now unpacks a copy (`__getattr__`)
 
     def __getattr__(self, name: str):

@@ -246,7 +246,7 @@ class CausalLM(torch.nn.Module):
             if self.lm_head_blocks is not None:
                 self.model.embed_tokens = BlockedEmbedding(packed, self.lm_head_blocks)
             self.packed_lm_head = packed if self.lm_head_blocks is not None or not one_copy_layout() else None
-            self.amx_lm_head = amx_pack_weight(weight)
+            self.amx_lm_head = amx_pack_weight(weight) if self.lm_head_blocks is None else None
 
     def quantize(self, method: str, calibration_ids: list[int] | None = None) -> None:
         """Quantized weights (`--quantization`): every Linear replaced by its int8 or int4 form, the

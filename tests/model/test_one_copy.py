@@ -125,9 +125,10 @@ def test_a_tied_embedding_read_from_the_files_pages_ends_in_memory_of_its_own(tm
 
 
 @needs_blocked
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 65])
 def test_the_packed_copy_alone_computes_the_linear(rows):
-    """The few-row kernel on oneDNN's blocked layout, and oneDNN past it, against float32's product."""
+    """The few-row kernel on oneDNN's blocked layout (the GEMV up to 4 rows, or on AMX its kernel up to 64),
+    and oneDNN past it, against float32's product."""
     weight, bias = torch.randn(192, 96).bfloat16(), torch.randn(192).bfloat16()
     layer = Linear(96, 192, bias=True, dtype=torch.bfloat16)
     with torch.no_grad():

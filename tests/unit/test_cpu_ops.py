@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from sobrio.layers.cpu_ops import amx_available, cpu_ops, gemv_available
-from sobrio.layers.linear import amx_pack_weight
+from sobrio.layers.linear import amx_pack_weight, blocked_view, pack_weight
 from sobrio.layers.norm import GemmaRMSNorm, RMSNorm
 from sobrio.models.llama import GatedMLP
 
@@ -45,6 +45,18 @@ def test_amx_linear_equals_linear(rows: int, n: int, k: int):
     torch.testing.assert_close(cpu_ops().amx_linear(x, packed, n).float(), expected, atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(cpu_ops().amx_linear(x, packed, n, bias).float(), expected + bias.float(),
                                atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.skipif(not amx_available(), reason="needs Intel AMX-BF16")
+@pytest.mark.parametrize("n,k", [(32, 32), (96, 576), (2048, 64)])
+def test_the_amx_layout_is_onednns_packed_copy(n: int, k: int):
+    """The AMX kernel reads oneDNN's packed bytes, so a Linear on AMX keeps that copy alone (layers/linear.py)."""
+    w = torch.randn(n, k).bfloat16()
+    onednn = pack_weight(w)
+    assert torch.ops.mkldnn._nbytes(onednn) == n * k * 2
+    view = blocked_view(onednn, w)
+    assert view is not None and view.shape == (n // 32, k // 2, 32, 2)
+    assert torch.equal(amx_pack_weight(w).view(torch.int16).reshape(-1), view.view(torch.int16).reshape(-1))
 
 
 @pytest.mark.skipif(not amx_available(), reason="needs Intel AMX-BF16")

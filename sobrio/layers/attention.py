@@ -13,7 +13,8 @@ Two backends:
   times faster than 64 SDPA calls (whose bf16 GQA path is slow).
 - `CppPagedAttention`: decode through a small C++ operator that reads the paged cache in place, prompt
   chunks of a bf16 cache through another (`prompt_attention`: flash-style, AVX512-BF16 dot products, the
-  blocks above the diagonal skipped; 2-2.8x PyTorch's SDPA in CPU time), and so
+  blocks above the diagonal skipped; 2-2.8x PyTorch's SDPA in CPU time on Zen 4; on Intel AMX, where SDPA's
+  products run on AMX tiles, SDPA takes the chunks), and so
   every row of a sequence with a short query (up to `SHORT_QUERY` rows: a decode with the tokens structured
   output forced after it, a short chunk), each row as a decode query of its own: gathering a whole context
   and its GQA copies for a few rows cost several times the kernel's in-place read.
@@ -32,6 +33,8 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+from sobrio.layers.cpu_ops import amx_available
 
 SHORT_QUERY = 16  # CppPagedAttention: sequences with at most this many query rows attend row by row
 
@@ -328,10 +331,12 @@ class CppPagedAttention(BatchedDecodeAttention):
 
     @functools.cached_property
     def prompt_kernel(self) -> bool:
-        """Whether `prompt_attention` computes this layer's prompt chunks: AVX512-BF16, head size a multiple
-        of 64, no sliding window or softcap (those keep SDPA)."""
+        """Whether `prompt_attention` computes this layer's prompt chunks: AVX512-BF16 without AMX, head size a
+        multiple of 64, no sliding window or softcap (those keep SDPA). On Intel AMX PyTorch's flash attention
+        multiplies on AMX tiles and runs 1.4-3x the C++ kernel's vector dot products from 64 query rows
+        (docs/benchmarks.md, "Prompt attention on AMX")."""
         return (self.sliding_window is None and self.softcap is None and self.head_dim % 64 == 0
-                and self.ops.prompt_attention_supported())
+                and self.ops.prompt_attention_supported() and not amx_available())
 
 
 class BatchInvariantAttention(ReferenceAttention):

@@ -76,7 +76,8 @@ def test_prompt_kernel_equals_sdpa_on_chunks_after_a_prefix(heads, kv_heads, dim
     for cls in (ReferenceAttention, CppPagedAttention):
         cache, meta, q, k, v = ragged_step(query_lens, context_lens, 16, heads, kv_heads, dim, torch.bfloat16, seed=3)
         attn = cls(heads, kv_heads, dim, dim ** -0.5)
-        assert cls is ReferenceAttention or attn.prompt_kernel
+        if cls is CppPagedAttention:  # the kernel itself, also on AMX where the backend gives chunks to SDPA
+            attn.prompt_kernel = True
         outs.append(attn(q, k, v, meta).float())
     torch.testing.assert_close(outs[1], outs[0], atol=2e-2, rtol=2e-2)
 

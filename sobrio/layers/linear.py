@@ -125,9 +125,8 @@ def blocked_view(packed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | N
     of a 1B model's start on a 2-core Zen 4."""
     n, k = weight.shape
     block = packed_block()
-    if block is None or n % block or k % (32 if block == AMX_BLOCK else 2):  # AMX tiles take 32 inputs
-        return None
-    if torch.ops.mkldnn._nbytes(packed) != n * k * 2:
+    inputs = 32 if block == AMX_BLOCK else 2  # an AMX tile takes 32 inputs, the GEMV a pair
+    if block is None or n % block or k % inputs or torch.ops.mkldnn._nbytes(packed) != n * k * 2:
         return None
     blocks = _blocks_of(packed, n, k, block)
     # numpy on this thread: torch.equal's parallel regions woke the OpenMP threads ~500 times (2.5 s on a busy host)
@@ -189,15 +188,13 @@ def blocked_linear(x: torch.Tensor, packed: torch.Tensor, blocks: torch.Tensor,
     """x @ weight.T + bias from oneDNN's packed copy alone: a C++ kernel on its blocked view for a few rows
     (the AMX kernel on AMX's blocks of 32, the GEMV on blocks of 64), oneDNN's GEMM past them."""
     rows = x.reshape(-1, x.shape[-1])
-    if blocks.shape[2] == AMX_BLOCK:
-        if rows.shape[0] <= AMX_MAX_ROWS:
-            y = cpu_ops().amx_linear(rows, blocks, blocks.shape[0] * AMX_BLOCK, bias)
-        else:
-            y = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
-    elif rows.shape[0] <= BLOCKED_GEMV_MAX_ROWS:
-        y = cpu_ops().blocked_gemv_bf16(rows, blocks, bias)
-    else:
+    amx = blocks.shape[2] == AMX_BLOCK
+    if rows.shape[0] > (AMX_MAX_ROWS if amx else BLOCKED_GEMV_MAX_ROWS):
         y = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+    elif amx:
+        y = cpu_ops().amx_linear(rows, blocks, blocks.shape[0] * AMX_BLOCK, bias)
+    else:
+        y = cpu_ops().blocked_gemv_bf16(rows, blocks, bias)
     return y.view(*x.shape[:-1], y.shape[-1])
 
 

@@ -6,9 +6,11 @@
 // each block of 32 output columns, 2 KB per 32 inputs, one row of 128 bytes per pair of inputs (what
 // TDPBF16PS reads, two 16-column tiles side by side). So a Linear keeps oneDNN's copy alone, which its
 // GEMM reads past the decode batches (layers/linear.py checks the layout at load). A step reads the weight
-// as one sequential stream per block of 32 columns, prefetched ahead, and every tile product is 16x16x32
-// at once. x is read in blocks of 32 rows (copied to a zero-padded buffer when its rows are not whole
-// blocks), so one tile configuration serves every shape.
+// as one sequential stream (a thread's blocks of 32 columns follow each other), prefetched into L2 ahead of
+// the tile loads, and every tile product is 16x16x32 at once. x is read in blocks of 32 rows (copied to a
+// zero-padded buffer when its rows are not whole blocks), so one tile configuration serves every shape; a
+// block of 16 rows or fewer skips its second row tile's products, all padding (on a host whose tile
+// products are slow, 4 products a slab made the kernel compute-bound: docs/benchmarks.md).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -58,30 +60,45 @@ inline void prefetch_tile(const void* p) {  // a 1 KB tile: 16 lines of 64 bytes
   for (int line = 0; line < 16; ++line) _mm_prefetch(static_cast<const char*>(p) + line * 64, _MM_HINT_T0);
 }
 
-// y rows [m, m+32) x columns [n, n+32), `w` the block's 32 columns (K/32 slabs of 2 KB): the float block in
-// `acc` [32][32].
-void block_product(const c10::BFloat16* xp, const c10::BFloat16* w, int64_t K, float* acc) {
+constexpr int64_t kPrefetchSlabs = 8;  // 2 KB slabs of a bf16 weight fetched into L2 ahead of the tile loads
+
+inline void prefetch_slab_l2(const void* p) {  // a 2 KB slab: 32 lines of 64 bytes
+  for (int line = 0; line < 32; ++line) _mm_prefetch(static_cast<const char*>(p) + line * 64, _MM_HINT_T1);
+}
+
+// y rows [m, m + rows) (rows <= 32) x columns [n, n+32), `w` the block's 32 columns (K/32 slabs of 2 KB): the
+// float block in `acc` [32][32] (past 16 `rows`, the padding rows are left unwritten). The prefetch runs on
+// past the block into the next one, which follows it in memory (a prefetch past the weight's end does not
+// fault), so no block starts on a miss.
+void block_product(const c10::BFloat16* xp, const c10::BFloat16* w, int64_t K, int64_t rows, float* acc) {
+  const bool both = rows > kTileRows;
   _tile_zero(0);
   _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  if (both) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
   const int64_t slab = kTileRows * kBlockN * 2, k_tiles = K / kTileK, x_stride = K * 2;
   for (int64_t kt = 0; kt < k_tiles; ++kt) {
     const c10::BFloat16* wt = w + kt * slab;
-    if (kt + 4 < k_tiles) prefetch_tile(wt + 4 * slab), prefetch_tile(wt + 4 * slab + slab / 2);
+    prefetch_slab_l2(wt + kPrefetchSlabs * slab);
     _tile_loadd(4, xp + kt * kTileK, x_stride);
-    _tile_loadd(5, xp + kTileRows * K + kt * kTileK, x_stride);
     _tile_loadd(6, wt, 4 * kTileRows * 2);  // columns 0-15 of each 128-byte row
     _tile_loadd(7, wt + kTileRows * 2, 4 * kTileRows * 2);  // columns 16-31
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
+    if (both) {
+      _tile_loadd(5, xp + kTileRows * K + kt * kTileK, x_stride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
   }
   _tile_stored(0, acc, 128);
   _tile_stored(1, acc + 16, 128);
-  _tile_stored(2, acc + 16 * 32, 128);
-  _tile_stored(3, acc + 16 * 32 + 16, 128);
+  if (both) {
+    _tile_stored(2, acc + 16 * 32, 128);
+    _tile_stored(3, acc + 16 * 32 + 16, 128);
+  }
 }
 
 void store_block(const float* acc, const c10::BFloat16* bias, c10::BFloat16* y, int64_t rows, int64_t N, int64_t n) {
@@ -379,8 +396,9 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::
   auto y = torch::empty({M, N}, x.options());
 #if defined(SOBRIO_AMX)
   if (M == 0) return y;
-  // Whole 32-row blocks of x: a decode batch of 32 or 64 is read in place, others are padded with zeros.
-  const int64_t rows_padded = (M + 2 * kTileRows - 1) / (2 * kTileRows) * (2 * kTileRows);
+  // Whole 32-row blocks of x (one tile of 16 rows where M <= 16: a block that small reads no second one): a
+  // decode batch of 16, 32 or 64 is read in place, others are padded with zeros.
+  const int64_t rows_padded = M <= kTileRows ? kTileRows : (M + 2 * kTileRows - 1) / (2 * kTileRows) * (2 * kTileRows);
   torch::Tensor xpad = x.is_contiguous() && rows_padded == M ? x : torch::zeros({rows_padded, K}, x.options());
   if (!xpad.is_same(x)) xpad.narrow(0, 0, M).copy_(x);
   const auto* xp = xpad.data_ptr<c10::BFloat16>();
@@ -396,8 +414,9 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::
     for (int64_t nb = begin; nb < end; ++nb) {
       const c10::BFloat16* w = wp + nb * kBlockN * K;
       for (int64_t m = 0; m < M; m += 2 * kTileRows) {
-        block_product(xp + m * K, w, K, acc);
-        store_block(acc, b, yp + m * N, std::min<int64_t>(2 * kTileRows, M - m), N, nb * kBlockN);
+        const int64_t rows = std::min<int64_t>(2 * kTileRows, M - m);
+        block_product(xp + m * K, w, K, rows, acc);
+        store_block(acc, b, yp + m * N, rows, N, nb * kBlockN);
       }
     }
     _tile_release();

@@ -42,9 +42,11 @@ constexpr int64_t kChannelRowBlock = 8;
 constexpr int64_t kRowPass = 256;
 // Bytes ahead to prefetch: the hardware prefetchers ramp up too slowly on a decode step's small matrices
 // (SmolLM2's 120 layer matmuls from memory: 2.6-2.7 ms with 512 bytes ahead, 3.2-3.8 without, AMD EPYC
-// Zen 4, 2 threads). 2 KB ahead (32 lines; a thread's tiles are one sequential stream): one row 2.56 ->
-// 1.70-1.78 ms, 4096 no better (`benchmarks/vnni_kernels.py --rows 1`, Intel Xeon with AMX, 2 threads).
-constexpr int64_t kPrefetch = 2048;
+// Zen 4, 2 threads). 2 KB ahead into L1 (32 lines; a thread's tiles are one sequential stream): one row 2.56 ->
+// 1.70-1.78 ms, 4096 no better (`benchmarks/vnni_kernels.py --rows 1`, Intel Xeon with AMX, 2 threads). 4 KB
+// ahead into L2 streamed a few per cent faster than 2 KB into L1 on that Xeon (docs/benchmarks.md): L1's
+// fill buffers no longer hold the lines in flight.
+constexpr int64_t kPrefetch = 4096;
 // From this many rows (prompt chunks) `vnni_linear` multiplies x by the weight dequantized into x's dtype
 // with aten's dense matmul, where bf16 runs on AMX (without AMX, layers/vnni.py `dense_min_rows` passes
 // more): the int8 dot products cost ~5x at 1,000 rows. SmolLM2's layers, Intel Xeon
@@ -159,7 +161,7 @@ inline void group_dot(const uint8_t* w, const int8_t* hi_x, const int8_t* lo_x, 
       next.at += next.step;
     }
     for (int h = 0; h < 2; ++h, w += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetch, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetch, _MM_HINT_T1);
       const __m512i raw = _mm512_loadu_si512(w);
       if constexpr (kBits == 4) {
         const __m512i lo = _mm512_and_si512(raw, low4);

@@ -66,18 +66,31 @@ inline void prefetch_slab_l2(const void* p) {  // a 2 KB slab: 32 lines of 64 by
   for (int line = 0; line < 32; ++line) _mm_prefetch(static_cast<const char*>(p) + line * 64, _MM_HINT_T1);
 }
 
+inline void zero_tiles() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+
+// Tiles 0-3 into `acc` [32][32] (float or int32 sums); 2-3 only with `both` (a block of more than 16 rows).
+template <typename T>
+inline void store_tiles(T* acc, bool both) {
+  _tile_stored(0, acc, 128);
+  _tile_stored(1, acc + 16, 128);
+  if (both) {
+    _tile_stored(2, acc + 16 * 32, 128);
+    _tile_stored(3, acc + 16 * 32 + 16, 128);
+  }
+}
+
 // y rows [m, m + rows) (rows <= 32) x columns [n, n+32), `w` the block's 32 columns (K/32 slabs of 2 KB): the
-// float block in `acc` [32][32] (past 16 `rows`, the padding rows are left unwritten). The prefetch runs on
+// float block in `acc` [32][32] (with 16 `rows` or fewer, its rows 16-31 are left unwritten). The prefetch runs on
 // past the block into the next one, which follows it in memory (a prefetch past the weight's end does not
 // fault), so no block starts on a miss.
 void block_product(const c10::BFloat16* xp, const c10::BFloat16* w, int64_t K, int64_t rows, float* acc) {
   const bool both = rows > kTileRows;
-  _tile_zero(0);
-  _tile_zero(1);
-  if (both) {
-    _tile_zero(2);
-    _tile_zero(3);
-  }
+  zero_tiles();
   const int64_t slab = kTileRows * kBlockN * 2, k_tiles = K / kTileK, x_stride = K * 2;
   for (int64_t kt = 0; kt < k_tiles; ++kt) {
     const c10::BFloat16* wt = w + kt * slab;
@@ -93,12 +106,7 @@ void block_product(const c10::BFloat16* xp, const c10::BFloat16* w, int64_t K, i
       _tile_dpbf16ps(3, 5, 7);
     }
   }
-  _tile_stored(0, acc, 128);
-  _tile_stored(1, acc + 16, 128);
-  if (both) {
-    _tile_stored(2, acc + 16 * 32, 128);
-    _tile_stored(3, acc + 16 * 32 + 16, 128);
-  }
+  store_tiles(acc, both);
 }
 
 void store_block(const float* acc, const c10::BFloat16* bias, c10::BFloat16* y, int64_t rows, int64_t N, int64_t n) {
@@ -145,22 +153,6 @@ inline void accumulate_tiles(const int8_t* xp, const int8_t* w0, const int8_t* w
       _tile_dpbssd(2, 5, 6);
       _tile_dpbssd(3, 5, 7);
     }
-  }
-}
-
-inline void zero_tiles() {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-}
-
-inline void store_tiles(int32_t* acc, bool both) {
-  _tile_stored(0, acc, 128);
-  _tile_stored(1, acc + 16, 128);
-  if (both) {
-    _tile_stored(2, acc + 16 * 32, 128);
-    _tile_stored(3, acc + 16 * 32 + 16, 128);
   }
 }
 
@@ -398,7 +390,8 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::
   if (M == 0) return y;
   // Whole 32-row blocks of x (one tile of 16 rows where M <= 16: a block that small reads no second one): a
   // decode batch of 16, 32 or 64 is read in place, others are padded with zeros.
-  const int64_t rows_padded = M <= kTileRows ? kTileRows : (M + 2 * kTileRows - 1) / (2 * kTileRows) * (2 * kTileRows);
+  const int64_t rows_padded =
+      M <= kTileRows ? kTileRows : (M + 2 * kTileRows - 1) / (2 * kTileRows) * (2 * kTileRows);
   torch::Tensor xpad = x.is_contiguous() && rows_padded == M ? x : torch::zeros({rows_padded, K}, x.options());
   if (!xpad.is_same(x)) xpad.narrow(0, 0, M).copy_(x);
   const auto* xp = xpad.data_ptr<c10::BFloat16>();

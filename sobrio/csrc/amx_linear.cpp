@@ -23,8 +23,7 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
 #define SOBRIO_AMX 1
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 #include "vec.h"
 #endif
 #if defined(SOBRIO_AMX) && defined(__AMX_INT8__) && defined(__AVX512BF16__)
@@ -36,25 +35,10 @@ namespace {
 constexpr int64_t kTileRows = 16, kTileK = 32, kBlockN = 32;
 
 #if defined(SOBRIO_AMX)
-// Linux hands out the AMX tile state only to a process that asks for it (ARCH_REQ_XCOMP_PERM).
-bool request_amx() {
-  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  return granted;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Every tile is 16 rows of 64 bytes: tmm0-3 the 32x32 float block of y, tmm4-5 two 16-row slices of
-// x, tmm6-7 the weight tiles of the block's two 16-column halves.
-void configure_tiles() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = kTileRows;
-  _tile_loadconfig(&config);
-}
+// Tiles (amx.h): tmm0-3 the 32x32 float block of y, tmm4-5 two 16-row slices of x, tmm6-7 the weight tiles of
+// the block's two 16-column halves.
+using sobrio_amx::configure_tiles;
+using sobrio_amx::request_amx;
 
 inline void prefetch_tile(const void* p) {  // a 1 KB tile: 16 lines of 64 bytes
   for (int line = 0; line < 16; ++line) _mm_prefetch(static_cast<const char*>(p) + line * 64, _MM_HINT_T0);

@@ -20,6 +20,7 @@
 #include <limits>
 #include <vector>
 
+#include "amx.h"
 #include "vec.h"
 
 namespace {
@@ -164,6 +165,184 @@ void attend_task(const uint16_t* q, const uint16_t* keys, const uint16_t* values
         sobrio_vec::store16(dst + d, _mm512_mul_ps(_mm512_loadu_ps(&acc[r * dim + d]), _mm512_set1_ps(inv)));
     }
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define SOBRIO_PROMPT_ATTENTION_AMX 1
+// On Intel AMX both products run on tiles (TDPBF16PS, 16x16x32 a product) and the online softmax goes by
+// `kSpan` keys at a time (4 packed blocks), so its row maxima and sums, and the rescaling of a row's output
+// so far, come once per 128 keys; a task's rows go 16 at a time (one row tile). The packed blocks are
+// already what the tiles read: a key block's [D/2][32][2] is a B tile per 32 dims and 16 keys (rows 128
+// bytes apart), a value block's [16][D][2] a B tile per 16 dims (rows 4D bytes apart).
+constexpr int64_t kSpan = 4 * kKeys;
+constexpr int64_t kTile = 16;
+constexpr int64_t kPair = 2 * kTile;     // rows a pass of the products: two row tiles
+constexpr int64_t kAmxPositions = 32;   // query positions a task
+
+// 2^x for x <= 0 as 2^n * p(f), f in [-1/2, 1/2], p of degree 5 (relative error ~3e-6, far below the bf16
+// probabilities'); inputs below -126 give 2^-126.
+inline __m512 exp2_512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.3333558146e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108665e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650696e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718056e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __mmask16 lanes_below(int64_t n) {  // the first n lanes of 16 (none for n <= 0, all from 16)
+  return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << std::max<int64_t>(n, 0)) - 1);
+}
+
+// The online softmax step of a row tile over a span: 16 rows of kSpan raw scores, row r seeing its first
+// valid[r] keys. The running maxima are kept in base 2 (max * scale * log2 e), so each probability is one
+// fused multiply-subtract and a 2^x: the bf16 probabilities go to `probs`, the sums are updated, and `keep`
+// gets each row's factor for its output so far (all 16 rows' at once: one vector 2^x).
+inline void softmax_span(const float* s, const int64_t* valid, float scale, float* max, float* sum, uint16_t* probs,
+                         float* keep) {
+  constexpr int64_t kVectors = kSpan / 16;
+  const float c = scale * 1.44269504088896341f;
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  alignas(64) float top[kTile];
+  for (int64_t r = 0; r < kTile; ++r) {
+    const float* row = s + r * kSpan;
+    __m512 m = ninf;
+    if (valid[r] >= kSpan) {
+      for (int64_t v = 0; v < kVectors; ++v) m = _mm512_max_ps(m, _mm512_loadu_ps(row + 16 * v));
+    } else {
+      for (int64_t v = 0; v < kVectors; ++v) m = _mm512_mask_max_ps(m, lanes_below(valid[r] - 16 * v), m, _mm512_loadu_ps(row + 16 * v));
+    }
+    top[r] = _mm512_reduce_max_ps(m);
+  }
+  const __m512 old = _mm512_loadu_ps(max);
+  const __m512 updated = _mm512_max_ps(old, _mm512_mul_ps(_mm512_load_ps(top), _mm512_set1_ps(c)));
+  _mm512_storeu_ps(max, updated);
+  _mm512_storeu_ps(keep, exp2_512(_mm512_sub_ps(old, updated)));  // a first span: 2^-126 times nothing
+  for (int64_t r = 0; r < kTile; ++r) {
+    const float* row = s + r * kSpan;
+    const __m512 vc = _mm512_set1_ps(c), m = _mm512_set1_ps(max[r]);
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t v = 0; v < kVectors; ++v) {
+      __m512 e = exp2_512(_mm512_fmsub_ps(_mm512_loadu_ps(row + 16 * v), vc, m));
+      if (valid[r] < kSpan) e = _mm512_maskz_mov_ps(lanes_below(valid[r] - 16 * v), e);
+      total = _mm512_add_ps(total, e);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + r * kSpan + 16 * v), (__m256i)_mm512_cvtneps_pbh(e));
+    }
+    sum[r] = sum[r] * keep[r] + _mm512_reduce_add_ps(total);
+  }
+}
+
+// scores [32][kSpan] = 32 query rows (q, D apart) . the span's `count` packed key blocks. Tiles 0-3 the
+// block's scores, (rows 0-15 | 16-31) x (keys 0-15 | 16-31); 4-5 32 dims of the two row tiles; 6-7 those dims
+// of the two halves of the keys: four independent sums, so the products' latency overlaps (as amx_linear).
+inline void span_scores(const uint16_t* q, const uint16_t* keys, int64_t count, int64_t dim, float* scores) {
+  const int64_t block_elems = kKeys * dim;
+  for (int64_t b = 0; b < count; ++b) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t c = 0; c < dim / 32; ++c) {
+      const uint16_t* kt = keys + b * block_elems + c * 16 * 2 * kKeys;  // 16 dim pairs of 32 keys
+      _tile_loadd(4, q + c * 32, dim * 2);
+      _tile_loadd(5, q + kTile * dim + c * 32, dim * 2);
+      _tile_loadd(6, kt, 2 * kKeys * 2);
+      _tile_loadd(7, kt + 32, 2 * kKeys * 2);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, scores + b * kKeys, kSpan * 4);
+    _tile_stored(1, scores + b * kKeys + 16, kSpan * 4);
+    _tile_stored(2, scores + kTile * kSpan + b * kKeys, kSpan * 4);
+    _tile_stored(3, scores + kTile * kSpan + b * kKeys + 16, kSpan * 4);
+  }
+}
+
+// out [32][D] = out * keep[r] + probs [32][kSpan] (bf16) . the span's `count` packed value blocks, 32 dims a
+// pass. Tiles 0-3 (rows 0-15 | 16-31) x (dims 0-15 | 16-31 of the pass); 4-5 a block's probabilities of the
+// two row tiles; 6-7 its values at the pass's two groups of 16 dims.
+inline void span_values(const uint16_t* probs, const float* keep, const uint16_t* values, int64_t count,
+                        int64_t dim, float* out) {
+  alignas(64) float product[kPair * 32];
+  const int64_t block_elems = kKeys * dim;
+  for (int64_t d0 = 0; d0 < dim; d0 += 32) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t b = 0; b < count; ++b) {
+      const uint16_t* vb = values + b * block_elems + d0 * 2;
+      _tile_loadd(4, probs + b * kKeys, kSpan * 2);
+      _tile_loadd(5, probs + kTile * kSpan + b * kKeys, kSpan * 2);
+      _tile_loadd(6, vb, dim * 4);
+      _tile_loadd(7, vb + 32, dim * 4);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, product, 32 * 4);
+    _tile_stored(1, product + 16, 32 * 4);
+    _tile_stored(2, product + kTile * 32, 32 * 4);
+    _tile_stored(3, product + kTile * 32 + 16, 32 * 4);
+    for (int64_t r = 0; r < kPair; ++r) {
+      const __m512 c = _mm512_set1_ps(keep[r]);
+      for (int64_t v = 0; v < 2; ++v) {
+        float* o = out + r * dim + d0 + 16 * v;
+        _mm512_storeu_ps(o, _mm512_fmadd_ps(c, _mm512_loadu_ps(o), _mm512_load_ps(product + r * 32 + 16 * v)));
+      }
+    }
+  }
+}
+
+// attend_task on tiles (the calling thread's tiles configured), kAmxPositions positions: 32 rows a pass over
+// spans of kSpan keys.
+void attend_task_amx(const uint16_t* q, const uint16_t* keys, const uint16_t* values, const Shape& s,
+                     double scale, int64_t kh, int64_t i0, int64_t n, uint16_t* out) {
+  const int64_t group = s.heads / s.kv_heads, dim = s.dim;
+  const int64_t rows = (n * group + kPair - 1) / kPair * kPair;
+  const int64_t first = s.ctx - s.rows;
+  const int64_t num_blocks = (s.ctx + kKeys - 1) / kKeys, block_elems = kKeys * dim;
+  std::vector<uint16_t> qr(rows * dim, 0), probs(kPair * kSpan);
+  std::vector<float> acc(rows * dim, 0.f), scores(kPair * kSpan), max(rows, -std::numeric_limits<float>::infinity()),
+      sum(rows, 0.f), keep(kPair);
+  int64_t valid[kPair];
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t g = 0; g < group; ++g)
+      std::memcpy(&qr[(i * group + g) * dim], q + ((i0 + i) * s.heads + kh * group + g) * dim, dim * 2);
+  const uint16_t* kh_keys = keys + kh * num_blocks * block_elems;
+  const uint16_t* kh_values = values + kh * num_blocks * block_elems;
+  // Spans outside, row passes inside: a span's keys and values (32 KB at D = 64) are read from L2 once and
+  // stay in L1 for the task's other rows.
+  const int64_t position = first + i0;  // of the task's first query
+  for (int64_t k0 = 0; k0 <= position + n - 1; k0 += kSpan) {
+    const int64_t b0 = k0 / kKeys, count = std::min(kSpan / kKeys, num_blocks - b0);
+    for (int64_t r0 = 0; r0 < rows; r0 += kPair) {
+      if (k0 > position + std::min((r0 + kPair - 1) / group, n - 1)) continue;  // above these rows' diagonal
+      span_scores(&qr[r0 * dim], kh_keys + b0 * block_elems, count, dim, scores.data());
+      for (int64_t r = 0; r < kPair; ++r)
+        valid[r] = std::min(position + std::min((r0 + r) / group, n - 1), s.ctx - 1) - k0 + 1;
+      for (int64_t t = 0; t < kPair; t += kTile)
+        softmax_span(&scores[t * kSpan], valid + t, static_cast<float>(scale), &max[r0 + t], &sum[r0 + t],
+                     &probs[t * kSpan], &keep[t]);
+      span_values(probs.data(), keep.data(), kh_values + b0 * block_elems, count, dim, &acc[r0 * dim]);
+    }
+  }
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t r = i * group + g;
+      const float inv = 1.f / sum[r];
+      auto* dst = reinterpret_cast<c10::BFloat16*>(out + ((i0 + i) * s.heads + kh * group + g) * dim);
+      for (int64_t d = 0; d < dim; d += 16)
+        sobrio_vec::store16(dst + d, _mm512_mul_ps(_mm512_loadu_ps(&acc[r * dim + d]), _mm512_set1_ps(inv)));
+    }
+}
+#endif  // AMX
 #endif  // AVX512-BF16
 
 bool prompt_attention_supported() {
@@ -201,17 +380,36 @@ torch::Tensor prompt_attention(torch::Tensor query, torch::Tensor key_cache, tor
       pack_block(kc, vc, tb, block_size, kv_heads, t / num_blocks, dim, (t % num_blocks) * kKeys, ctx,
                  &keys[t * block_elems], &values[t * block_elems]);
   });
-  // Tasks ordered short, long, short, long... so that contiguous ranges of them weigh about the same.
-  const int64_t spans = (rows + kPositions - 1) / kPositions, tasks = kv_heads * spans;
+  // Tasks by kv head (a thread's next task reads the keys and values its last one left in its cache), and
+  // within a head ordered short, long, short, long... so that contiguous ranges of them weigh about the same.
+#if defined(SOBRIO_PROMPT_ATTENTION_AMX)
+  const bool tiles = sobrio_amx::request_amx();
+#else
+  const bool tiles = false;
+#endif
+  const int64_t positions = tiles ? kAmxPositions : kPositions;
+  const int64_t spans = (rows + positions - 1) / positions, tasks = kv_heads * spans;
   const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+#if defined(SOBRIO_PROMPT_ATTENTION_AMX)
+    if (tiles) sobrio_amx::configure_tiles();
+#endif
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t kh = t % kv_heads, k = t / kv_heads;
+      const int64_t kh = t / spans, k = t % spans;
       const int64_t span = k % 2 == 0 ? k / 2 : spans - 1 - k / 2;
-      const int64_t i0 = span * kPositions;
-      attend_task(qp, keys.data(), values.data(), s, scale, kh, i0, std::min(kPositions, rows - i0), op);
+      const int64_t i0 = span * positions, n = std::min(positions, rows - i0);
+#if defined(SOBRIO_PROMPT_ATTENTION_AMX)
+      if (tiles) {
+        attend_task_amx(qp, keys.data(), values.data(), s, scale, kh, i0, n, op);
+        continue;
+      }
+#endif
+      attend_task(qp, keys.data(), values.data(), s, scale, kh, i0, n, op);
     }
+#if defined(SOBRIO_PROMPT_ATTENTION_AMX)
+    if (tiles) _tile_release();
+#endif
   });
 #endif
   return out;

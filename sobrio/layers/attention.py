@@ -12,9 +12,9 @@ Two backends:
   one padded gather and two batched matmuls per layer: for 64 decoding sequences on this CPU, several
   times faster than 64 SDPA calls (whose bf16 GQA path is slow).
 - `CppPagedAttention`: decode through a small C++ operator that reads the paged cache in place, prompt
-  chunks of a bf16 cache through another (`prompt_attention`: flash-style, AVX512-BF16 dot products, the
-  blocks above the diagonal skipped; faster than PyTorch's SDPA on AVX512-BF16 without AMX; on Intel AMX,
-  where SDPA's products run on AMX tiles, SDPA takes the chunks: docs/benchmarks.md), and so
+  chunks of a bf16 cache through another (`prompt_attention`: flash-style, the blocks above the diagonal
+  skipped, AVX512-BF16 dot products, or AMX tiles where the CPU has them; faster than PyTorch's SDPA on
+  both: docs/benchmarks.md), and so
   every row of a sequence with a short query (up to `SHORT_QUERY` rows: a decode with the tokens structured
   output forced after it, a short chunk), each row as a decode query of its own: gathering a whole context
   and its GQA copies for a few rows cost several times the kernel's in-place read.
@@ -33,8 +33,6 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-
-from sobrio.layers.cpu_ops import amx_available
 
 SHORT_QUERY = 16  # CppPagedAttention: sequences with at most this many query rows attend row by row
 
@@ -331,12 +329,11 @@ class CppPagedAttention(BatchedDecodeAttention):
 
     @functools.cached_property
     def prompt_kernel(self) -> bool:
-        """Whether `prompt_attention` computes this layer's prompt chunks: AVX512-BF16 without AMX, head size a
-        multiple of 64, no sliding window or softcap (those keep SDPA). On Intel AMX PyTorch's flash attention
-        multiplies on AMX tiles and outruns the C++ kernel's vector dot products (docs/benchmarks.md, "Prompt
-        attention on AMX")."""
+        """Whether `prompt_attention` computes this layer's prompt chunks: AVX512-BF16 (its products on AMX
+        tiles where the CPU has them), head size a multiple of 64, no sliding window or softcap (those keep
+        SDPA)."""
         return (self.sliding_window is None and self.softcap is None and self.head_dim % 64 == 0
-                and self.ops.prompt_attention_supported() and not amx_available())
+                and self.ops.prompt_attention_supported())
 
 
 class BatchInvariantAttention(ReferenceAttention):

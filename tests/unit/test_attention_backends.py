@@ -68,16 +68,17 @@ def test_fast_backends_equal_reference_on_ragged_batches(backend, dtype, tol, wi
 @pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 64), (6, 6, 128), (4, 1, 256)])
 def test_prompt_kernel_equals_sdpa_on_chunks_after_a_prefix(heads, kv_heads, dim):
     """The C++ prompt_attention (bf16): whole prompts and chunks after cached keys, lengths off the kernel's
-    blocks of 16 positions and 32 keys, beside decodes, against the SDPA reference."""
+    blocks of 16 positions and 32 keys (AMX: tasks of 32 positions, spans of 128 keys, 32 rows a pass), beside
+    decodes, against the SDPA reference."""
     if load() is None or not load().prompt_attention_supported():
         pytest.skip("no C++ operators, or no AVX512-BF16")
-    query_lens, context_lens = [45, 1, 70, 33, 17], [45, 90, 301, 97, 17]
+    query_lens, context_lens = [45, 1, 70, 33, 17, 260], [45, 90, 301, 97, 17, 600]
     outs = []
     for cls in (ReferenceAttention, CppPagedAttention):
         cache, meta, q, k, v = ragged_step(query_lens, context_lens, 16, heads, kv_heads, dim, torch.bfloat16, seed=3)
         attn = cls(heads, kv_heads, dim, dim ** -0.5)
-        if cls is CppPagedAttention:  # the kernel itself, also on AMX where the backend gives chunks to SDPA
-            attn.prompt_kernel = True
+        if cls is CppPagedAttention:
+            assert attn.prompt_kernel
         outs.append(attn(q, k, v, meta).float())
     torch.testing.assert_close(outs[1], outs[0], atol=2e-2, rtol=2e-2)
 

@@ -1,0 +1,35 @@
+// What every AMX kernel here needs before its first tile instruction: the process's permission to use the
+// tile state, and each thread's tile configuration (all 8 tiles 16 rows of 64 bytes, which every kernel here
+// uses: an A tile of 16 rows x 32 bf16, a B tile of 16 pairs x 16 columns, a C tile of 16 x 16 float).
+#pragma once
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdint>
+
+namespace sobrio_amx {
+
+// Linux hands out the AMX tile state only to a process that asks for it (ARCH_REQ_XCOMP_PERM).
+inline bool request_amx() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return granted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// The calling thread's 8 tiles, each 16 rows of 64 bytes (release them with _tile_release() when done).
+inline void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
+  _tile_loadconfig(&config);
+}
+
+}  // namespace sobrio_amx
+#endif

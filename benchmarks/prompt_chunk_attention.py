@@ -32,7 +32,7 @@ def time_shape(prefix: int, chunk: int, heads: int, kv_heads: int, dim: int, rep
     result = []
     for cls in (ReferenceAttention, CppPagedAttention):
         attention = cls(heads, kv_heads, dim, dim ** -0.5)
-        if cls is CppPagedAttention:  # the kernel, also on AMX (where the backend gives prompt chunks to SDPA)
+        if cls is CppPagedAttention:  # the kernel, also where the backend would keep SDPA (sliding windows, softcaps)
             attention.prompt_kernel = True
         attention.kv_cache = cache
         attention.write_cache(k, v, meta)

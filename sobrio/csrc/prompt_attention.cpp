@@ -129,6 +129,29 @@ struct Shape {
   int64_t rows, heads, kv_heads, dim, ctx, block_size;
 };
 
+// A task's query rows (positions [i0, i0 + n), each with the `group` query heads of kv head `kh` side by
+// side) copied out of q [L, H, D] into qr [n * group][D].
+inline void gather_queries(const uint16_t* q, const Shape& s, int64_t kh, int64_t i0, int64_t n, uint16_t* qr) {
+  const int64_t group = s.heads / s.kv_heads;
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t g = 0; g < group; ++g)
+      std::memcpy(qr + (i * group + g) * s.dim, q + ((i0 + i) * s.heads + kh * group + g) * s.dim, s.dim * 2);
+}
+
+// The task's rows of out [L, H, D]: each accumulated row of acc [n * group][D] over its softmax sum, in bf16.
+inline void write_rows(const float* acc, const float* sum, const Shape& s, int64_t kh, int64_t i0, int64_t n,
+                       uint16_t* out) {
+  const int64_t group = s.heads / s.kv_heads, dim = s.dim;
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t r = i * group + g;
+      const __m512 inv = _mm512_set1_ps(1.f / sum[r]);
+      auto* dst = reinterpret_cast<c10::BFloat16*>(out + ((i0 + i) * s.heads + kh * group + g) * dim);
+      for (int64_t d = 0; d < dim; d += 16)
+        sobrio_vec::store16(dst + d, _mm512_mul_ps(_mm512_loadu_ps(acc + r * dim + d), inv));
+    }
+}
+
 // One task: kv head `kh`, query positions [i0, i0 + n) of the chunk, all `group` query heads of that kv head.
 void attend_task(const uint16_t* q, const uint16_t* keys, const uint16_t* values, const Shape& s, double scale,
                  int64_t kh, int64_t i0, int64_t n, uint16_t* out) {
@@ -138,9 +161,7 @@ void attend_task(const uint16_t* q, const uint16_t* keys, const uint16_t* values
   std::vector<uint16_t> qr(rows * dim, 0), probs(rows * kKeys);
   std::vector<float> acc(rows * dim, 0.f), scores(rows * kKeys), max(rows, -std::numeric_limits<float>::infinity()),
       sum(rows, 0.f), keep(rows);
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t g = 0; g < group; ++g)
-      std::memcpy(&qr[(i * group + g) * dim], q + ((i0 + i) * s.heads + kh * group + g) * dim, dim * 2);
+  gather_queries(q, s, kh, i0, n, qr.data());
   const int64_t blocks = (first + i0 + n - 1) / kKeys + 1;  // up to the last query's own key
   const int64_t block_elems = kKeys * dim;
   const int64_t num_blocks = (s.ctx + kKeys - 1) / kKeys;
@@ -156,14 +177,7 @@ void attend_task(const uint16_t* q, const uint16_t* keys, const uint16_t* values
     for (int64_t r = 0; r < rows; r += kRows)
       block_values(&probs[r * kKeys], &keep[r], vb, dim, &acc[r * dim]);
   }
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t r = i * group + g;
-      const float inv = 1.f / sum[r];
-      auto* dst = reinterpret_cast<c10::BFloat16*>(out + ((i0 + i) * s.heads + kh * group + g) * dim);
-      for (int64_t d = 0; d < dim; d += 16)
-        sobrio_vec::store16(dst + d, _mm512_mul_ps(_mm512_loadu_ps(&acc[r * dim + d]), _mm512_set1_ps(inv)));
-    }
+  write_rows(acc.data(), sum.data(), s, kh, i0, n, out);
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -213,7 +227,8 @@ inline void softmax_span(const float* s, const int64_t* valid, float scale, floa
     if (valid[r] >= kSpan) {
       for (int64_t v = 0; v < kVectors; ++v) m = _mm512_max_ps(m, _mm512_loadu_ps(row + 16 * v));
     } else {
-      for (int64_t v = 0; v < kVectors; ++v) m = _mm512_mask_max_ps(m, lanes_below(valid[r] - 16 * v), m, _mm512_loadu_ps(row + 16 * v));
+      for (int64_t v = 0; v < kVectors; ++v)
+        m = _mm512_mask_max_ps(m, lanes_below(valid[r] - 16 * v), m, _mm512_loadu_ps(row + 16 * v));
     }
     top[r] = _mm512_reduce_max_ps(m);
   }
@@ -312,9 +327,7 @@ void attend_task_amx(const uint16_t* q, const uint16_t* keys, const uint16_t* va
   std::vector<float> acc(rows * dim, 0.f), scores(kPair * kSpan), max(rows, -std::numeric_limits<float>::infinity()),
       sum(rows, 0.f), keep(kPair);
   int64_t valid[kPair];
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t g = 0; g < group; ++g)
-      std::memcpy(&qr[(i * group + g) * dim], q + ((i0 + i) * s.heads + kh * group + g) * dim, dim * 2);
+  gather_queries(q, s, kh, i0, n, qr.data());
   const uint16_t* kh_keys = keys + kh * num_blocks * block_elems;
   const uint16_t* kh_values = values + kh * num_blocks * block_elems;
   // Spans outside, row passes inside: a span's keys and values (32 KB at D = 64) are read from L2 once and
@@ -333,14 +346,7 @@ void attend_task_amx(const uint16_t* q, const uint16_t* keys, const uint16_t* va
       span_values(probs.data(), keep.data(), kh_values + b0 * block_elems, count, dim, &acc[r0 * dim]);
     }
   }
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t r = i * group + g;
-      const float inv = 1.f / sum[r];
-      auto* dst = reinterpret_cast<c10::BFloat16*>(out + ((i0 + i) * s.heads + kh * group + g) * dim);
-      for (int64_t d = 0; d < dim; d += 16)
-        sobrio_vec::store16(dst + d, _mm512_mul_ps(_mm512_loadu_ps(&acc[r * dim + d]), _mm512_set1_ps(inv)));
-    }
+  write_rows(acc.data(), sum.data(), s, kh, i0, n, out);
 }
 #endif  // AMX
 #endif  // AVX512-BF16

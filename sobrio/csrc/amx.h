@@ -31,5 +31,25 @@ inline void configure_tiles() {
   _tile_loadconfig(&config);
 }
 
+// Tiles 0-3, the four 16x16 sums of a 32x32 block (rows 0-15 | 16-31) x (columns 0-15 | 16-31), to zero.
+inline void zero_tiles() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+
+// Tiles 0-3 into c, `ld` elements a row (float or int32 sums): 0-1 its rows 0-15, 2-3 its rows 16-31 (only
+// with `both`: a block of 16 rows or fewer leaves them unwritten).
+template <typename T>
+inline void store_tiles(T* c, int64_t ld, bool both = true) {
+  _tile_stored(0, c, ld * sizeof(T));
+  _tile_stored(1, c + 16, ld * sizeof(T));
+  if (both) {
+    _tile_stored(2, c + 16 * ld, ld * sizeof(T));
+    _tile_stored(3, c + 16 * ld + 16, ld * sizeof(T));
+  }
+}
+
 }  // namespace sobrio_amx
 #endif

@@ -39,6 +39,8 @@ constexpr int64_t kTileRows = 16, kTileK = 32, kBlockN = 32;
 // the block's two 16-column halves.
 using sobrio_amx::configure_tiles;
 using sobrio_amx::request_amx;
+using sobrio_amx::store_tiles;
+using sobrio_amx::zero_tiles;
 
 inline void prefetch_tile(const void* p) {  // a 1 KB tile: 16 lines of 64 bytes
   for (int line = 0; line < 16; ++line) _mm_prefetch(static_cast<const char*>(p) + line * 64, _MM_HINT_T0);
@@ -48,24 +50,6 @@ constexpr int64_t kPrefetchSlabs = 8;  // 2 KB slabs of a bf16 weight fetched in
 
 inline void prefetch_slab_l2(const void* p) {  // a 2 KB slab: 32 lines of 64 bytes
   for (int line = 0; line < 32; ++line) _mm_prefetch(static_cast<const char*>(p) + line * 64, _MM_HINT_T1);
-}
-
-inline void zero_tiles() {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-}
-
-// Tiles 0-3 into `acc` [32][32] (float or int32 sums); 2-3 only with `both` (a block of more than 16 rows).
-template <typename T>
-inline void store_tiles(T* acc, bool both) {
-  _tile_stored(0, acc, 128);
-  _tile_stored(1, acc + 16, 128);
-  if (both) {
-    _tile_stored(2, acc + 16 * 32, 128);
-    _tile_stored(3, acc + 16 * 32 + 16, 128);
-  }
 }
 
 // y rows [m, m + rows) (rows <= 32) x columns [n, n+32), `w` the block's 32 columns (K/32 slabs of 2 KB): the
@@ -90,7 +74,7 @@ void block_product(const c10::BFloat16* xp, const c10::BFloat16* w, int64_t K, i
       _tile_dpbf16ps(3, 5, 7);
     }
   }
-  store_tiles(acc, both);
+  store_tiles(acc, kBlockN, both);
 }
 
 void store_block(const float* acc, const c10::BFloat16* bias, c10::BFloat16* y, int64_t rows, int64_t N, int64_t n) {
@@ -146,7 +130,7 @@ void block_product_s8(const int8_t* xp, const int8_t* w0, const int8_t* w1, int6
   const bool both = rows > kTileRows;
   zero_tiles();
   accumulate_tiles(xp, w0, w1, K, 0, K / kTileK8, both);
-  store_tiles(acc, both);
+  store_tiles(acc, kBlockN, both);
 }
 
 // The same block with the activations rounded per group of `group_tiles` x 64 inputs (a scale per token and
@@ -160,7 +144,7 @@ void block_product_s8_grouped(const int8_t* xp, const int8_t* w0, const int8_t* 
   for (int64_t g = 0; g < groups; ++g) {
     zero_tiles();
     accumulate_tiles(xp, w0, w1, K, g * group_tiles, (g + 1) * group_tiles, both);
-    store_tiles(acc, both);
+    store_tiles(acc, kBlockN, both);
     for (int64_t r = 0; r < rows; ++r) {
       const __m512 s = _mm512_set1_ps(x_scale[r * groups + g]);
       for (int h = 0; h < 2; ++h) {

@@ -184,7 +184,7 @@ void attend_task(const uint16_t* q, const uint16_t* keys, const uint16_t* values
 #define SOBRIO_PROMPT_ATTENTION_AMX 1
 // On Intel AMX both products run on tiles (TDPBF16PS, 16x16x32 a product) and the online softmax goes by
 // `kSpan` keys at a time (4 packed blocks), so its row maxima and sums, and the rescaling of a row's output
-// so far, come once per 128 keys; a task's rows go 16 at a time (one row tile). The packed blocks are
+// so far, come once per 128 keys; a task's rows go 32 at a time (two row tiles). The packed blocks are
 // already what the tiles read: a key block's [D/2][32][2] is a B tile per 32 dims and 16 keys (rows 128
 // bytes apart), a value block's [16][D][2] a B tile per 16 dims (rows 4D bytes apart).
 constexpr int64_t kSpan = 4 * kKeys;
@@ -250,61 +250,48 @@ inline void softmax_span(const float* s, const int64_t* valid, float scale, floa
   }
 }
 
-// scores [32][kSpan] = 32 query rows (q, D apart) . the span's `count` packed key blocks. Tiles 0-3 the
-// block's scores, (rows 0-15 | 16-31) x (keys 0-15 | 16-31); 4-5 32 dims of the two row tiles; 6-7 those dims
-// of the two halves of the keys: four independent sums, so the products' latency overlaps (as amx_linear).
+// Tiles 0-3 (zeroed by sobrio_amx::zero_tiles) += one pass of a 32x32 block over 32 inputs: a [32 rows][32]
+// bf16 (`lda` elements a row: tiles 4-5 its rows 0-15 and 16-31) times b [16 input pairs][32 columns][2] (`ldb`
+// elements a pair: tiles 6-7 its columns 0-15 and 16-31). Four independent sums, so the products' latency
+// overlaps (as amx_linear's block product).
+inline void multiply_pass(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb) {
+  _tile_loadd(4, a, lda * 2);
+  _tile_loadd(5, a + kTile * lda, lda * 2);
+  _tile_loadd(6, b, ldb * 2);
+  _tile_loadd(7, b + 32, ldb * 2);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 4, 7);
+  _tile_dpbf16ps(2, 5, 6);
+  _tile_dpbf16ps(3, 5, 7);
+}
+
+// scores [32][kSpan] = 32 query rows (q, D apart) . the span's `count` packed key blocks: per block, tiles
+// 0-3 its 32 keys' scores, summed over the dims 32 at a time.
 inline void span_scores(const uint16_t* q, const uint16_t* keys, int64_t count, int64_t dim, float* scores) {
   const int64_t block_elems = kKeys * dim;
   for (int64_t b = 0; b < count; ++b) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    sobrio_amx::zero_tiles();
     for (int64_t c = 0; c < dim / 32; ++c) {
       const uint16_t* kt = keys + b * block_elems + c * 16 * 2 * kKeys;  // 16 dim pairs of 32 keys
-      _tile_loadd(4, q + c * 32, dim * 2);
-      _tile_loadd(5, q + kTile * dim + c * 32, dim * 2);
-      _tile_loadd(6, kt, 2 * kKeys * 2);
-      _tile_loadd(7, kt + 32, 2 * kKeys * 2);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
+      multiply_pass(q + c * 32, dim, kt, 2 * kKeys);
     }
-    _tile_stored(0, scores + b * kKeys, kSpan * 4);
-    _tile_stored(1, scores + b * kKeys + 16, kSpan * 4);
-    _tile_stored(2, scores + kTile * kSpan + b * kKeys, kSpan * 4);
-    _tile_stored(3, scores + kTile * kSpan + b * kKeys + 16, kSpan * 4);
+    sobrio_amx::store_tiles(scores + b * kKeys, kSpan);
   }
 }
 
-// out [32][D] = out * keep[r] + probs [32][kSpan] (bf16) . the span's `count` packed value blocks, 32 dims a
-// pass. Tiles 0-3 (rows 0-15 | 16-31) x (dims 0-15 | 16-31 of the pass); 4-5 a block's probabilities of the
-// two row tiles; 6-7 its values at the pass's two groups of 16 dims.
+// out [32][D] = out * keep[r] + probs [32][kSpan] (bf16) . the span's `count` packed value blocks: per 32
+// dims, tiles 0-3 summed over the blocks 32 keys at a time, then added to the rescaled rows.
 inline void span_values(const uint16_t* probs, const float* keep, const uint16_t* values, int64_t count,
                         int64_t dim, float* out) {
   alignas(64) float product[kPair * 32];
   const int64_t block_elems = kKeys * dim;
   for (int64_t d0 = 0; d0 < dim; d0 += 32) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    sobrio_amx::zero_tiles();
     for (int64_t b = 0; b < count; ++b) {
       const uint16_t* vb = values + b * block_elems + d0 * 2;
-      _tile_loadd(4, probs + b * kKeys, kSpan * 2);
-      _tile_loadd(5, probs + kTile * kSpan + b * kKeys, kSpan * 2);
-      _tile_loadd(6, vb, dim * 4);
-      _tile_loadd(7, vb + 32, dim * 4);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
+      multiply_pass(probs + b * kKeys, kSpan, vb, 2 * dim);
     }
-    _tile_stored(0, product, 32 * 4);
-    _tile_stored(1, product + 16, 32 * 4);
-    _tile_stored(2, product + kTile * 32, 32 * 4);
-    _tile_stored(3, product + kTile * 32 + 16, 32 * 4);
+    sobrio_amx::store_tiles(product, 32);
     for (int64_t r = 0; r < kPair; ++r) {
       const __m512 c = _mm512_set1_ps(keep[r]);
       for (int64_t v = 0; v < 2; ++v) {

@@ -133,27 +133,35 @@ void block_product_s8(const int8_t* xp, const int8_t* w0, const int8_t* w1, int6
   store_tiles(acc, kBlockN, both);
 }
 
+// facc [rows][32] (+)= a group's int32 sums times their row's scale for that group (`first`: = instead of +=).
+inline void add_group_sums(const int32_t* acc, const float* x_scale, int64_t groups, int64_t g, int64_t rows,
+                           bool first, float* facc) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 s = _mm512_set1_ps(x_scale[r * groups + g]);
+    for (int h = 0; h < 2; ++h) {
+      float* f = facc + r * kBlockN + 16 * h;
+      const __m512 v = _mm512_cvtepi32_ps(_mm512_loadu_si512(acc + r * kBlockN + 16 * h));
+      _mm512_storeu_ps(f, first ? _mm512_mul_ps(v, s) : _mm512_fmadd_ps(v, s, _mm512_loadu_ps(f)));
+    }
+  }
+}
+
 // The same block with the activations rounded per group of `group_tiles` x 64 inputs (a scale per token and
 // group, `x_scale` [rows][groups]): each group's int32 sums leave the tiles and are added in float32 times
-// their row's scale, so an outlier channel sets the step of its own 64 inputs only. `acc` is scratch.
+// their row's scale, so an outlier channel sets the step of its own 64 inputs only. Software-pipelined: the
+// vector work on group g - 1's sums comes after group g's tile products are issued, so it runs while the tiles
+// compute instead of after them. `acc` is scratch for two blocks of sums.
 void block_product_s8_grouped(const int8_t* xp, const int8_t* w0, const int8_t* w1, int64_t K, int64_t group_tiles,
                               const float* x_scale, int64_t rows, int32_t* acc, float* facc) {
-  const int64_t groups = K / kTileK8 / group_tiles;
+  const int64_t groups = K / kTileK8 / group_tiles, block = 2 * kTileRows * kBlockN;
   const bool both = rows > kTileRows;
-  std::fill(facc, facc + rows * kBlockN, 0.f);
   for (int64_t g = 0; g < groups; ++g) {
     zero_tiles();
     accumulate_tiles(xp, w0, w1, K, g * group_tiles, (g + 1) * group_tiles, both);
-    store_tiles(acc, kBlockN, both);
-    for (int64_t r = 0; r < rows; ++r) {
-      const __m512 s = _mm512_set1_ps(x_scale[r * groups + g]);
-      for (int h = 0; h < 2; ++h) {
-        float* f = facc + r * kBlockN + 16 * h;
-        _mm512_storeu_ps(f, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(acc + r * kBlockN + 16 * h)), s,
-                                            _mm512_loadu_ps(f)));
-      }
-    }
+    if (g > 0) add_group_sums(acc + ((g - 1) & 1) * block, x_scale, groups, g - 1, rows, g == 1, facc);
+    store_tiles(acc + (g & 1) * block, kBlockN, both);
   }
+  add_group_sums(acc + ((groups - 1) & 1) * block, x_scale, groups, groups - 1, rows, groups == 1, facc);
 }
 
 // A 32x32 block of float sums (already times the rows' scales) to TOut: times each column's scale, plus the bias.
@@ -264,7 +272,7 @@ void amx_int8_grouped_kernel(const torch::Tensor& x, const torch::Tensor& packed
   const int8_t* wp = op.wp;
   at::parallel_for(0, op.blocks, op.grain, [&](int64_t begin, int64_t end) {
     configure_tiles();
-    alignas(64) int32_t acc[2 * kTileRows * kBlockN];
+    alignas(64) int32_t acc[2 * 2 * kTileRows * kBlockN];
     alignas(64) float facc[2 * kTileRows * kBlockN];
     for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass)
       for (int64_t nb = begin; nb < end; ++nb) {

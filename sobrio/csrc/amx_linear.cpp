@@ -102,15 +102,21 @@ constexpr int64_t kPrefetchTiles = 6;  // tiles ahead a weight stream is fetched
 // Tiles 0-3 += the products of x tiles [kt0, kt1) and the two weight streams' (0-1 only for a block of 16
 // rows or fewer, `both` false: its second row tile is padding). A weight stream is K / 64 tiles (9 for
 // K = 576): the last iterations fetch the next block's first tiles (it follows w1), or every block would
-// start on a miss. A prefetch past the weight's end does not fault.
+// start on a miss. A prefetch past the weight's end does not fault. `prefetch` false: the block's weight is
+// already in cache (a pass's later row blocks read what its first one fetched), and 32 prefetches a step for
+// nothing cost those blocks 5-12% (docs/benchmarks.md).
 inline void accumulate_tiles(const int8_t* xp, const int8_t* w0, const int8_t* w1, int64_t K, int64_t kt0,
-                             int64_t kt1, bool both) {
+                             int64_t kt1, bool both, bool prefetch) {
   const int64_t tile_bytes = kTileRows * kTileK8, k_tiles = K / kTileK8;
   const int8_t* next = w1 + kTileRows * K;
   for (int64_t kt = kt0; kt < kt1; ++kt) {
     const int64_t ahead = kt + kPrefetchTiles;
-    if (ahead < k_tiles) prefetch_tile(w0 + ahead * tile_bytes), prefetch_tile(w1 + ahead * tile_bytes);
-    else prefetch_tile(next + (ahead - k_tiles) * tile_bytes), prefetch_tile(next + ahead * tile_bytes);
+    if (!prefetch) {
+    } else if (ahead < k_tiles) {
+      prefetch_tile(w0 + ahead * tile_bytes), prefetch_tile(w1 + ahead * tile_bytes);
+    } else {
+      prefetch_tile(next + (ahead - k_tiles) * tile_bytes), prefetch_tile(next + ahead * tile_bytes);
+    }
     _tile_loadd(4, xp + kt * kTileK8, K);
     _tile_loadd(6, w0 + kt * tile_bytes, 64);
     _tile_loadd(7, w1 + kt * tile_bytes, 64);
@@ -126,10 +132,11 @@ inline void accumulate_tiles(const int8_t* xp, const int8_t* w0, const int8_t* w
 
 // y rows [m, m + rows) (rows <= 32) x columns [n, n+32) as int32 sums in `acc` [32][32]: the bf16 block
 // product's loop on int8 tiles of 64 inputs; past 16 `rows`, the padding rows are left unwritten.
-void block_product_s8(const int8_t* xp, const int8_t* w0, const int8_t* w1, int64_t K, int64_t rows, int32_t* acc) {
+void block_product_s8(const int8_t* xp, const int8_t* w0, const int8_t* w1, int64_t K, int64_t rows, bool prefetch,
+                      int32_t* acc) {
   const bool both = rows > kTileRows;
   zero_tiles();
-  accumulate_tiles(xp, w0, w1, K, 0, K / kTileK8, both);
+  accumulate_tiles(xp, w0, w1, K, 0, K / kTileK8, both, prefetch);
   store_tiles(acc, kBlockN, both);
 }
 
@@ -152,12 +159,12 @@ inline void add_group_sums(const int32_t* acc, const float* x_scale, int64_t gro
 // vector work on group g - 1's sums comes after group g's tile products are issued, so it runs while the tiles
 // compute instead of after them. `acc` is scratch for two blocks of sums.
 void block_product_s8_grouped(const int8_t* xp, const int8_t* w0, const int8_t* w1, int64_t K, int64_t group_tiles,
-                              const float* x_scale, int64_t rows, int32_t* acc, float* facc) {
+                              const float* x_scale, int64_t rows, bool prefetch, int32_t* acc, float* facc) {
   const int64_t groups = K / kTileK8 / group_tiles, block = 2 * kTileRows * kBlockN;
   const bool both = rows > kTileRows;
   for (int64_t g = 0; g < groups; ++g) {
     zero_tiles();
-    accumulate_tiles(xp, w0, w1, K, g * group_tiles, (g + 1) * group_tiles, both);
+    accumulate_tiles(xp, w0, w1, K, g * group_tiles, (g + 1) * group_tiles, both, prefetch);
     if (g > 0) add_group_sums(acc + ((g - 1) & 1) * block, x_scale, groups, g - 1, rows, g == 1, facc);
     store_tiles(acc + (g & 1) * block, kBlockN, both);
   }
@@ -280,7 +287,7 @@ void amx_int8_grouped_kernel(const torch::Tensor& x, const torch::Tensor& packed
         for (int64_t m = m0; m < std::min(M, m0 + kRowsPerPass); m += 2 * kTileRows) {
           const int64_t rows = std::min<int64_t>(2 * kTileRows, M - m);
           block_product_s8_grouped(qp + m * K, w0, w0 + kTileRows * K, K, group_k / kTileK8, sp + m * groups, rows,
-                                   acc, facc);
+                                   m == m0, acc, facc);
           store_block_f32(facc, op.wsp, op.b, op.yp + m * N, rows, N, nb * kBlockN);
         }
       }
@@ -320,10 +327,10 @@ void amx_int8_kernel(const torch::Tensor& x, const torch::Tensor& packed, const 
         const int8_t* o0 = split ? outlier.packed + (2 * nb) * kTileRows * kOutlierChannels : nullptr;
         for (int64_t m = m0; m < std::min(M, m0 + kRowsPerPass); m += 2 * kTileRows) {
           const int64_t rows = std::min<int64_t>(2 * kTileRows, M - m);
-          block_product_s8(qp + m * K, w0, w0 + kTileRows * K, K, rows, acc);
+          block_product_s8(qp + m * K, w0, w0 + kTileRows * K, K, rows, m == m0, acc);
           if (split)
             block_product_s8(qo + m * kOutlierChannels, o0, o0 + kTileRows * kOutlierChannels, kOutlierChannels, rows,
-                             acc2);
+                             m == m0, acc2);
           store_block_s8(acc, sp + m, split ? acc2 : nullptr, sp2 + m, op.wsp, op.b, op.yp + m * N, rows, N,
                          nb * kBlockN);
         }

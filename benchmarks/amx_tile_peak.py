@@ -13,13 +13,13 @@ inline extension built at the first run (about 30 s). Needs AMX (an Intel Xeon f
 
 import argparse
 import pathlib
-import time
 
 # isort: off
 import sobrio  # noqa: F401  (first: it sets the OpenMP thread policy before torch loads)
 # isort: on
 
 import torch  # noqa: E402
+from kernel_timing import best_times  # noqa: E402  (benchmarks/ is on the path when a script here runs)
 from torch.utils.cpp_extension import load_inline  # noqa: E402
 
 import sobrio.csrc  # noqa: E402
@@ -79,14 +79,9 @@ def tile_rate(ext, int8: bool, bytes_: int, threads: int, iters: int = 400_000) 
     """Tile products a second times their operations (2 x 16 x 16 x 32 bf16 or x 64 int8 each), best of 5
     (a host's hiccup shows as one slow pass)."""
     ext.tile_steps(1000, int8, bytes_, threads)
-    best = min(_timed(lambda: ext.tile_steps(iters, int8, bytes_, threads)) for _ in range(5))
+    steps = {"steps": lambda _: ext.tile_steps(iters, int8, bytes_, threads)}
+    best = best_times(steps, None, repeats=5, threads=threads)["steps"]
     return threads * iters * 4 * 2 * 16 * 16 * (64 if int8 else 32) / best
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def gemm_rates(rows: int, repeats: int) -> dict[str, float]:
@@ -107,10 +102,8 @@ def gemm_rates(rows: int, repeats: int) -> dict[str, float]:
                                  cpu_ops().amx_int8_linear(x, t, s, n, group_k=g))
         calls["torch._int_mm"].append(lambda a=xq, b=qt: torch._int_mm(a, b))
     ops = 2 * rows * sum(n * k for n, k in SHAPES)
-    best = {name: float("inf") for name in calls}
-    for _ in range(repeats):
-        for name, fns in calls.items():
-            best[name] = min(best[name], _timed(lambda fns=fns: [fn() for fn in fns]))
+    kernels = {name: lambda _, fns=fns: [fn() for fn in fns] for name, fns in calls.items()}
+    best = best_times(kernels, None, repeats, torch.get_num_threads())
     return {name: ops / t for name, t in best.items()}
 
 

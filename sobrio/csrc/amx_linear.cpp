@@ -103,19 +103,17 @@ constexpr int64_t kPrefetchTiles = 6;  // tiles ahead a weight stream is fetched
 // rows or fewer, `both` false: its second row tile is padding). A weight stream is K / 64 tiles (9 for
 // K = 576): the last iterations fetch the next block's first tiles (it follows w1), or every block would
 // start on a miss. A prefetch past the weight's end does not fault. `prefetch` false: the block's weight is
-// already in cache (a pass's later row blocks read what its first one fetched), and 32 prefetches a step for
-// nothing cost those blocks 5-12% (docs/benchmarks.md).
+// already in cache (a pass's later row blocks read what its first one fetched), so its 32 prefetches a step
+// would buy nothing and cost time (figures: docs/benchmarks.md).
 inline void accumulate_tiles(const int8_t* xp, const int8_t* w0, const int8_t* w1, int64_t K, int64_t kt0,
                              int64_t kt1, bool both, bool prefetch) {
   const int64_t tile_bytes = kTileRows * kTileK8, k_tiles = K / kTileK8;
   const int8_t* next = w1 + kTileRows * K;
   for (int64_t kt = kt0; kt < kt1; ++kt) {
     const int64_t ahead = kt + kPrefetchTiles;
-    if (!prefetch) {
-    } else if (ahead < k_tiles) {
-      prefetch_tile(w0 + ahead * tile_bytes), prefetch_tile(w1 + ahead * tile_bytes);
-    } else {
-      prefetch_tile(next + (ahead - k_tiles) * tile_bytes), prefetch_tile(next + ahead * tile_bytes);
+    if (prefetch) {
+      if (ahead < k_tiles) prefetch_tile(w0 + ahead * tile_bytes), prefetch_tile(w1 + ahead * tile_bytes);
+      else prefetch_tile(next + (ahead - k_tiles) * tile_bytes), prefetch_tile(next + ahead * tile_bytes);
     }
     _tile_loadd(4, xp + kt * kTileK8, K);
     _tile_loadd(6, w0 + kt * tile_bytes, 64);

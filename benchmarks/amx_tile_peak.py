@@ -109,8 +109,10 @@ def gemm_rates(rows: int, repeats: int) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, default=2048)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rows", type=int, default=2048,
+                        help="rows of x a GEMM takes, a prompt chunk's (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="passes over the GEMMs, the best one kept (default: %(default)s)")
     args = parser.parse_args()
     if not (amx_available() and amx_int8_available()):
         raise SystemExit("this benchmark needs AMX-BF16 and AMX-INT8 (an Intel Xeon from Sapphire Rapids on)")

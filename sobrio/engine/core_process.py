@@ -117,20 +117,28 @@ def engine_core_environ():
     they sleep (`openmp.ENGINE_CORE_SPINCOUNT`) on a host that looks free (no CPU quota below its cores, no
     other process busy: `cpu_share`), the short spin otherwise, unless the user set the policy; and `CORE_ENV`'s
     bounds on its allocator and caches, each unless the user set it. This process's own environment is back as
-    it was afterwards."""
-    settings = {name: value for name, value in CORE_ENV.items() if name not in os.environ}  # the user's win
-    if not openmp.OMP_WAIT_SET_BY_USER:  # sobrio's own GOMP_SPINCOUNT (openmp.py) is replaced for the core
-        settings["GOMP_SPINCOUNT"] = spin_count_for_start(openmp.ENGINE_CORE_SPINCOUNT, openmp.SPINCOUNT)
-    before = {name: os.environ.get(name) for name in settings}
-    try:
-        os.environ.update(settings)
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = value
+    it was afterwards.
+
+    One thread at a time (`_ENVIRON_LOCK`): cores start together from threads (`start_together`), and two
+    blocks interleaved restored each other's variables, while a spawn exec'd with an environment another thread
+    was rewriting (multiprocessing's spawn exits 255 without a word when its exec fails)."""
+    with _ENVIRON_LOCK:
+        settings = {name: value for name, value in CORE_ENV.items() if name not in os.environ}  # the user's win
+        if not openmp.OMP_WAIT_SET_BY_USER:  # sobrio's own GOMP_SPINCOUNT (openmp.py) is replaced for the core
+            settings["GOMP_SPINCOUNT"] = spin_count_for_start(openmp.ENGINE_CORE_SPINCOUNT, openmp.SPINCOUNT)
+        before = {name: os.environ.get(name) for name in settings}
+        try:
+            os.environ.update(settings)
+            yield
+        finally:
+            for name, value in before.items():
+                if value is None:
+                    del os.environ[name]
+                else:
+                    os.environ[name] = value
+
+
+_ENVIRON_LOCK = threading.Lock()
 
 
 # What the core's memory settles at under a steady mixed load (docs/sharing-and-soak.md). glibc gives each

@@ -1,7 +1,10 @@
 """The OpenMP spin count a spawned engine-core process starts with, and the API process's left as it was."""
 
+import itertools
 import multiprocessing
 import os
+import threading
+import time
 
 from sobrio import openmp
 from sobrio.engine import core_process, cpu_share
@@ -57,3 +60,33 @@ def test_a_core_on_a_shared_host_spins_short_and_bounds_its_allocator_and_caches
     with engine_core_environ():
         assert os.environ["MALLOC_ARENA_MAX"] == "8" and os.environ["LRU_CACHE_CAPACITY"] == "1024"  # the user's
         assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "128"
+
+
+def test_cores_started_together_each_get_the_whole_environment_and_leave_it_as_it_was(monkeypatch):
+    """`start_together` spawns cores from threads at once: each block must see all its settings while it spawns,
+    and the API process's environment must be as before when all are done (interleaved blocks restored each
+    other's variables: the first to leave removed what the second's core still needed)."""
+    monkeypatch.setattr(openmp, "OMP_WAIT_SET_BY_USER", False)
+    monkeypatch.setattr(core_process, "spin_count_for_start", lambda long, short: long)
+    monkeypatch.setenv("GOMP_SPINCOUNT", openmp.SPINCOUNT)
+    for name in core_process.CORE_ENV:
+        monkeypatch.delenv(name, raising=False)
+    before = dict(os.environ)
+    together = threading.Barrier(4)
+    entered = itertools.count()
+    seen: list[bool] = []
+
+    def start() -> None:
+        together.wait()
+        with engine_core_environ():
+            time.sleep(0.05 * (next(entered) + 1))  # a spawn takes a while; the first in leaves first
+            seen.append(all(os.environ.get(k) == v for k, v in core_process.CORE_ENV.items()) and
+                        os.environ["GOMP_SPINCOUNT"] == openmp.ENGINE_CORE_SPINCOUNT)
+
+    threads = [threading.Thread(target=start) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert seen == [True] * 4
+    assert dict(os.environ) == before

@@ -83,6 +83,30 @@ def test_prompt_kernel_equals_sdpa_on_chunks_after_a_prefix(heads, kv_heads, dim
     torch.testing.assert_close(outs[1], outs[0], atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("prefix,chunk", [(0, 700), (400, 300), (1000, 37)])
+def test_prompt_kernel_equals_sdpa_when_the_scores_grow_along_the_keys(prefix, chunk):
+    """Scores that grow along the keys (and one far key above all) move each row's running maximum after its
+    first span of keys, so the kernel's online softmax must rescale what it summed so far (it does so lazily,
+    only past a slack), against the SDPA reference."""
+    if load() is None or not load().prompt_attention_supported():
+        pytest.skip("no C++ operators, or no AVX512-BF16")
+    heads, kv_heads, dim, ctx = 8, 2, 64, prefix + chunk
+    outs = []
+    for cls in (ReferenceAttention, CppPagedAttention):
+        cache, meta, q, k, v = ragged_step([chunk], [ctx], 16, heads, kv_heads, dim, torch.bfloat16, seed=5)
+        growth = 1 + 5 * torch.arange(ctx, dtype=torch.float32) / ctx  # scores up to ~36x the first keys'
+        growth[ctx // 2] = 9.0
+        table = meta.block_tables[0]
+        slots = table[torch.arange(ctx) // 16] * 16 + torch.arange(ctx) % 16
+        keys = cache[0].view(-1, kv_heads, dim)
+        keys[slots] = (keys[slots].float() * growth[:, None, None]).bfloat16()
+        k = (k.float() * growth[prefix:, None, None]).bfloat16()
+        q = (q.float() * 2).bfloat16()
+        attn = cls(heads, kv_heads, dim, dim ** -0.5)
+        outs.append(attn(q, k, v, meta).float())
+    torch.testing.assert_close(outs[1], outs[0], atol=3e-2, rtol=2e-2)
+
+
 def test_reference_matches_dense_causal_attention():
     """The reference itself against plain causal attention over the whole sequence (one prompt, then decode)."""
     cache, meta, q, k, v = ragged_step([1], [50], 16, 4, 4, 16, torch.float32)

@@ -51,14 +51,5 @@ inline void store_tiles(T* c, int64_t ld, bool both = true) {
   }
 }
 
-// Tiles 0-3 from c, laid out as store_tiles writes it: sums to go on adding to.
-template <typename T>
-inline void load_tiles(const T* c, int64_t ld) {
-  _tile_loadd(0, c, ld * sizeof(T));
-  _tile_loadd(1, c + 16, ld * sizeof(T));
-  _tile_loadd(2, c + 16 * ld, ld * sizeof(T));
-  _tile_loadd(3, c + 16 * ld + 16, ld * sizeof(T));
-}
-
 }  // namespace sobrio_amx
 #endif

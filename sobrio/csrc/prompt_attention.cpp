@@ -183,25 +183,19 @@ void attend_task(const uint16_t* q, const uint16_t* keys, const uint16_t* values
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define SOBRIO_PROMPT_ATTENTION_AMX 1
 // On Intel AMX both products run on tiles (TDPBF16PS, 16x16x32 a product) and the online softmax goes by
-// `kSpan` keys at a time (4 packed blocks), so its row maxima and sums come once per 128 keys; a task's rows
-// go 32 at a time (two row tiles). The packed blocks are already what the tiles read: a key block's
-// [D/2][32][2] is a B tile per 32 dims and 16 keys (rows 128 bytes apart), a value block's [16][D][2] a B
-// tile per 16 dims (rows 4D bytes apart).
-//
-// The softmax rescales lazily (as FlashAttention-4): a row's running maximum moves only when a span's scores
-// pass it by more than `kSlack` (base 2), so probabilities stay below 2^kSlack (exact in float, bf16 keeps its
-// relative precision) and most spans leave every row's output so far as it is. The output sums then go on
-// adding on the tiles, loaded and stored as they are, with no vector pass over them.
+// `kSpan` keys at a time (4 packed blocks), so its row maxima and sums, and the rescaling of a row's output
+// so far, come once per 128 keys; a task's rows go 32 at a time (two row tiles). The packed blocks are
+// already what the tiles read: a key block's [D/2][32][2] is a B tile per 32 dims and 16 keys (rows 128
+// bytes apart), a value block's [16][D][2] a B tile per 16 dims (rows 4D bytes apart).
 constexpr int64_t kSpan = 4 * kKeys;
-constexpr float kSlack = 8.f;
 constexpr int64_t kTile = 16;
 constexpr int64_t kPair = 2 * kTile;     // rows a pass of the products: two row tiles
 constexpr int64_t kAmxPositions = 32;   // query positions a task
 
-// 2^x as 2^n * p(f), f in [-1/2, 1/2], p of degree 3 fitted for relative error (7.5e-5 at most, 50x below the
-// bf16 rounding of the probabilities; a row's sum takes the same errors as its output); x finite (below -150
-// it gives 0).
+// 2^x for x <= 0 as 2^n * p(f), f in [-1/2, 1/2], p of degree 3 fitted for relative error (7.5e-5 at most,
+// 50x below the bf16 rounding of the probabilities); inputs below -126 give 2^-126.
 inline __m512 exp2_512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT);
   const __m512 f = _mm512_sub_ps(x, n);
   __m512 p = _mm512_set1_ps(5.517822131514549e-2f);
@@ -218,9 +212,8 @@ inline __mmask16 lanes_below(int64_t n) {  // the first n lanes of 16 (none for 
 // The online softmax step of a row tile over a span: 16 rows of kSpan raw scores, row r seeing its first
 // valid[r] keys. The running maxima are kept in base 2 (max * scale * log2 e), so each probability is one
 // fused multiply-subtract and a 2^x: the bf16 probabilities go to `probs`, the sums are updated, and `keep`
-// gets each row's factor for its output so far (all 16 rows' at once: one vector 2^x), 1 where the row's
-// maximum stays (within kSlack of the span's). Returns whether any row's maximum moved.
-inline bool softmax_span(const float* s, const int64_t* valid, float scale, float* max, float* sum, uint16_t* probs,
+// gets each row's factor for its output so far (all 16 rows' at once: one vector 2^x).
+inline void softmax_span(const float* s, const int64_t* valid, float scale, float* max, float* sum, uint16_t* probs,
                          float* keep) {
   constexpr int64_t kVectors = kSpan / 16;
   const float c = scale * 1.44269504088896341f;
@@ -237,14 +230,10 @@ inline bool softmax_span(const float* s, const int64_t* valid, float scale, floa
     }
     top[r] = _mm512_reduce_max_ps(m);
   }
-  const __m512 old = _mm512_loadu_ps(max), span_max = _mm512_mul_ps(_mm512_load_ps(top), _mm512_set1_ps(c));
-  // a row with no key here (-inf) never moves; a first span (-inf so far) always does, its keep 0 times nothing
-  const __mmask16 moved = _mm512_cmp_ps_mask(span_max, _mm512_add_ps(old, _mm512_set1_ps(kSlack)), _CMP_GT_OQ);
-  const __m512 updated = _mm512_mask_mov_ps(old, moved, span_max);
+  const __m512 old = _mm512_loadu_ps(max);
+  const __m512 updated = _mm512_max_ps(old, _mm512_mul_ps(_mm512_load_ps(top), _mm512_set1_ps(c)));
   _mm512_storeu_ps(max, updated);
-  _mm512_storeu_ps(keep, _mm512_mask_blend_ps(moved, _mm512_set1_ps(1.f),
-                                              exp2_512(_mm512_max_ps(_mm512_sub_ps(old, updated),
-                                                                     _mm512_set1_ps(-126.f)))));
+  _mm512_storeu_ps(keep, exp2_512(_mm512_sub_ps(old, updated)));  // a first span: 2^-126 times nothing
   for (int64_t r = 0; r < kTile; ++r) {
     const float* row = s + r * kSpan;
     const __m512 vc = _mm512_set1_ps(c), m = _mm512_set1_ps(max[r]);
@@ -257,7 +246,6 @@ inline bool softmax_span(const float* s, const int64_t* valid, float scale, floa
     }
     sum[r] = sum[r] * keep[r] + _mm512_reduce_add_ps(total);
   }
-  return moved != 0;
 }
 
 // Tiles 0-3 (zeroed by sobrio_amx::zero_tiles) += one pass of a 32x32 block over 32 inputs: a [32 rows][32]
@@ -289,25 +277,26 @@ inline void span_scores(const uint16_t* q, const uint16_t* keys, int64_t count, 
   }
 }
 
-// out [32][D] (float sums) += probs [32][kSpan] (bf16) . the span's `count` packed value blocks: per 32 dims,
-// the sums loaded into tiles 0-3, the blocks added 32 keys at a time, the sums stored back.
-inline void span_values(const uint16_t* probs, const uint16_t* values, int64_t count, int64_t dim, float* out) {
+// out [32][D] = out * keep[r] + probs [32][kSpan] (bf16) . the span's `count` packed value blocks: per 32
+// dims, tiles 0-3 summed over the blocks 32 keys at a time, then added to the rescaled rows.
+inline void span_values(const uint16_t* probs, const float* keep, const uint16_t* values, int64_t count,
+                        int64_t dim, float* out) {
+  alignas(64) float product[kPair * 32];
   const int64_t block_elems = kKeys * dim;
   for (int64_t d0 = 0; d0 < dim; d0 += 32) {
-    sobrio_amx::load_tiles(out + d0, dim);
-    for (int64_t b = 0; b < count; ++b)
-      multiply_pass(probs + b * kKeys, kSpan, values + b * block_elems + d0 * 2, 2 * dim);
-    sobrio_amx::store_tiles(out + d0, dim);
-  }
-}
-
-// out [kPair][D] rows times their keep (the rows whose maximum moved).
-inline void rescale_rows(const float* keep, int64_t dim, float* out) {
-  for (int64_t r = 0; r < kPair; ++r) {
-    if (keep[r] == 1.f) continue;
-    const __m512 c = _mm512_set1_ps(keep[r]);
-    for (int64_t d = 0; d < dim; d += 16)
-      _mm512_storeu_ps(out + r * dim + d, _mm512_mul_ps(c, _mm512_loadu_ps(out + r * dim + d)));
+    sobrio_amx::zero_tiles();
+    for (int64_t b = 0; b < count; ++b) {
+      const uint16_t* vb = values + b * block_elems + d0 * 2;
+      multiply_pass(probs + b * kKeys, kSpan, vb, 2 * dim);
+    }
+    sobrio_amx::store_tiles(product, 32);
+    for (int64_t r = 0; r < kPair; ++r) {
+      const __m512 c = _mm512_set1_ps(keep[r]);
+      for (int64_t v = 0; v < 2; ++v) {
+        float* o = out + r * dim + d0 + 16 * v;
+        _mm512_storeu_ps(o, _mm512_fmadd_ps(c, _mm512_loadu_ps(o), _mm512_load_ps(product + r * 32 + 16 * v)));
+      }
+    }
   }
 }
 
@@ -336,12 +325,10 @@ void attend_task_amx(const uint16_t* q, const uint16_t* keys, const uint16_t* va
       span_scores(&qr[r0 * dim], kh_keys + b0 * block_elems, count, dim, scores.data());
       for (int64_t r = 0; r < kPair; ++r)
         valid[r] = std::min(position + std::min((r0 + r) / group, n - 1), s.ctx - 1) - k0 + 1;
-      bool moved = false;
       for (int64_t t = 0; t < kPair; t += kTile)
-        moved |= softmax_span(&scores[t * kSpan], valid + t, static_cast<float>(scale), &max[r0 + t], &sum[r0 + t],
-                              &probs[t * kSpan], &keep[t]);
-      if (moved) rescale_rows(keep.data(), dim, &acc[r0 * dim]);
-      span_values(probs.data(), kh_values + b0 * block_elems, count, dim, &acc[r0 * dim]);
+        softmax_span(&scores[t * kSpan], valid + t, static_cast<float>(scale), &max[r0 + t], &sum[r0 + t],
+                     &probs[t * kSpan], &keep[t]);
+      span_values(probs.data(), keep.data(), kh_values + b0 * block_elems, count, dim, &acc[r0 * dim]);
     }
   }
   write_rows(acc.data(), sum.data(), s, kh, i0, n, out);

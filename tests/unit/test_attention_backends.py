@@ -86,8 +86,8 @@ def test_prompt_kernel_equals_sdpa_on_chunks_after_a_prefix(heads, kv_heads, dim
 @pytest.mark.parametrize("prefix,chunk", [(0, 700), (400, 300), (1000, 37)])
 def test_prompt_kernel_equals_sdpa_when_the_scores_grow_along_the_keys(prefix, chunk):
     """Scores that grow along the keys (and one far key above all) move each row's running maximum after its
-    first span of keys, so the kernel's online softmax must rescale what it summed so far (it does so lazily,
-    only past a slack), against the SDPA reference."""
+    first span of keys, so the kernel's online softmax must rescale what it summed so far, against the SDPA
+    reference."""
     if load() is None or not load().prompt_attention_supported():
         pytest.skip("no C++ operators, or no AVX512-BF16")
     heads, kv_heads, dim, ctx = 8, 2, 64, prefix + chunk

@@ -73,8 +73,13 @@ def master_key(monkeypatch):
 
 @pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
 def test_same_output_with_the_tiers_and_a_prefix_back_from_ram(model):
+    """A prefix back from RAM gives what the same prefix kept in the pool gives: the same blocks, the same
+    rows left to compute. (In bf16 a prompt's last rows after a cached prefix go through the decode kernel,
+    the whole prompt through the prompt kernel: their roundings differ, so a cache hit is compared with a hit.)"""
     plain = LLM(model, kv_cache_memory=12 << 20, max_model_len=512, enable_prefix_caching=True)
     reference = run(plain, LONG)[0]
+    from_pool = run(plain, LONG)  # the prefix still in the pool
+    assert from_pool[1] >= 16 * 16
     push_out(plain)
     assert run(plain, LONG) == (reference, 0)  # without tiers the pool lost it
     del plain
@@ -82,8 +87,7 @@ def test_same_output_with_the_tiers_and_a_prefix_back_from_ram(model):
     llm = engine(model)
     assert run(llm, LONG) == (reference, 0)
     push_out(llm)
-    tokens, cached = run(llm, LONG)
-    assert tokens == reference and cached >= 16 * 16, cached
+    assert run(llm, LONG) == from_pool
     assert offload_stats(llm)["hits_ram"] >= 16
 
 

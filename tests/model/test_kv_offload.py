@@ -94,6 +94,7 @@ def test_same_output_with_the_tiers_and_a_prefix_back_from_ram(model):
 def test_disk_after_a_restart_tampering_wrong_key_and_no_plaintext(tmp_path, master_key, monkeypatch):
     first = engine("smollm2-135m", tmp_path)
     reference, _ = run(first, LONG)
+    from_pool = run(first, LONG)  # what a hit gives (its last rows by the decode kernel: see the test above)
     pool = first.engine.core.scheduler.pool
     some_block = pool.prefix_cache.block_of[next(iter(pool.prefix_cache.block_of))]
     plaintext = first.engine.core.offload.codec.gather(some_block).tobytes()
@@ -107,8 +108,8 @@ def test_disk_after_a_restart_tampering_wrong_key_and_no_plaintext(tmp_path, mas
     assert all(byte_entropy(f.read_bytes()[HEADER.size:]) > 7.99 for f in files[:5])
 
     restarted = engine("smollm2-135m", tmp_path)
-    tokens, cached = run(restarted, LONG)
-    assert tokens == reference and cached >= 16 * 16 and offload_stats(restarted)["hits_disk"] >= 16
+    assert run(restarted, LONG) == from_pool and from_pool[1] >= 16 * 16
+    assert offload_stats(restarted)["hits_disk"] >= 16
     close(restarted)
     del restarted
 
@@ -117,7 +118,7 @@ def test_disk_after_a_restart_tampering_wrong_key_and_no_plaintext(tmp_path, mas
         data[HEADER.size + 50] ^= 0x10
         f.write_bytes(bytes(data))
     tampered = engine("smollm2-135m", tmp_path)
-    assert run(tampered, LONG)[0] == reference
+    assert run(tampered, LONG)[0] == reference  # recomputed from the first bad block on: over 16 rows, as whole
     assert offload_stats(tampered)["auth_failures"] >= 1
     close(tampered)
     del tampered
@@ -142,7 +143,9 @@ def test_tenants_never_share_blocks_and_a_deleted_tenant_is_shredded(tmp_path, m
 
 
 def test_a_disk_that_cannot_be_written_or_made_keeps_the_engine_serving(tmp_path, master_key, monkeypatch):
-    reference = run(LLM("smollm2-135m", kv_cache_memory=12 << 20, max_model_len=512), LONG)[0]
+    plain = LLM("smollm2-135m", kv_cache_memory=12 << 20, max_model_len=512, enable_prefix_caching=True)
+    reference, from_pool = run(plain, LONG)[0], run(plain, LONG)
+    del plain
     (tmp_path / "a-file").write_text("not a directory")
     unmakeable = engine("smollm2-135m", tmp_path / "a-file" / "kv")
     assert run(unmakeable, LONG)[0] == reference
@@ -160,7 +163,7 @@ def test_a_disk_that_cannot_be_written_or_made_keeps_the_engine_serving(tmp_path
     monkeypatch.setattr("builtins.open", no_space)
     assert run(full, LONG)[0] == reference
     push_out(full)
-    assert run(full, LONG)[0] == reference  # back from RAM: the disk's failures cost nothing else
+    assert run(full, LONG) == from_pool  # back from RAM: the disk's failures cost nothing else
     full.engine.core.close()
     stats = offload_stats(full)
     assert stats["disk_errors"] >= 1 and stats["stored_disk"] == 0 and stats["hits_ram"] >= 16

@@ -120,8 +120,9 @@ def engine_core_environ():
     it was afterwards.
 
     One thread at a time (`_ENVIRON_LOCK`): cores start together from threads (`start_together`), and two
-    blocks interleaved restored each other's variables, while a spawn exec'd with an environment another thread
-    was rewriting (multiprocessing's spawn exits 255 without a word when its exec fails)."""
+    blocks interleaved restored each other's variables, and a spawn could exec while another thread rewrote
+    the environment (a likely cause, not reproduced, of a core that once exited 255 at start without a word:
+    how multiprocessing's spawn ends when its exec fails)."""
     with _ENVIRON_LOCK:
         settings = {name: value for name, value in CORE_ENV.items() if name not in os.environ}  # the user's win
         if not openmp.OMP_WAIT_SET_BY_USER:  # sobrio's own GOMP_SPINCOUNT (openmp.py) is replaced for the core

@@ -118,7 +118,7 @@ def test_disk_after_a_restart_tampering_wrong_key_and_no_plaintext(tmp_path, mas
         data[HEADER.size + 50] ^= 0x10
         f.write_bytes(bytes(data))
     tampered = engine("smollm2-135m", tmp_path)
-    assert run(tampered, LONG)[0] == reference  # recomputed from the first bad block on: over 16 rows, as whole
+    assert run(tampered, LONG)[0] == reference  # from the first bad block on: over 16 rows, the prompt kernel's
     assert offload_stats(tampered)["auth_failures"] >= 1
     close(tampered)
     del tampered

@@ -94,7 +94,7 @@ def test_prompt_kernel_equals_sdpa_when_the_scores_grow_along_the_keys(prefix, c
     outs = []
     for cls in (ReferenceAttention, CppPagedAttention):
         cache, meta, q, k, v = ragged_step([chunk], [ctx], 16, heads, kv_heads, dim, torch.bfloat16, seed=5)
-        growth = 1 + 5 * torch.arange(ctx, dtype=torch.float32) / ctx  # scores up to ~36x the first keys'
+        growth = 1 + 5 * torch.arange(ctx, dtype=torch.float32) / ctx  # keys, and so scores, up to 6x the first
         growth[ctx // 2] = 9.0
         table = meta.block_tables[0]
         slots = table[torch.arange(ctx) // 16] * 16 + torch.arange(ctx) % 16

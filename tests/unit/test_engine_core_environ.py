@@ -83,7 +83,7 @@ def test_cores_started_together_each_get_the_whole_environment_and_leave_it_as_i
             seen.append(all(os.environ.get(k) == v for k, v in core_process.CORE_ENV.items()) and
                         os.environ["GOMP_SPINCOUNT"] == openmp.ENGINE_CORE_SPINCOUNT)
 
-    threads = [threading.Thread(target=start) for i in range(4)]
+    threads = [threading.Thread(target=start) for _ in range(4)]
     for thread in threads:
         thread.start()
     for thread in threads:

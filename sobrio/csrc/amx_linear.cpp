@@ -55,14 +55,16 @@ inline void prefetch_slab_l2(const void* p) {  // a 2 KB slab: 32 lines of 64 by
 // y rows [m, m + rows) (rows <= 32) x columns [n, n+32), `w` the block's 32 columns (K/32 slabs of 2 KB): the
 // float block in `acc` [32][32] (with 16 `rows` or fewer, its rows 16-31 are left unwritten). The prefetch runs on
 // past the block into the next one, which follows it in memory (a prefetch past the weight's end does not
-// fault), so no block starts on a miss.
-void block_product(const c10::BFloat16* xp, const c10::BFloat16* w, int64_t K, int64_t rows, float* acc) {
+// fault), so no block starts on a miss. `prefetch` false: a later pass over the same block (rows 32 on), whose
+// weight the first pass left in L2: its 32 prefetches a slab would only cost time (figures: docs/benchmarks.md).
+void block_product(const c10::BFloat16* xp, const c10::BFloat16* w, int64_t K, int64_t rows, bool prefetch,
+                   float* acc) {
   const bool both = rows > kTileRows;
   zero_tiles();
   const int64_t slab = kTileRows * kBlockN * 2, k_tiles = K / kTileK, x_stride = K * 2;
   for (int64_t kt = 0; kt < k_tiles; ++kt) {
     const c10::BFloat16* wt = w + kt * slab;
-    prefetch_slab_l2(wt + kPrefetchSlabs * slab);
+    if (prefetch) prefetch_slab_l2(wt + kPrefetchSlabs * slab);
     _tile_loadd(4, xp + kt * kTileK, x_stride);
     _tile_loadd(6, wt, 4 * kTileRows * 2);  // columns 0-15 of each 128-byte row
     _tile_loadd(7, wt + kTileRows * 2, 4 * kTileRows * 2);  // columns 16-31
@@ -369,10 +371,9 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::
   auto y = torch::empty({M, N}, x.options());
 #if defined(SOBRIO_AMX)
   if (M == 0) return y;
-  // Whole 32-row blocks of x (one tile of 16 rows where M <= 16: a block that small reads no second one): a
-  // decode batch of 16, 32 or 64 is read in place, others are padded with zeros.
-  const int64_t rows_padded =
-      M <= kTileRows ? kTileRows : (M + 2 * kTileRows - 1) / (2 * kTileRows) * (2 * kTileRows);
+  // Whole 16-row tiles of x (a last block of 16 rows or fewer reads no second tile): a decode batch of 16, 32,
+  // 48 or 64 is read in place, others are padded with zeros.
+  const int64_t rows_padded = (M + kTileRows - 1) / kTileRows * kTileRows;
   torch::Tensor xpad = x.is_contiguous() && rows_padded == M ? x : torch::zeros({rows_padded, K}, x.options());
   if (!xpad.is_same(x)) xpad.narrow(0, 0, M).copy_(x);
   const auto* xp = xpad.data_ptr<c10::BFloat16>();
@@ -389,7 +390,7 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::
       const c10::BFloat16* w = wp + nb * kBlockN * K;
       for (int64_t m = 0; m < M; m += 2 * kTileRows) {
         const int64_t rows = std::min<int64_t>(2 * kTileRows, M - m);
-        block_product(xp + m * K, w, K, rows, acc);
+        block_product(xp + m * K, w, K, rows, m == 0, acc);
         store_block(acc, b, yp + m * N, rows, N, nb * kBlockN);
       }
     }

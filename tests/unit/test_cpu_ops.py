@@ -33,7 +33,8 @@ def test_gemv_equals_linear(rows: int, k: int):
 
 
 @pytest.mark.skipif(not amx_available(), reason="needs Intel AMX-BF16")
-@pytest.mark.parametrize("rows", [1, 5, 16, 31, 32, 33, 40, 64, 100])  # one tile, partial tiles, several 32-row blocks
+@pytest.mark.parametrize("rows", [1, 5, 16, 31, 32, 33, 40, 48, 64, 80, 100])  # one tile, partial tiles, several 32-row
+# blocks, a last block of one whole tile (48, 80: read in place)
 @pytest.mark.parametrize("n,k", [(32, 32), (960, 576), (576, 1536)])
 def test_amx_linear_equals_linear(rows: int, n: int, k: int):
     gen = torch.Generator().manual_seed(rows * n + k)

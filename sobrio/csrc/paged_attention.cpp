@@ -182,6 +182,9 @@ void decode_task(const c10::BFloat16* q, const C* kc, const C* vc, const c10::BF
   const Rows first{table, block_size, kv_stride, start / block_size, start % block_size};
   // The rows are scattered over blocks and the time goes to waiting on memory: fetch the keys 16 rows
   // ahead into L1, and every value row into L2 while its key is used, for the second pass.
+  // The second pass fetches its rows into L1 `kValuesAhead` positions ahead (8 left it waiting on memory at
+  // long contexts: docs/benchmarks.md).
+  constexpr int64_t kValuesAhead = 32;
   Rows key_rows = first, ahead = first;
   int64_t t_ahead = start;
   auto prefetch_next = [&] {
@@ -242,9 +245,9 @@ void decode_task(const c10::BFloat16* q, const C* kc, const C* vc, const c10::BF
     for (int g = 0; g < G; ++g)
       for (int j = 0; j < 4; ++j) acc[g][j] = _mm512_setzero_ps();
     Rows value_rows = first, value_ahead = first;
-    for (int64_t t = start; t < std::min<int64_t>(ctx, start + 8); ++t) value_ahead.next();
+    for (int64_t t = start; t < std::min<int64_t>(ctx, start + kValuesAhead); ++t) value_ahead.next();
     for (int64_t t = start; t < ctx; ++t) {
-      if (t + 8 < ctx) {
+      if (t + kValuesAhead < ctx) {
         const char* ahead_row = reinterpret_cast<const char*>(vc + value_ahead.next() + dim0);
         for (int64_t b = 0; b < kPassBytes; b += 64) _mm_prefetch(ahead_row + b, _MM_HINT_T0);
       }

@@ -8,9 +8,9 @@
 // GEMM reads past the decode batches (layers/linear.py checks the layout at load). A step reads the weight
 // as one sequential stream (a thread's blocks of 32 columns follow each other), prefetched into L2 ahead of
 // the tile loads, and every tile product is 16x16x32 at once. x is read in blocks of 32 rows (copied to a
-// zero-padded buffer when its rows are not whole blocks), so one tile configuration serves every shape; a
-// block of 16 rows or fewer skips its second row tile's products, all padding (on a host whose tile
-// products are slow, 4 products a slab made the kernel compute-bound: docs/benchmarks.md).
+// zero-padded buffer when its rows are not whole tiles of 16), so one tile configuration serves every shape;
+// a block of 16 rows or fewer skips its second row tile and its products (on a host whose tile products are
+// slow, 4 products a slab made the kernel compute-bound: docs/benchmarks.md).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

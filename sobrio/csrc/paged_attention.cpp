@@ -204,6 +204,7 @@ void decode_task(const c10::BFloat16* q, const C* kc, const C* vc, const c10::BF
   for (int g = 0; g < G; ++g) row_max[g] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t t0 = start; t0 < ctx; t0 += 16) {
     const int m = static_cast<int>(std::min<int64_t>(16, ctx - t0));
+    const __mmask16 present = static_cast<__mmask16>((1u << m) - 1);  // the group's keys among its 16 lanes
     const C* keys[16];
     for (int i = 0; i < m; ++i) {
       const int64_t r = key_rows.next();
@@ -211,9 +212,7 @@ void decode_task(const c10::BFloat16* q, const C* kc, const C* vc, const c10::BF
       if constexpr (kQuantized) key_scales[i] = sobrio_vec::to_float(ks[r / kD]);
       keys[i] = kc + r;
     }
-    const __m512 row_scales = kQuantized ? _mm512_mul_ps(_mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << m) - 1),
-                                                                                key_scales), vscale)
-                                         : vscale;
+    const __m512 row_scales = kQuantized ? _mm512_mul_ps(_mm512_maskz_loadu_ps(present, key_scales), vscale) : vscale;
     for (int g = 0; g < G; ++g) {
       __m512 d[16];
       for (int i = 0; i < 16; ++i) {
@@ -232,7 +231,6 @@ void decode_task(const c10::BFloat16* q, const C* kc, const C* vc, const c10::BF
       }
       const __m512 head_scales = kQuantized ? _mm512_mul_ps(row_scales, _mm512_set1_ps(q_scale[g])) : row_scales;
       const __m512 s = _mm512_mul_ps(hsum16(d), head_scales);
-      const __mmask16 present = static_cast<__mmask16>((1u << m) - 1);
       _mm512_mask_storeu_ps(scores + g * n + (t0 - start), present, s);
       row_max[g] = _mm512_mask_max_ps(row_max[g], present, row_max[g], s);
     }

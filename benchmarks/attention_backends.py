@@ -6,9 +6,14 @@ the C++ operator, on the same paged cache; prints ms per layer and the speed-up 
 
 `--skewed`: the first half of the sequences at --max-ctx, the others at --min-ctx (a split of the tasks by
 count gives one thread all the long ones; the C++ operator splits them by key rows).
+`--cold-layers N`: also the C++ operator over N layers, each with a cache of its own, as a decode step reads
+them: from memory, the caches written over by a buffer larger than the last-level cache between steps (a step's
+weights do that). The per-layer figures above repeat one layer whose cache stays in L3, which hides how the
+operator waits on memory. Compare two builds by running each from its own tree (`PYTHONPATH=...`).
 """
 
 import argparse
+import statistics
 import time
 
 # isort: off
@@ -59,6 +64,26 @@ def time_backend(cls, cache, meta, q, kv, heads, kv_heads, dim, repeats: int) ->
     return (time.perf_counter() - start) / repeats * 1000
 
 
+def time_cold_step(cache, meta, q, kv, heads, kv_heads, dim, layers: int, repeats: int, flush_mb: int) -> float:
+    """Median ms of one decode step's `layers` C++ attention calls, each on its own copy of the cache, with a
+    buffer of `flush_mb` MB written between steps so that every cache comes from memory."""
+    attns = []
+    for _ in range(layers):
+        attn = CppPagedAttention(heads, kv_heads, dim, dim ** -0.5)
+        attn.kv_cache = cache.clone()
+        attn(q, kv, kv, meta)
+        attns.append(attn)
+    flush = torch.empty(flush_mb << 20, dtype=torch.uint8)
+    times = []
+    for _ in range(repeats):
+        flush.fill_(len(times) % 255)
+        start = time.perf_counter()
+        for attn in attns:
+            attn(q, kv, kv, meta)
+        times.append((time.perf_counter() - start) * 1000)
+    return statistics.median(times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seqs", type=int, default=64)
@@ -70,6 +95,10 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=9, help="query heads (default: %(default)s)")
     parser.add_argument("--kv-heads", type=int, default=3, help="(default: %(default)s)")
     parser.add_argument("--head-dim", type=int, default=64, help="(default: %(default)s)")
+    parser.add_argument("--cold-layers", type=int, default=0,
+                        help="also time the C++ operator over this many layers read from memory (default: off)")
+    parser.add_argument("--flush-mb", type=int, default=1024,
+                        help="MB written between --cold-layers steps: above the LLC (default: %(default)s)")
     args = parser.parse_args()
     heads, kv_heads, dim, block = args.heads, args.kv_heads, args.head_dim, 16
     cache, meta, q, kv, tokens = decode_step(args.seqs, args.min_ctx, args.max_ctx, heads, kv_heads, dim, block,
@@ -82,6 +111,11 @@ def main() -> None:
         ms = time_backend(cls, cache, meta, q, kv, heads, kv_heads, dim, args.repeats)
         base = base or ms
         print(f"{cls.__name__:24} {ms:8.3f} ms per layer   {base / ms:6.2f}x the reference")
+    if args.cold_layers and load():
+        ms = time_cold_step(cache, meta, q, kv, heads, kv_heads, dim, args.cold_layers, args.repeats, args.flush_mb)
+        read = tokens * kv_heads * dim * 2 * cache.element_size() * args.cold_layers  # keys and values, once
+        print(f"CppPagedAttention, {args.cold_layers} layers from memory: {ms:8.3f} ms a step (median of "
+              f"{args.repeats}), {ms / args.cold_layers:.3f} ms a layer, {read / ms / 1e6:.1f} GB/s of keys and values")
 
 
 if __name__ == "__main__":

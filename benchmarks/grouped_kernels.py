@@ -9,7 +9,10 @@ the measurement behind `GEMV_MAX_ROWS` in `sobrio/layers/grouped.py`.
 - grouped dequant+mm: the codes dequantized 1024 channels at a time, then `torch.mm`;
 - int8pack (per channel): `aten._weight_int8pack_mm`, one scale per row.
 
-    .venv/bin/python benchmarks/grouped_kernels.py [--rows 1 4 16 32 64] [--threads 2]
+`--dtype float32`: x, the dense matrix and the row scales in float32, as a float32 model's
+`--quantization int8-weight-only` runs them (the measurement behind `grouped_int8_preferred` there).
+
+    .venv/bin/python benchmarks/grouped_kernels.py [--rows 1 4 16 32 64] [--threads 2] [--dtype float32]
 """
 
 import argparse
@@ -33,13 +36,15 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32, 64])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     codes = GroupedCodes(torch.randint(-127, 128, (VOCAB, HIDDEN), dtype=torch.int8, generator=g),
                              torch.rand(VOCAB, HIDDEN // GROUP, generator=g) * 0.01, None, GROUP)
-    dense = codes.dequantize(torch.bfloat16)
-    row_scale = torch.rand(VOCAB, generator=g).bfloat16()
+    dtype = getattr(torch, args.dtype)
+    dense = codes.dequantize(dtype)
+    row_scale = torch.rand(VOCAB, generator=g).to(dtype)
     ops = cpu_ops()
     kernels = {
         "dense": lambda x: F.linear(x, dense),
@@ -47,10 +52,10 @@ def main() -> None:
         "grouped dequant+mm": lambda x: dequant_mm(x, codes),
         "int8pack (per channel)": lambda x: torch.ops.aten._weight_int8pack_mm(x, codes.codes, row_scale),
     }
-    print(f"LM head {VOCAB} x {HIDDEN}, bf16 x, {args.threads} thread(s), best of {args.repeats}")
+    print(f"LM head {VOCAB} x {HIDDEN}, {args.dtype} x, {args.threads} thread(s), best of {args.repeats}")
     print(f"{'rows':>5}  {'kernel':<23} {'ms':>7}  {'vs dense':>8}")
     for rows in args.rows:
-        best = best_times(kernels, torch.randn(rows, HIDDEN, generator=g).bfloat16(), args.repeats, args.threads)
+        best = best_times(kernels, torch.randn(rows, HIDDEN, generator=g).to(dtype), args.repeats, args.threads)
         for name, seconds in best.items():
             print(f"{rows:>5}  {name:<23} {seconds * 1e3:7.2f}  {best['dense'] / seconds:7.2f}x", flush=True)
 

@@ -12,7 +12,8 @@ The kernel is chosen by the CPU and the step's row count, because no single one 
   row count; the tied head keeps the embedding's plain matrix, on which `aten._weight_int8pack_mm` serves up
   to `INT8PACK_MAX_ROWS` rows and `torch._int_mm` past them (also wherever oneDNN is missing).
 - `int8-weight-only`: `aten._weight_int8pack_mm` below `DEQUANT_MIN_ROWS` rows, then the weight converted to
-  bf16 for aten's matmul (compute-bound there, it pays for the conversion).
+  bf16 for aten's matmul (compute-bound there, it pays for the conversion). In a float32 model, and on AVX2
+  without AVX-512, the C++ grouped kernel instead (`grouped_int8_preferred`): aten's kernel is slow there.
 - AVX512-VNNI without AMX-INT8 (AMD Zen 4): both modes take `vnni_linear` (layers/vnni.py,
   `vnni_int8_preferred`), activations rounded per group of inputs (`VNNI_INPUT_GROUPS`: 8 bits per 256 inputs
   in `int8`, a down_proj's per 64; 16 bits per 32 in weight-only).
@@ -306,13 +307,16 @@ def vnni_int8_preferred(in_features: int) -> bool:
     return in_features % 16 == 0 and vnni.usable(16) and not onednn_signed_activations()
 
 
-def grouped_int8_preferred(in_features: int) -> bool:
-    """Whether `int8-weight-only` takes the C++ grouped kernel (layers/grouped.py, one group a row): on an
-    AVX2 CPU without AVX-512, where PyTorch's int8 weight kernels ran slower than float32 (AMD EPYC Zen 3,
-    2 threads, SmolLM2 batch-1 decode: float32 29.9 tok/s, int8pack 8.2). With this kernel
+def grouped_int8_preferred(in_features: int, dtype: torch.dtype) -> bool:
+    """Whether `int8-weight-only` in a model of `dtype` takes the C++ grouped kernel (layers/grouped.py, one
+    group a row) instead of aten's `_weight_int8pack_mm`: in float32 on every CPU, and on an AVX2 CPU without
+    AVX-512, where PyTorch's int8 weight kernels ran slower than float32 (AMD EPYC Zen 3, 2 threads, SmolLM2
+    batch-1 decode: float32 29.9 tok/s, int8pack 8.2). With this kernel
     (`benchmarks/step_overhead.py --batch 1 --quantization int8-weight-only`): a batch-1 step 22.4 ms against
-    31.6 in float32, a batch-32 one 201.6 against 177.8 (past a few rows float32's GEMM wins: not tuned)."""
-    return in_features % 16 == 0 and avx2_without_avx512() and grouped_linear_available()
+    31.6 in float32, a batch-32 one 201.6 against 177.8 (past a few rows float32's GEMM wins: not tuned).
+    `_weight_int8pack_mm` with float32 activations is slow on AVX-512 too (figures: docs/quantization.md)."""
+    return (in_features % 16 == 0 and grouped_linear_available()
+            and (dtype == torch.float32 or avx2_without_avx512()))
 
 
 def grouped_int8_codes(q: torch.Tensor, scale: torch.Tensor) -> GroupedCodes:
@@ -343,7 +347,7 @@ def quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, method: st
         group = VNNI_INPUT_GROUPS["down_proj" if grouped_inputs and method == "int8" else method]
         return vnni_int8_codes(weight, group).linear(None if bias is None else bias.detach(),
                                                      vnni.INT8_ACT_BITS[method])
-    if method == "int8-weight-only" and grouped_int8_preferred(weight.shape[1]):
+    if method == "int8-weight-only" and grouped_int8_preferred(weight.shape[1], weight.dtype):
         return GroupedLinear(grouped_int8_codes(*quantize_weight(weight, weight.dtype)),
                              None if bias is None else bias.detach())
     return QuantizedLinear.from_float(weight, bias, method, grouped_inputs)
@@ -402,7 +406,7 @@ class QuantizedEmbedding(torch.nn.Module):
         oneDNN's packed one: a quarter of SmolLM2's weights, 60% of Gemma 3 270M's), or weight-only on an
         AVX2 CPU the grouped kernel on it. In `int8`, given its inputs' calibrated max |x|, its
         `OUTLIER_CHANNELS` largest input channels are kept in float."""
-        if method == "int8-weight-only" and grouped_int8_preferred(self.weight.shape[1]):
+        if method == "int8-weight-only" and grouped_int8_preferred(self.weight.shape[1], self.weight_scale.dtype):
             return GroupedLinear(grouped_int8_codes(self.weight, self.weight_scale), None)
         head = QuantizedLinear(self.weight, self.weight_scale, None, method, pack=False)
         if method == "int8" and max_abs_x is not None:

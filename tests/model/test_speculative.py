@@ -143,9 +143,7 @@ def test_a_draft_model_with_another_tokenizer_is_refused():
         LLM("smollm2-135m", **engine_kwargs(speculative_config={**DRAFT_MODEL, "model": "gemma3-270m"}))
 
 
-# The draft model's case costs ~55 s on a 2-core AMX host (the suite's 20 minutes): behind the exhaustive marker;
-# a draft's own KV blocks under preemption stay covered by EAGLE's, the draft model by the chunked-and-cached test
-@pytest.mark.parametrize("method", [NGRAM, LAYER_SKIP, pytest.param(DRAFT_MODEL, marks=pytest.mark.exhaustive), EAGLE],
+@pytest.mark.parametrize("method", [NGRAM, LAYER_SKIP, DRAFT_MODEL, EAGLE],
                          ids=["ngram", "layer_skip", "draft_model", "eagle"])
 def test_greedy_output_is_the_same_across_preemption(smollm2, method, request):
     tokenizer = smollm2.get_tokenizer()

@@ -25,6 +25,10 @@ from sobrio.layers.norm import RMSNorm
 from sobrio.layers.vnni import VnniLinear
 from sobrio.models.llama import ACTIVATIONS, CausalLM, GatedMLP, LlamaAttention, LlamaDecoderLayer
 
+# What its C++ norms, rotary and activations take: a float16 model (`--dtype float16`) keeps the modules,
+# whose PyTorch operators take it (built anyway, every decode step of such a model failed).
+FUSED_DTYPES = (torch.float32, torch.bfloat16)
+
 
 class FusedDecode:
     """Calls `LlamaDecoder.forward` for the pure decode steps of one model (`applies`)."""
@@ -59,6 +63,7 @@ def build(model: CausalLM) -> FusedDecode | None:
     ops = cpu_ops()
     layers = list(model.model.layers)
     if (os.environ.get("SOBRIO_DISABLE_FUSED_DECODE") == "1" or ops is None or not vnni_linear_available()
+            or model.model.norm.weight.dtype not in FUSED_DTYPES
             or not layers or not all(map(_covered, layers)) or type(model.model.norm) is not RMSNorm
             or any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())):
         return None

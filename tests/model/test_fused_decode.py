@@ -106,6 +106,16 @@ def test_fused_decode_stands_aside_where_it_does_not_cover(smollm2, monkeypatch)
     assert fused_decode.build(model) is None
 
 
+def test_a_float16_model_on_vnni_codes_decodes_through_the_modules() -> None:
+    """The C++ decoder's operators take float32 and bf16: a float16 model keeps the modules (built anyway,
+    each of its decode steps failed, and so every request)."""
+    llm = LLM(str(resolve_model("smollm2-135m").path), quantization="gguf", **engine_kwargs(dtype="float16"))
+    assert llm.engine.runner.model.model.fused_decode is None
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert all(o.outputs[0].finish_reason == "length" and len(o.outputs[0].token_ids) == 6 for o in out)
+
+
 def test_fused_decode_honours_the_sliding_window(tmp_path) -> None:
     """A windowed Mistral (int4, so on VNNI codes) decoding past its window: the fused decode's steps equal
     the modules', whose windowed attention equals transformers (tests/model/test_families.py)."""

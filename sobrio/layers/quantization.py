@@ -11,12 +11,14 @@ The kernel is chosen by the CPU and the step's row count, because no single one 
 - `int8` elsewhere: oneDNN's int8 linear on its packed copy, the fastest int8 kernel PyTorch ships at each
   row count; the tied head keeps the embedding's plain matrix, on which `aten._weight_int8pack_mm` serves up
   to `INT8PACK_MAX_ROWS` rows and `torch._int_mm` past them (also wherever oneDNN is missing).
-- `int8-weight-only`: `aten._weight_int8pack_mm` below `DEQUANT_MIN_ROWS` rows, then the weight converted to
-  bf16 for aten's matmul (compute-bound there, it pays for the conversion). In a float32 model, and on AVX2
-  without AVX-512, the C++ grouped kernel instead (`grouped_int8_preferred`): aten's kernel is slow there.
+- `int8-weight-only` without VNNI: `aten._weight_int8pack_mm` below `DEQUANT_MIN_ROWS` rows, then the weight
+  converted to bf16 for aten's matmul (compute-bound there, it pays for the conversion). In a float32 model,
+  and on AVX2 without AVX-512, the C++ grouped kernel instead (`grouped_int8_preferred`): aten's kernel is
+  slow there.
 - AVX512-VNNI without AMX-INT8 (AMD Zen 4): both modes take `vnni_linear` (layers/vnni.py,
   `vnni_int8_preferred`), activations rounded per group of inputs (`VNNI_INPUT_GROUPS`: 8 bits per 256 inputs
-  in `int8`, a down_proj's per 64; 16 bits per 32 in weight-only).
+  in `int8`, a down_proj's per 64; 16 bits per 32 in weight-only). With AMX-INT8 `int8-weight-only` takes it
+  too (and so int4's int8 head): the bullet above is W8A8 only.
 
 Quality: `int8` first calibrates SmoothQuant's scales (layers/smoothing.py) and keeps the tied head's
 `OUTLIER_CHANNELS` largest calibrated inputs in fp32 (`Outliers`): the head cannot be smoothed without
@@ -299,12 +301,16 @@ class QuantizedLinear(torch.nn.Module):
 VNNI_INPUT_GROUPS = {"int8": 256, "down_proj": 64, "int8-weight-only": 32}
 
 
-def vnni_int8_preferred(in_features: int) -> bool:
-    """Whether the int8 modes take `vnni_linear` (layers/vnni.py): where the CPU has VNNI but no AMX-INT8.
+def vnni_int8_preferred(in_features: int, method: str) -> bool:
+    """Whether `--quantization method` (int8, or int8-weight-only: also int4's head) takes `vnni_linear`
+    (layers/vnni.py): where the CPU has VNNI, except `int8` with AMX-INT8, whose own kernel is W8A8.
     AMD EPYC Zen 4, 2 threads, SmolLM2 (`benchmarks/step_overhead.py --quantization int8`): a batch-1 step
-    19.7 ms with oneDNN's linear, a batch-32 one 50 ms (bf16: 13 and 47). With AMX, oneDNN's s8 tiles stay
-    (measured faster than bf16 there at few rows only; not measured against this kernel)."""
-    return in_features % 16 == 0 and vnni.usable(16) and not onednn_signed_activations()
+    19.7 ms with oneDNN's linear, a batch-32 one 50 ms (bf16: 13 and 47). On the AMX host weight-only took
+    aten's int8pack until 2026-12-06, 3.4-3.7x slower in bf16 and float32 and unusable in float16
+    (docs/quantization.md)."""
+    if in_features % 16 or not vnni.usable(16):
+        return False
+    return method != "int8" or not onednn_signed_activations()
 
 
 def grouped_int8_preferred(in_features: int, dtype: torch.dtype) -> bool:
@@ -343,7 +349,7 @@ def quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, method: st
     `hessian` (int4, from calibration) has GPTQ round the weight."""
     if method == "int4":
         return int4_linear_from_float(weight, bias, name, hessian)
-    if vnni_int8_preferred(weight.shape[1]):
+    if vnni_int8_preferred(weight.shape[1], method):
         group = VNNI_INPUT_GROUPS["down_proj" if grouped_inputs and method == "int8" else method]
         return vnni_int8_codes(weight, group).linear(None if bias is None else bias.detach(),
                                                      vnni.INT8_ACT_BITS[method])
@@ -356,7 +362,7 @@ def quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, method: st
 def quantized_embedding(weight: torch.Tensor, method: str = "int8") -> torch.nn.Module:
     """The int8 embedding of the quantized modes; tied, its `lm_head(method)` is the LM head on the same codes
     (on the VNNI kernel its activations rounded in `method`'s groups, 32 inputs for the others)."""
-    if vnni_int8_preferred(weight.shape[1]):
+    if vnni_int8_preferred(weight.shape[1], "int8" if method == "int8" else "int8-weight-only"):  # int4: its head's
         return vnni_int8_codes(weight, VNNI_INPUT_GROUPS.get(method, 32)).embedding(weight.dtype)
     return QuantizedEmbedding.from_float(weight)
 

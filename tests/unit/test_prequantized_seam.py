@@ -79,7 +79,7 @@ def test_quantize_then_touches_only_the_float_layers_left():
     model.quantize("int8-weight-only")
     assert isinstance(model.model.layers[0].mlp.down_proj, torch.nn.Linear)  # the record's module, untouched
     o_proj = model.model.layers[0].self_attn.o_proj
-    expected = (VnniLinear if vnni_int8_preferred(CONFIG.hidden_size)  # by the CPU
+    expected = (VnniLinear if vnni_int8_preferred(CONFIG.hidden_size, "int8-weight-only")  # by the CPU
                 else GroupedLinear if grouped_int8_preferred(CONFIG.hidden_size, torch.float32) else QuantizedLinear)
     assert type(o_proj) is expected
 

@@ -189,8 +189,9 @@ def test_gguf_records_convert_exactly_up_to_fp16_scales() -> None:
 @needs_kernel
 @pytest.mark.parametrize("method, act_bits", [("int8", 8), ("int8-weight-only", 16)])
 def test_int8_modes_on_the_kernel_keep_one_copy_for_embedding_and_head(method, act_bits) -> None:
-    """`--quantization int8 | int8-weight-only` where the CPU has VNNI and no AMX: int8 per channel, scales
-    repeated per group of 32; W8A8 rounds activations to 8 bits per group, weight-only to 16."""
+    """`--quantization int8 | int8-weight-only` on the kernel (weight-only wherever the CPU has VNNI, int8 where
+    it has no AMX-INT8): int8 per channel, scales repeated per group of 32; W8A8 rounds activations to 8 bits
+    per group, weight-only to 16."""
     w = torch.randn(1000, 96).bfloat16()
     codes = quantization.vnni_int8_codes(w)
     q, scale = quantization.quantize_weight(w, torch.float16)
@@ -205,11 +206,11 @@ def test_int8_modes_on_the_kernel_keep_one_copy_for_embedding_and_head(method, a
         expected = hidden.float() @ codes.dequantize().T
         assert ((head(hidden).float() - expected).norm() / expected.norm()) < (2e-2 if act_bits == 8 else 5e-3)
     layer = quantization.quantized_linear(w[:70], torch.randn(70), method, "layer")
-    assert isinstance(layer, VnniLinear) == quantization.vnni_int8_preferred(96)
+    assert isinstance(layer, VnniLinear) == quantization.vnni_int8_preferred(96, method)
 
 
 @needs_kernel
-@pytest.mark.skipif(not quantization.vnni_int8_preferred(256), reason="the int8 modes take AMX-INT8 here")
+@pytest.mark.skipif(not quantization.vnni_int8_preferred(256, "int8"), reason="int8 takes AMX-INT8 here")
 def test_int8_rounds_activations_per_256_inputs_and_a_down_projs_per_64() -> None:
     """W8A8's groups on the kernel (`quantization.VNNI_INPUT_GROUPS`): 256 inputs (the largest power of two
     that divides K where 256 does not), a down_proj's 64 (its outliers), weight-only's 32; the head of a

@@ -17,7 +17,7 @@ shift
 SERVED=$(basename "$MODEL")
 SERVERS=${SERVERS:-sobrio sobrio-int8 vllm}
 mkdir -p results
-source benchmarks/peers/servers.sh  # SERVER, its kill on exit, wait_for, port_free
+source benchmarks/peers/servers.sh  # SERVER, its kill on exit, wait_for, port_free, start_at_size
 bench() {  # URL LABEL WORKLOAD SEED FLAGS...
   local url=$1 out="results/at-size-$2-$4-$3.json" seed=$4
   shift 4
@@ -25,14 +25,7 @@ bench() {  # URL LABEL WORKLOAD SEED FLAGS...
     --seed "$seed" --result-json "$out" "$@" > /dev/null
 }
 start() {  # NAME PORT
-  case "$1" in
-    sobrio) .venv/bin/sobrio serve "$MODEL" --port "$2" > "results/at-size-$1-serve.log" 2>&1 & ;;
-    sobrio-int8) .venv/bin/sobrio serve "$MODEL" --port "$2" --quantization int8 > "results/at-size-$1-serve.log" 2>&1 & ;;
-    vllm) MAX_MODEL_LEN=8192 benchmarks/peers/vllm_server.sh "$MODEL" "$2" > "results/at-size-$1-serve.log" 2>&1 & ;;
-    llamacpp) .peers/llamacpp/bin/python benchmarks/peers/llamacpp_server.py --model "${LLAMACPP_GGUF:?a GGUF file}" \
-                --port "$2" --parallel 32 --ctx-per-slot 4200 > "results/at-size-$1-serve.log" 2>&1 & ;;
-    *) echo "unknown server $1" >&2; exit 2 ;;
-  esac
+  start_at_size "$1" "$2" "results/at-size-$1-serve.log"
   SERVER=$!
 }
 for SEED in "$@"; do

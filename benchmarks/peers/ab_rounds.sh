@@ -20,20 +20,13 @@ SERVERS=${SERVERS:-sobrio sobrio-int8 vllm}
 ROUNDS=${ROUNDS:-5}
 WORKLOADS=${WORKLOADS:-inflight16 inflight32 ttft1000 ttft4000}
 mkdir -p results
-source benchmarks/peers/servers.sh  # wait_for, port_free
+source benchmarks/peers/servers.sh  # wait_for, port_free, start_at_size
 PIDS=()
 trap 'for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done' EXIT
 port() { case "$1" in sobrio) echo 8000 ;; sobrio-int8) echo 8001 ;; vllm) echo 8100 ;; llamacpp) echo 8080 ;;
   *) echo "unknown server $1" >&2; exit 2 ;; esac; }
 start() {  # NAME PORT
-  local log="results/rounds-$1-serve.log"
-  case "$1" in
-    sobrio) .venv/bin/sobrio serve "$MODEL" --port "$2" > "$log" 2>&1 & ;;
-    sobrio-int8) .venv/bin/sobrio serve "$MODEL" --port "$2" --quantization int8 > "$log" 2>&1 & ;;
-    vllm) MAX_MODEL_LEN=8192 benchmarks/peers/vllm_server.sh "$MODEL" "$2" > "$log" 2>&1 & ;;
-    llamacpp) .peers/llamacpp/bin/python benchmarks/peers/llamacpp_server.py --model "${LLAMACPP_GGUF:?a GGUF file}" \
-                --port "$2" --parallel 32 --ctx-per-slot 4200 > "$log" 2>&1 & ;;
-  esac
+  start_at_size "$1" "$2" "results/rounds-$1-serve.log"
   PIDS+=($!)
 }
 bench() {  # NAME WORKLOAD ROUND

@@ -223,7 +223,9 @@ def quantized_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, method: 
     """x [M, K] @ (q * scale).T on a plain int8 weight, by the kernel that was fastest for M rows."""
     rows, int8pack = x.shape[0], int8pack_fits(q.shape[1]) and x.dtype == scale.dtype
     if method == "int8":
-        if int8pack and rows <= INT8PACK_MAX_ROWS:
+        # int8pack's exact activations are fast in bf16 only: in float16 one head row took 24.9 ms against
+        # int8_mm's 2.0 (SmolLM2's 49,152 x 576, the AMX host, 2026-12-06; docs/quantization.md)
+        if int8pack and x.dtype == torch.bfloat16 and rows <= INT8PACK_MAX_ROWS:
             return weight_only_mm(x, q, scale)
         return int8_mm(x, q, scale, outliers)
     return weight_only_mm(x, q, scale) if int8pack and rows < DEQUANT_MIN_ROWS else dequant_mm(x, q, scale)

@@ -223,8 +223,7 @@ def quantized_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, method: 
     """x [M, K] @ (q * scale).T on a plain int8 weight, by the kernel that was fastest for M rows."""
     rows, int8pack = x.shape[0], int8pack_fits(q.shape[1]) and x.dtype == scale.dtype
     if method == "int8":
-        # int8pack's exact activations are fast in bf16 only: in float16 one head row took 24.9 ms against
-        # int8_mm's 2.0 (SmolLM2's 49,152 x 576, the AMX host, 2026-12-06; docs/quantization.md)
+        # int8pack's exact activations are fast in bf16 only: in float16 ~12x int8_mm's time (docs/quantization.md)
         if int8pack and x.dtype == torch.bfloat16 and rows <= INT8PACK_MAX_ROWS:
             return weight_only_mm(x, q, scale)
         return int8_mm(x, q, scale, outliers)
@@ -307,9 +306,8 @@ def vnni_int8_preferred(in_features: int, method: str) -> bool:
     """Whether `--quantization method` (int8, or int8-weight-only: also int4's head) takes `vnni_linear`
     (layers/vnni.py): where the CPU has VNNI, except `int8` with AMX-INT8, whose own kernel is W8A8.
     AMD EPYC Zen 4, 2 threads, SmolLM2 (`benchmarks/step_overhead.py --quantization int8`): a batch-1 step
-    19.7 ms with oneDNN's linear, a batch-32 one 50 ms (bf16: 13 and 47). On the AMX host weight-only took
-    aten's int8pack until 2026-12-06, 3.4-3.7x slower in bf16 and float32 and unusable in float16
-    (docs/quantization.md)."""
+    19.7 ms with oneDNN's linear, a batch-32 one 50 ms (bf16: 13 and 47). On an AMX host this kernel is ~3x
+    aten's int8pack for weight-only (docs/quantization.md)."""
     if in_features % 16 or not vnni.usable(16):
         return False
     return method != "int8" or not onednn_signed_activations()
@@ -361,11 +359,17 @@ def quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, method: st
     return QuantizedLinear.from_float(weight, bias, method, grouped_inputs)
 
 
+def int8_head_method(method: str) -> str:
+    """The int8 mode of a quantized model's embedding and LM head: `int4` keeps them weight-only int8."""
+    return "int8-weight-only" if method == "int4" else method
+
+
 def quantized_embedding(weight: torch.Tensor, method: str = "int8") -> torch.nn.Module:
-    """The int8 embedding of the quantized modes; tied, its `lm_head(method)` is the LM head on the same codes
-    (on the VNNI kernel its activations rounded in `method`'s groups, 32 inputs for the others)."""
-    if vnni_int8_preferred(weight.shape[1], "int8" if method == "int8" else "int8-weight-only"):  # int4: its head's
-        return vnni_int8_codes(weight, VNNI_INPUT_GROUPS.get(method, 32)).embedding(weight.dtype)
+    """The int8 embedding of the quantized modes; tied, its `lm_head(int8_head_method(method))` is the LM head
+    on the same codes (on the VNNI kernel its activations rounded in that mode's groups)."""
+    head = int8_head_method(method)
+    if vnni_int8_preferred(weight.shape[1], head):
+        return vnni_int8_codes(weight, VNNI_INPUT_GROUPS[head]).embedding(weight.dtype)
     return QuantizedEmbedding.from_float(weight)
 
 

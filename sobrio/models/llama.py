@@ -20,7 +20,7 @@ from sobrio.layers.linear import (
 )
 from sobrio.layers.moe import FusedExperts
 from sobrio.layers.norm import RMSNorm
-from sobrio.layers.quantization import INT4_GROUP_SIZE, quantized_embedding, quantized_linear
+from sobrio.layers.quantization import INT4_GROUP_SIZE, int8_head_method, quantized_embedding, quantized_linear
 from sobrio.layers.rotary import RotaryEmbedding
 from sobrio.models.weights import PackedLinear
 from sobrio.timing import log_step
@@ -299,7 +299,7 @@ class CausalLM(torch.nn.Module):
     def _quantized_head(self, method: str, head_input: torch.Tensor | None = None) -> torch.nn.Module:
         """int8 in both int8 modes and in int4 (which keeps the int8 embedding as head); tied, the embedding's
         own matrix (W8A8 with its calibrated outlier input channels in float, `head_input`)."""
-        head_method = "int8-weight-only" if method == "int4" else method
+        head_method = int8_head_method(method)
         if self.lm_head is not None:
             return quantized_linear(self.lm_head.weight, None, head_method, "lm_head")
         assert hasattr(self.model.embed_tokens, "lm_head"), type(self.model.embed_tokens)

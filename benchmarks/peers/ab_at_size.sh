@@ -17,7 +17,7 @@ shift
 SERVED=$(basename "$MODEL")
 SERVERS=${SERVERS:-sobrio sobrio-int8 vllm}
 mkdir -p results
-source benchmarks/peers/servers.sh  # SERVER, its kill on exit, wait_for, port_free, start_at_size
+source benchmarks/peers/servers.sh  # SERVER, its kill on exit, wait_for, port_free, start_at_size, workload_*
 bench() {  # URL LABEL WORKLOAD SEED FLAGS...
   local url=$1 out="results/at-size-$2-$4-$3.json" seed=$4
   shift 4
@@ -38,10 +38,10 @@ for SEED in "$@"; do
     echo "$NAME ready in $(($(date +%s) - T0)) s"
     sleep 5
     URL=http://127.0.0.1:$PORT
-    bench "$URL" "$NAME" inflight16 "$SEED" --num-prompts 48 --input-len 128 --output-len 64 --max-concurrency 16
-    bench "$URL" "$NAME" inflight32 "$((SEED + 1))" --num-prompts 64 --input-len 128 --output-len 64 --max-concurrency 32
-    bench "$URL" "$NAME" ttft1000 "$((SEED + 2))" --num-prompts 2 --input-len 1000 --output-len 2 --max-concurrency 1
-    bench "$URL" "$NAME" ttft4000 "$((SEED + 3))" --num-prompts 2 --input-len 4000 --output-len 2 --max-concurrency 1
+    for W in inflight16 inflight32 ttft1000 ttft4000; do
+      # shellcheck disable=SC2046  # the flags are words
+      bench "$URL" "$NAME" "$W" "$((SEED + $(workload_offset "$W")))" $(workload_args "$W")
+    done
     kill "$SERVER"; wait "$SERVER" || true; SERVER=; sleep 15
   done
   .venv/bin/python - "$SEED" $SERVERS <<'PY'

@@ -20,7 +20,7 @@ SERVERS=${SERVERS:-sobrio sobrio-int8 vllm}
 ROUNDS=${ROUNDS:-5}
 WORKLOADS=${WORKLOADS:-inflight16 inflight32 ttft1000 ttft4000}
 mkdir -p results
-source benchmarks/peers/servers.sh  # wait_for, port_free, start_at_size
+source benchmarks/peers/servers.sh  # wait_for, port_free, start_at_size, workload_*
 PIDS=()
 trap 'for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done' EXIT
 port() { case "$1" in sobrio) echo 8000 ;; sobrio-int8) echo 8001 ;; vllm) echo 8100 ;; llamacpp) echo 8080 ;;
@@ -30,18 +30,12 @@ start() {  # NAME PORT
   PIDS+=($!)
 }
 bench() {  # NAME WORKLOAD ROUND
-  local seed=$((SEED + 10 * $3)) args
-  case "$2" in
-    inflight16) args="--num-prompts 48 --input-len 128 --output-len 64 --max-concurrency 16" ;;
-    inflight32) args="--num-prompts 64 --input-len 128 --output-len 64 --max-concurrency 32"; seed=$((seed + 1)) ;;
-    ttft1000) args="--num-prompts 2 --input-len 1000 --output-len 2 --max-concurrency 1"; seed=$((seed + 2)) ;;
-    ttft4000) args="--num-prompts 2 --input-len 4000 --output-len 2 --max-concurrency 1"; seed=$((seed + 3)) ;;
-    *) echo "unknown workload $2" >&2; exit 2 ;;
-  esac
-  # shellcheck disable=SC2086  # args are words
+  # shellcheck disable=SC2046  # the flags are words
   .venv/bin/sobrio bench serve --base-url "http://127.0.0.1:$(port "$1")" --model "$SERVED" --tokenizer "$MODEL" \
-    --ignore-eos --no-progress --seed "$seed" --result-json "results/rounds-$1-$SEED-r$3-$2.json" $args > /dev/null
+    --ignore-eos --no-progress --seed "$((SEED + 10 * $3 + $(workload_offset "$2")))" \
+    --result-json "results/rounds-$1-$SEED-r$3-$2.json" $(workload_args "$2") > /dev/null
 }
+for W in $WORKLOADS; do workload_offset "$W" > /dev/null; done  # an unknown one stops here, before any start
 read -ra NAMES <<< "$SERVERS"
 for NAME in "${NAMES[@]}"; do  # one at a time, so no start competes with another's
   port_free "http://127.0.0.1:$(port "$NAME")/"

@@ -21,11 +21,13 @@ METRIC = {  # workload -> (result field, unit, higher is better)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seed", type=int, required=True)
-    parser.add_argument("--rounds", type=int, required=True)
-    parser.add_argument("--servers", nargs="+", required=True)
-    parser.add_argument("--workloads", nargs="+", default=list(METRIC))
-    parser.add_argument("--results", type=Path, default=Path("results"))
+    parser.add_argument("--seed", type=int, required=True, help="the seed ab_rounds.sh ran with")
+    parser.add_argument("--rounds", type=int, required=True, help="how many rounds it ran")
+    parser.add_argument("--servers", nargs="+", required=True, help="its SERVERS (sobrio, sobrio-int8, vllm, ...)")
+    parser.add_argument("--workloads", nargs="+", default=list(METRIC), choices=list(METRIC),
+                        help="its WORKLOADS (default: all four)")
+    parser.add_argument("--results", type=Path, default=Path("results"),
+                        help="the folder of its result files (default: %(default)s)")
     args = parser.parse_args()
     for workload in args.workloads:
         field, unit, higher = METRIC[workload]

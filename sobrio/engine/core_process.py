@@ -29,7 +29,7 @@ import zmq
 
 from sobrio import collector, openmp
 from sobrio.config import SobrioConfig
-from sobrio.engine.cpu_share import open_governor, spin_count_for_start
+from sobrio.engine.cpu_share import INTERVAL_S, open_governor, spin_count_for_start
 from sobrio.engine.orphan import exit_with_parent
 from sobrio.errors import SobrioError
 
@@ -38,7 +38,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-IDLE_POLL_MS = 500  # an idle core wakes this often to notice a parent that died
+IDLE_POLL_MS = round(INTERVAL_S * 1000)  # an idle core wakes this often: to notice a parent that died, and to
+# keep the governor's looks recent
 STALE_FOLDER_AGE_S = 60.0  # a socket folder younger than this may belong to a start under way
 
 
@@ -188,6 +189,8 @@ def _serve(core, inputs: zmq.Socket, outputs: zmq.Socket, parent: int | None, go
         if stop:
             return
         if core.has_unfinished_requests():
+            if not busy and governor is not None:
+                governor.work_arrived()
             message = ("outputs", core.step(), core.stats())
         elif changed:
             message = ("outputs", [], core.stats())

@@ -2,7 +2,7 @@
 
 An OpenMP team as wide as the machine is right on an idle host and ruinous on a shared one: each parallel
 region waits for its slowest thread, and a thread whose core another process holds makes every region
-wait a time slice (a one-core busy neighbour on 2 cores cost ~6x). `ThreadGovernor` measures, about twice a
+wait a time slice (a one-core busy neighbour on 2 cores cost ~6x). `ThreadGovernor` measures, four times a
 second, the CPU that processes other than this engine (the core and its API process) use (`/proc/stat`),
 within the cores this process may use (affinity, and a cgroup `cpu.max` quota), and sets torch's intra-op
 threads to the cores left (at least 1). `spin_count_for_start` picks the OpenMP spin of a new core process
@@ -18,14 +18,15 @@ import time
 logger = logging.getLogger(__name__)
 
 TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-INTERVAL_S = 0.5  # how often the governor looks (between layers, so a long prompt step is many looks)
+INTERVAL_S = 0.25  # how often the governor looks: between layers (a long prompt step is many looks), and an
+# idle core wakes this often too, so a request that comes just as a neighbour stops finds a recent look
 # Seconds of looks in a row asking for the same new width before it changes: fewer threads only for a neighbour
 # that stays (a benchmark client's or a CLI's start-up, 2-3 s of imports, had halved a 10 s prompt step that
-# followed it), more threads soon (a second: after a 32-stream client's burst, raising after 2 s had left a
-# 1,000-token prompt's first 2 s on one thread, 6.5 s to its first token against 5.1), and a long step that saw
-# the cores free counts for its whole length.
+# followed it); more threads at the first look that sees the cores free (a request sent as a neighbour
+# stopped ran its first seconds on one thread while the governor waited for more looks: docs/sharing-and-soak.md);
+# a long step that saw the cores free or busy counts for its whole length.
 LOWER_AFTER_S = 4.0
-RAISE_AFTER_S = 1.0
+RAISE_AFTER_S = INTERVAL_S
 SLACK = 0.3  # a core counts as free when others leave at least 1 - SLACK of it
 
 
@@ -84,6 +85,10 @@ class OthersMeter:
         busy, _ = _system_busy_ticks()
         return time.monotonic(), busy, sum(_process_ticks(pid) for pid in self.ours)
 
+    def restart(self) -> None:
+        """The next reading covers from now on."""
+        self._last = self._read()
+
     def cores(self) -> float:
         now, busy, ours = self._read()
         then, busy_then, ours_then = self._last
@@ -125,6 +130,13 @@ class ThreadGovernor:
             self.threads = want
             self.changes += 1
             self.set_threads(want)
+
+    def work_arrived(self, now: float | None = None) -> None:
+        """Work came to an idle core: the next look covers from now on, so it does not read a neighbour's last
+        moments before the work came (which would hold the threads down for one more look)."""
+        now = time.monotonic() if now is None else now
+        self.meter.restart()
+        self._last, self._next = now, now + self.interval
 
 
 def open_governor(num_threads_flag: int | None) -> ThreadGovernor | None:

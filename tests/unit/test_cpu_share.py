@@ -35,15 +35,19 @@ def test_cgroup_quotas_v2_and_v1(tmp_path):
 class FakeMeter:
     def __init__(self, readings):
         self.readings = list(readings)
+        self.restarts = 0
+
+    def restart(self) -> None:
+        self.restarts += 1
 
     def cores(self) -> float:
         return self.readings.pop(0)
 
 
-def test_the_governor_lowers_for_a_neighbour_that_stays_and_raises_soon(monkeypatch):
+def test_the_governor_lowers_for_a_neighbour_that_stays_and_raises_at_the_first_free_look(monkeypatch):
     monkeypatch.setattr(cpu_share, "allowed_cores", lambda: 2.0)
     widths = []
-    gov = ThreadGovernor(widths.append, most=2, ours=[os.getpid()], interval=0.5)
+    gov = ThreadGovernor(widths.append, most=2, ours=[os.getpid()], interval=cpu_share.INTERVAL_S)
     clock = gov._last
 
     def looks(*spans_and_others):
@@ -57,14 +61,45 @@ def test_the_governor_lowers_for_a_neighbour_that_stays_and_raises_soon(monkeypa
     assert widths == []
     looks((1, 1.0), (1, 1.0), (1, 1.1), (1, 1.0))  # busy 4 s in a row: one core left to us
     assert widths == [1]
-    looks((0.5, 0.1))  # half a second free is not yet enough
+    looks((0.1, 0.0))  # sooner than the next look: nothing read
     assert widths == [1]
-    looks((0.5, 0.2))  # a second is
+    looks((0.15, 0.8))  # a look over the neighbour's last moments (a request arrived as it stopped)
+    assert widths == [1]
+    looks((0.25, 0.1))  # the next look sees the core free: both threads at once
     assert widths == [1, 2]
     looks((1, 1.0), (1, 1.0), (1, 1.0), (10, 1.0))  # a long step beside a busy neighbour counts its whole length
     assert widths == [1, 2, 1]
-    looks((10, 0.0))  # and so does a long step that saw the other core free
+    looks((0.25, 0.9), (0.25, 1.0))  # a neighbour still busy keeps us at one
+    assert widths == [1, 2, 1]
+    looks((10, 0.0))  # and a long step that saw the other core free raises
     assert widths == [1, 2, 1, 2] and gov.threads == 2 and gov.changes == 4
+
+
+def test_work_that_arrives_starts_a_fresh_look(monkeypatch):
+    """The look after a request came covers only the time since, not the neighbour's last moments before it."""
+    monkeypatch.setattr(cpu_share, "allowed_cores", lambda: 2.0)
+    widths = []
+    gov = ThreadGovernor(widths.append, most=2, ours=[os.getpid()], interval=cpu_share.INTERVAL_S)
+    gov.meter = FakeMeter([1.0] * 5 + [0.0])
+    clock = gov._last
+    for _ in range(5):  # a neighbour busy for 5 s while the core idles: one thread
+        clock += 1
+        gov.poll(clock)
+    assert widths == [1]
+    clock += 0.2  # the neighbour stops; a request comes 0.2 s after the last look, which it would have read
+    gov.work_arrived(clock)
+    assert gov.meter.restarts == 1
+    gov.poll(clock + 0.1)  # no look yet: the fresh one is due a whole interval after the arrival
+    assert widths == [1]
+    gov.poll(clock + cpu_share.INTERVAL_S)  # it reads the core free: both threads
+    assert widths == [1, 2]
+
+
+def test_an_idle_core_looks_as_often_as_the_governor():
+    """A request that arrives as a neighbour stops must find a look at most one interval old."""
+    from sobrio.engine import core_process
+
+    assert core_process.IDLE_POLL_MS / 1000 <= cpu_share.INTERVAL_S
 
 
 def test_the_meter_sees_a_busy_neighbour_and_not_ourselves():

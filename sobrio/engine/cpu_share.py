@@ -26,7 +26,10 @@ INTERVAL_S = 0.25  # how often the governor looks: between layers (a long prompt
 # stopped ran its first seconds on one thread while the governor waited for more looks: docs/sharing-and-soak.md);
 # a long step that saw the cores free or busy counts for its whole length.
 LOWER_AFTER_S = 4.0
-RAISE_AFTER_S = INTERVAL_S
+RAISE_AFTER_S = 0.0
+ARRIVAL_LOOK_S = 0.15  # the first look after work comes to an idle core: sooner than INTERVAL_S (a 1,000-token
+# prompt's first layers would run on one thread meanwhile), long enough for /proc/stat's 100 Hz ticks to tell a
+# busy core from a free one
 SLACK = 0.3  # a core counts as free when others leave at least 1 - SLACK of it
 
 
@@ -133,10 +136,11 @@ class ThreadGovernor:
 
     def work_arrived(self, now: float | None = None) -> None:
         """Work came to an idle core: the next look covers from now on, so it does not read a neighbour's last
-        moments before the work came (which would hold the threads down for one more look)."""
+        moments before the work came (which would hold the threads down for one more look), and comes after
+        ARRIVAL_LOOK_S."""
         now = time.monotonic() if now is None else now
         self.meter.restart()
-        self._last, self._next = now, now + self.interval
+        self._last, self._next = now, now + min(ARRIVAL_LOOK_S, self.interval)
 
 
 def open_governor(num_threads_flag: int | None) -> ThreadGovernor | None:

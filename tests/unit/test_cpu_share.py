@@ -89,10 +89,10 @@ def test_work_that_arrives_starts_a_fresh_look(monkeypatch):
     clock += 0.2  # the neighbour stops; a request comes 0.2 s after the last look, which it would have read
     gov.work_arrived(clock)
     assert gov.meter.restarts == 1
-    gov.poll(clock + 0.1)  # no look yet: the fresh one is due a whole interval after the arrival
+    gov.poll(clock + cpu_share.ARRIVAL_LOOK_S / 2)  # no look yet
     assert widths == [1]
-    gov.poll(clock + cpu_share.INTERVAL_S)  # it reads the core free: both threads
-    assert widths == [1, 2]
+    gov.poll(clock + cpu_share.ARRIVAL_LOOK_S)  # the fresh look, sooner than an interval, reads the core free
+    assert widths == [1, 2] and cpu_share.ARRIVAL_LOOK_S < cpu_share.INTERVAL_S
 
 
 def test_an_idle_core_looks_as_often_as_the_governor():

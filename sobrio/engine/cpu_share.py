@@ -6,7 +6,7 @@ wait a time slice (a one-core busy neighbour on 2 cores cost ~6x). `ThreadGovern
 second, the CPU that processes other than this engine (the core and its API process) use (`/proc/stat`),
 within the cores this process may use (affinity, and a cgroup `cpu.max` quota), and sets torch's intra-op
 threads to the cores left (at least 1). `spin_count_for_start` picks the OpenMP spin of a new core process
-the same way: the long spin only on a host that looked free. `--num-threads`, OMP_NUM_THREADS, and
+the same way: the long spin only on a host that looked free. `num_threads` (ParallelConfig), OMP_NUM_THREADS, and
 OMP_WAIT_POLICY/GOMP_SPINCOUNT still win: the governor then leaves the threads (or the spin) alone.
 """
 
@@ -144,7 +144,7 @@ class ThreadGovernor:
 
 
 def open_governor(num_threads_flag: int | None) -> ThreadGovernor | None:
-    """A governor for this engine-core process, unless the user fixed the threads (flag or OMP_NUM_THREADS)."""
+    """A governor for this engine-core process, unless the user fixed the threads (`num_threads` or OMP_NUM_THREADS)."""
     if num_threads_flag is not None or "OMP_NUM_THREADS" in os.environ:
         return None
     import torch

@@ -20,6 +20,7 @@ serves that checkout too, both up at once and their requests in turns, and print
 """
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -56,11 +57,12 @@ def first_token_s(base_url: str, tokens: int, seed: int, timeout: float) -> floa
     return time.perf_counter() - start
 
 
-def run_neighbour(seconds: float) -> None:
-    """A one-core busy loop for `seconds`, killed at the end (the request that follows comes as it stops)."""
+@contextlib.contextmanager
+def busy_neighbour():
+    """A one-core busy loop while the block runs, killed as it ends (also when it fails)."""
     neighbour = subprocess.Popen([sys.executable, "-c", NEIGHBOUR])
     try:
-        time.sleep(seconds)
+        yield
     finally:
         neighbour.kill()
         neighbour.wait()
@@ -90,7 +92,8 @@ def first_token_after_neighbour(servers: dict[str, ServerProcess], args) -> None
             seed, t = 100 * r + 10 * i, times[name]
             time.sleep(2)
             t["quiet"].append(first_token_s(server.base_url, args.first_token, seed, args.timeout))
-            run_neighbour(LOWER_AFTER_S + 2)
+            with busy_neighbour():  # long enough for the governor to lower; the request comes as it stops
+                time.sleep(LOWER_AFTER_S + 2)
             sent_at = time.time()
             t["after"].append(first_token_s(server.base_url, args.first_token, seed + 1, args.timeout))
             lag = raise_lag_s(server.log_text(), sent_at, time.time())
@@ -158,7 +161,6 @@ def main() -> int:
         os.environ["GOMP_SPINCOUNT"] = "1000000"
     servers = start_servers(serve, args.baseline if args.first_token is not None else None)
     server = servers["this checkout"]
-    neighbour = None
     try:
         if args.first_token is not None:
             first_token_after_neighbour(servers, args)
@@ -166,15 +168,12 @@ def main() -> int:
         bench(server.base_url, argparse.Namespace(**{**vars(args), "num_prompts": 16}))  # warm-up
         idle = bench(server.base_url, args)
         print(f"idle:      {idle:8.1f} output tok/s", flush=True)
-        neighbour = subprocess.Popen([sys.executable, "-c", NEIGHBOUR])
-        time.sleep(LOWER_AFTER_S + 1)  # the governor lowers after LOWER_AFTER_S of looks that see the neighbour
-        busy = bench(server.base_url, args)
+        with busy_neighbour():
+            time.sleep(LOWER_AFTER_S + 1)  # the governor lowers after LOWER_AFTER_S of looks that see it
+            busy = bench(server.base_url, args)
         print(f"neighbour: {busy:8.1f} output tok/s", flush=True)
         print(f"ratio neighbour/idle: {busy / idle:.2f}x ({'fixed threads' if args.fixed else 'cpu_share'})")
     finally:
-        if neighbour is not None:
-            neighbour.kill()
-            neighbour.wait()
         for srv in servers.values():
             srv.stop()
             os.unlink(srv.log.name)

@@ -63,7 +63,7 @@ def write_checkpoint(folder: Path, shape: str, layers: int) -> Path:
     tests' word-level tokenizer, unless `folder` already holds it."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from tests.model.tiny_checkpoints import tokenizer
+    from tests.model.tiny_checkpoints import spread_norms, tokenizer
 
     if (folder / "config.json").exists():
         return folder
@@ -72,10 +72,7 @@ def write_checkpoint(folder: Path, shape: str, layers: int) -> Path:
     config = AutoConfig.for_model(model_type, num_hidden_layers=layers, max_position_embeddings=4096,
                                   bos_token_id=1, eos_token_id=2, pad_token_id=0, **fields)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.uniform_(-0.5, 0.5) if model_type.startswith("gemma") else param.uniform_(0.5, 1.5)
+    spread_norms(model, model_type)
     model.save_pretrained(folder)
     tokenizer().save_pretrained(folder)
     return folder
@@ -117,7 +114,8 @@ def scores(reference, other, prompts: list[list[int]],
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES),
+                        help="the families' shapes to check (default: all)")
     parser.add_argument("--layers", type=int, default=2, help="decoder layers a checkpoint has (default 2)")
     parser.add_argument("--quantization", help="as `sobrio serve --quantization` (default none)")
     parser.add_argument("--out", default="/tmp/sobrio-widths", help="where the checkpoints go")

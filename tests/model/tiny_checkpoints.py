@@ -47,13 +47,19 @@ def write_checkpoint(folder: Path, model_type: str, fields: dict, seed: int = 0,
     torch.manual_seed(seed)
     config = AutoConfig.for_model(model_type, **{**BASE, **fields})
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # norms away from 1 and 0, so a wrong norm (Gemma's 1 + w) shows
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.uniform_(-0.5, 0.5) if model_type.startswith("gemma") else param.uniform_(0.5, 1.5)
+    spread_norms(model, model_type)
     model.save_pretrained(folder, **save_kwargs)
     tokenizer().save_pretrained(folder)
     return folder
+
+
+def spread_norms(model: torch.nn.Module, model_type: str) -> None:
+    """Norm weights away from 1 and 0 (random-weight checkpoints leave them at their init), so a wrong norm
+    (Gemma's 1 + w) shows."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(-0.5, 0.5) if model_type.startswith("gemma") else param.uniform_(0.5, 1.5)
 
 
 @functools.cache

@@ -1,10 +1,12 @@
 """GPTQ for int4 (`sobrio/layers/gptq.py`): with inputs that do not correlate it is plain rounding, with
 inputs that do it moves the layer's outputs clearly less than plain rounding, an input channel the
 calibration never used is rounded without breaking anything, statistics it cannot use give plain rounding,
-and a model's int4 quantization hands every decoder Linear its statistics."""
+a model's int4 quantization hands every decoder Linear its statistics, and the factor of H^-1 it rounds with
+is the upper Cholesky factor of the damped inverse (computed from one factorization)."""
 
 import torch
 
+from sobrio.layers import gptq
 from sobrio.layers.gptq import gptq_quantize
 from sobrio.layers.int4 import Int4Codes, quantize_int4_codes
 
@@ -75,3 +77,15 @@ def test_unusable_statistics_fall_back_to_plain_rounding() -> None:
     for broken in (torch.full((64, 64), float("nan")), -torch.eye(64)):  # not finite; not positive definite
         codes, grids = gptq_quantize(weight, broken, 32)
         assert torch.equal(codes, plain.codes) and torch.equal(grids, plain.scales_and_zeros.bfloat16())
+
+
+def test_the_inverse_factor_is_the_upper_cholesky_factor_of_the_damped_inverse() -> None:
+    """Sizes past the triangular inverse's leaf and not a power of two, so its halves split unevenly."""
+    for k in (gptq.TRIANGULAR_LEAF - 8, 3 * gptq.TRIANGULAR_LEAF + 40):
+        x = torch.randn(2 * k, k, generator=torch.Generator().manual_seed(k), dtype=torch.float64)
+        h = hessian(x)
+        damped = h + gptq.DAMPING * h.diagonal().mean() * torch.eye(k, dtype=torch.float64)
+        expected = torch.linalg.cholesky(torch.linalg.inv(damped), upper=True)
+        got = gptq._inverse_hessian_factor(h.float()).double()
+        assert torch.equal(got, got.triu()) and (got.diagonal() > 0).all()
+        assert torch.allclose(got, expected, atol=1e-4 * expected.abs().max().item()), k

@@ -1,6 +1,7 @@
 """Int4 weights (`sobrio/layers/int4.py`): the packed kernel, the dequantized path and the row-count dispatch
 equal dequantize-then-matmul on ragged row counts for each group size; a weight's round trip is no worse
-than the min-max grid and keeps a weight already on a 4-bit grid; shapes the kernel cannot take are a
+than the min-max grid and keeps a weight already on a 4-bit grid, and its grids fitted a chunk of groups at a
+time equal one pass over all of them; shapes the kernel cannot take are a
 ValueError naming the problem; AWQ's scale search helps on activations with outlier channels and never
 hurts on the sample."""
 
@@ -9,6 +10,7 @@ import re
 import pytest
 import torch
 
+from sobrio.layers import int4
 from sobrio.layers.int4 import (
     DEQUANT_MIN_ROWS,
     GROUP_SIZES,
@@ -111,6 +113,18 @@ def test_a_weight_already_on_a_4_bit_grid_is_found_again(low_code: int, high_cod
     error = (dequantize_int4(quantize_int4(weight, 32)) - weight).abs().view(64, 8, 32)
     assert (error <= step * 0.05).all(), (error / step).max()  # the zero's bf16 rounding, at most
     assert (error == 0).float().mean() > 0.5
+
+
+def test_grids_fitted_in_chunks_equal_one_pass_over_every_group(monkeypatch):
+    """Chunks of a few groups, the last one short, and 3-dimensional input as the callers pass it."""
+    weight = torch.randn(48, 7, 32, generator=torch.Generator().manual_seed(5)) * 0.02
+    weight[3, 2] = 0.5  # a group with an outlier, and one all equal
+    weight[4, 1] = 0.01
+    whole = int4.fit_grids(weight)
+    monkeypatch.setattr(int4, "FIT_CHUNK_GROUPS", 5)
+    chunked = int4.fit_grids(weight)
+    assert chunked[0].shape == whole[0].shape == (48, 7, 1)
+    assert torch.equal(chunked[0], whole[0]) and torch.equal(chunked[1], whole[1])
 
 
 @pytest.mark.parametrize(("shape", "group_size", "message"), [

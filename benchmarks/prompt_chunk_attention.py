@@ -4,6 +4,7 @@ in the cache, as `ReferenceAttention` computes it) against sobrio's C++ `prompt_
 neighbour stretches wall time, not this), GFLOP per CPU second of the useful (unmasked) work, and the ratio.
 
     .venv/bin/python benchmarks/prompt_chunk_attention.py [--shapes 0:1024,0:2048,2048:2048] [--heads 32 --kv-heads 8]
+        [--window W]
 
 A shape is `prefix:chunk`: keys already in the cache, then the chunk's query rows.
 """
@@ -20,7 +21,8 @@ from kernel_timing import best_cpu_ms  # noqa: E402  (benchmarks/ is on the path
 from sobrio.layers.attention import AttentionMetadata, CppPagedAttention, ReferenceAttention  # noqa: E402
 
 
-def time_shape(prefix: int, chunk: int, heads: int, kv_heads: int, dim: int, repeats: int) -> tuple[float, float]:
+def time_shape(prefix: int, chunk: int, heads: int, kv_heads: int, dim: int, repeats: int,
+               window: int | None = None) -> tuple[float, float]:
     block, ctx = 16, prefix + chunk
     blocks = -(-ctx // block)
     cache = torch.randn(2, blocks, block, kv_heads, dim, dtype=torch.bfloat16)
@@ -31,8 +33,8 @@ def time_shape(prefix: int, chunk: int, heads: int, kv_heads: int, dim: int, rep
     out = torch.empty_like(q)
     result = []
     for cls in (ReferenceAttention, CppPagedAttention):
-        attention = cls(heads, kv_heads, dim, dim ** -0.5)
-        if cls is CppPagedAttention:  # the kernel, also where the backend would keep SDPA (sliding windows, softcaps)
+        attention = cls(heads, kv_heads, dim, dim ** -0.5, window)
+        if cls is CppPagedAttention:  # the kernel, also where the backend would keep SDPA (softcaps)
             attention.prompt_kernel = True
         attention.kv_cache = cache
         attention.write_cache(k, v, meta)
@@ -47,14 +49,17 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--window", type=int, default=None, help="a sliding window (keys a query sees)")
     args = parser.parse_args()
-    print(f"{args.heads}/{args.kv_heads} heads x {args.head_dim}, bf16, {torch.get_num_threads()} threads; "
+    print(f"{args.heads}/{args.kv_heads} heads x {args.head_dim}, window {args.window}, bf16, "
+          f"{torch.get_num_threads()} threads; "
           f"CPU ms per layer (GFLOP per CPU second)")
     print(f"{'prefix':>7} {'chunk':>6} {'SDPA':>16} {'prompt_attention':>18} {'ratio':>6}")
     for shape in args.shapes.split(","):
         prefix, chunk = (int(x) for x in shape.split(":"))
-        sdpa, kernel = time_shape(prefix, chunk, args.heads, args.kv_heads, args.head_dim, args.repeats)
-        useful = 4 * args.heads * args.head_dim * chunk * (prefix + (chunk + 1) / 2)  # QK^T and PV, unmasked
+        sdpa, kernel = time_shape(prefix, chunk, args.heads, args.kv_heads, args.head_dim, args.repeats, args.window)
+        seen = sum(min(p + 1, args.window or p + 1) for p in range(prefix, prefix + chunk))  # keys each query sees
+        useful = 4 * args.heads * args.head_dim * seen  # QK^T and PV, unmasked
         print(f"{prefix:>7} {chunk:>6} {sdpa:8.0f} ({useful / sdpa / 1e6:4.0f}) "
               f"{kernel:10.0f} ({useful / kernel / 1e6:4.0f}) {sdpa / kernel:5.2f}x")
 

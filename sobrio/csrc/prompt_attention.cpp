@@ -1,9 +1,10 @@
 // Attention for one sequence's prompt chunk on the CPU, flash-attention style: the chunk's query rows over
 // its whole context, keys and values read from the paged bf16 cache (the chunk's own already written),
 // causal at the bottom right (query i of a chunk of L rows sits at position ctx - L + i and sees the keys up
-// to it). Scores and probabilities never leave the cache: per task (a kv head and 16 query positions, with
+// to it; under a sliding window of W, only the last W of them). Scores and probabilities never leave the cache: per task (a kv head and 16 query positions, with
 // every query head of that kv head) the keys go by in blocks of 32 under an online softmax, and both
-// products are AVX512-BF16 dot products (vdpbf16ps) summed in float32. Blocks above the diagonal are skipped.
+// products are AVX512-BF16 dot products (vdpbf16ps) summed in float32. Blocks above the diagonal are skipped,
+// and blocks below every row's window.
 // PyTorch's CPU flash attention runs at about a quarter of the bf16 peak on AVX512-BF16 without AMX, and
 // with a chunk's mask computes the masked blocks too (docs/benchmarks.md, benchmarks/prompt_chunk_attention.py).
 #include <torch/extension.h>
@@ -103,17 +104,31 @@ inline void block_values(const uint16_t* probs, const float* keep, const uint16_
   }
 }
 
-// One row's online softmax step over a block: scores scaled and masked past `last_key`, the running max and
-// sum updated; writes the bf16 probabilities and returns the factor that rescales the row's output so far.
-inline float softmax_step(float* s, int64_t valid, float scale, float& max, float& sum, uint16_t* probs) {
+inline __mmask16 lanes_below(int64_t n) {  // the first n lanes of 16 (none for n <= 0, all from 16)
+  return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << std::max<int64_t>(n, 0)) - 1);
+}
+
+// Lanes [low, valid) of the 16 starting at lane `first` of a block or span: the keys a row sees there.
+inline __mmask16 lanes_seen(int64_t low, int64_t valid, int64_t first) {
+  return lanes_below(valid - first) & static_cast<__mmask16>(~lanes_below(low - first));
+}
+
+// One row's online softmax step over a block: scores scaled and masked outside keys [low, valid) of the
+// block, the running max and sum updated; writes the bf16 probabilities and returns the factor that rescales
+// the row's output so far (a row that has seen no key yet keeps max -inf and sum 0).
+inline float softmax_step(float* s, int64_t low, int64_t valid, float scale, float& max, float& sum,
+                          uint16_t* probs) {
   const __m512 vscale = _mm512_set1_ps(scale);
-  const __mmask16 m0 = valid >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << std::max<int64_t>(valid, 0)) - 1);
-  const __mmask16 m1 = valid >= 32 ? 0xFFFF : static_cast<__mmask16>((1u << std::clamp<int64_t>(valid - 16, 0, 16)) - 1);
+  const __mmask16 m0 = lanes_seen(low, valid, 0), m1 = lanes_seen(low, valid, 16);
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 s0 = _mm512_mask_mul_ps(ninf, m0, _mm512_loadu_ps(s), vscale);
   const __m512 s1 = _mm512_mask_mul_ps(ninf, m1, _mm512_loadu_ps(s + 16), vscale);
   const float block_max = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
   const float new_max = std::max(max, block_max);
+  if (new_max == -std::numeric_limits<float>::infinity()) {  // no key of the row's window yet
+    std::memset(probs, 0, kKeys * sizeof(uint16_t));
+    return 0.f;
+  }
   const float keep = max == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(max - new_max);
   const __m512 vmax = _mm512_set1_ps(new_max);
   const __m512 e0 = _mm512_maskz_mov_ps(m0, sobrio_vec::exp512(_mm512_sub_ps(s0, vmax)));
@@ -126,7 +141,10 @@ inline float softmax_step(float* s, int64_t valid, float scale, float& max, floa
 }
 
 struct Shape {
-  int64_t rows, heads, kv_heads, dim, ctx, block_size;
+  int64_t rows, heads, kv_heads, dim, ctx, block_size, window;  // window <= 0: none
+  int64_t lowest_key(int64_t position) const {  // the first key the query at `position` sees
+    return window > 0 ? std::max<int64_t>(0, position - window + 1) : 0;
+  }
 };
 
 // A task's query rows (positions [i0, i0 + n), each with the `group` query heads of kv head `kh` side by
@@ -165,14 +183,16 @@ void attend_task(const uint16_t* q, const uint16_t* keys, const uint16_t* values
   const int64_t blocks = (first + i0 + n - 1) / kKeys + 1;  // up to the last query's own key
   const int64_t block_elems = kKeys * dim;
   const int64_t num_blocks = (s.ctx + kKeys - 1) / kKeys;
-  for (int64_t b = 0; b < blocks; ++b) {
+  for (int64_t b = s.lowest_key(first + i0) / kKeys; b < blocks; ++b) {  // from the first query's window
     const uint16_t* kb = keys + (kh * num_blocks + b) * block_elems;
     const uint16_t* vb = values + (kh * num_blocks + b) * block_elems;
     for (int64_t r = 0; r < rows; r += kRows) block_scores(&qr[r * dim], dim, kb, &scores[r * kKeys]);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t position = first + i0 + std::min(r / group, n - 1);
       const int64_t valid = std::min(position, s.ctx - 1) - b * kKeys + 1;  // keys of this block it sees
-      keep[r] = softmax_step(&scores[r * kKeys], valid, static_cast<float>(scale), max[r], sum[r], &probs[r * kKeys]);
+      const int64_t low = s.lowest_key(position) - b * kKeys;
+      keep[r] = softmax_step(&scores[r * kKeys], low, valid, static_cast<float>(scale), max[r], sum[r],
+                             &probs[r * kKeys]);
     }
     for (int64_t r = 0; r < rows; r += kRows)
       block_values(&probs[r * kKeys], &keep[r], vb, dim, &acc[r * dim]);
@@ -205,16 +225,13 @@ inline __m512 exp2_512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-inline __mmask16 lanes_below(int64_t n) {  // the first n lanes of 16 (none for n <= 0, all from 16)
-  return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << std::max<int64_t>(n, 0)) - 1);
-}
-
-// The online softmax step of a row tile over a span: 16 rows of kSpan raw scores, row r seeing its first
-// valid[r] keys. The running maxima are kept in base 2 (max * scale * log2 e), so each probability is one
+// The online softmax step of a row tile over a span: 16 rows of kSpan raw scores, row r seeing its keys
+// [low[r], valid[r]). The running maxima are kept in base 2 (max * scale * log2 e), so each probability is one
 // fused multiply-subtract and a 2^x: the bf16 probabilities go to `probs`, the sums are updated, and `keep`
-// gets each row's factor for its output so far (all 16 rows' at once: one vector 2^x).
-inline void softmax_span(const float* s, const int64_t* valid, float scale, float* max, float* sum, uint16_t* probs,
-                         float* keep) {
+// gets each row's factor for its output so far (all 16 rows' at once: one vector 2^x; 0 for a row that has
+// seen no key yet, whose max stays -inf and sum 0).
+inline void softmax_span(const float* s, const int64_t* low, const int64_t* valid, float scale, float* max,
+                         float* sum, uint16_t* probs, float* keep) {
   constexpr int64_t kVectors = kSpan / 16;
   const float c = scale * 1.44269504088896341f;
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -222,25 +239,26 @@ inline void softmax_span(const float* s, const int64_t* valid, float scale, floa
   for (int64_t r = 0; r < kTile; ++r) {
     const float* row = s + r * kSpan;
     __m512 m = ninf;
-    if (valid[r] >= kSpan) {
+    if (valid[r] >= kSpan && low[r] <= 0) {
       for (int64_t v = 0; v < kVectors; ++v) m = _mm512_max_ps(m, _mm512_loadu_ps(row + 16 * v));
     } else {
       for (int64_t v = 0; v < kVectors; ++v)
-        m = _mm512_mask_max_ps(m, lanes_below(valid[r] - 16 * v), m, _mm512_loadu_ps(row + 16 * v));
+        m = _mm512_mask_max_ps(m, lanes_seen(low[r], valid[r], 16 * v), m, _mm512_loadu_ps(row + 16 * v));
     }
     top[r] = _mm512_reduce_max_ps(m);
   }
   const __m512 old = _mm512_loadu_ps(max);
   const __m512 updated = _mm512_max_ps(old, _mm512_mul_ps(_mm512_load_ps(top), _mm512_set1_ps(c)));
   _mm512_storeu_ps(max, updated);
-  _mm512_storeu_ps(keep, exp2_512(_mm512_sub_ps(old, updated)));  // a first span: 2^-126 times nothing
+  const __mmask16 seen = _mm512_cmp_ps_mask(updated, ninf, _CMP_NEQ_OQ);  // rows with a key so far
+  _mm512_storeu_ps(keep, _mm512_maskz_mov_ps(seen, exp2_512(_mm512_sub_ps(old, updated))));  // a first: 2^-126 x 0
   for (int64_t r = 0; r < kTile; ++r) {
     const float* row = s + r * kSpan;
     const __m512 vc = _mm512_set1_ps(c), m = _mm512_set1_ps(max[r]);
     __m512 total = _mm512_setzero_ps();
     for (int64_t v = 0; v < kVectors; ++v) {
       __m512 e = exp2_512(_mm512_fmsub_ps(_mm512_loadu_ps(row + 16 * v), vc, m));
-      if (valid[r] < kSpan) e = _mm512_maskz_mov_ps(lanes_below(valid[r] - 16 * v), e);
+      if (valid[r] < kSpan || low[r] > 0) e = _mm512_maskz_mov_ps(lanes_seen(low[r], valid[r], 16 * v), e);
       total = _mm512_add_ps(total, e);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + r * kSpan + 16 * v), (__m256i)_mm512_cvtneps_pbh(e));
     }
@@ -311,22 +329,26 @@ void attend_task_amx(const uint16_t* q, const uint16_t* keys, const uint16_t* va
   std::vector<uint16_t> qr(rows * dim, 0), probs(kPair * kSpan);
   std::vector<float> acc(rows * dim, 0.f), scores(kPair * kSpan), max(rows, -std::numeric_limits<float>::infinity()),
       sum(rows, 0.f), keep(kPair);
-  int64_t valid[kPair];
+  int64_t low[kPair], valid[kPair];
   gather_queries(q, s, kh, i0, n, qr.data());
   const uint16_t* kh_keys = keys + kh * num_blocks * block_elems;
   const uint16_t* kh_values = values + kh * num_blocks * block_elems;
   // Spans outside, row passes inside: a span's keys and values (32 KB at D = 64) are read from L2 once and
   // stay in L1 for the task's other rows.
   const int64_t position = first + i0;  // of the task's first query
-  for (int64_t k0 = 0; k0 <= position + n - 1; k0 += kSpan) {
+  for (int64_t k0 = s.lowest_key(position) / kSpan * kSpan; k0 <= position + n - 1; k0 += kSpan) {
     const int64_t b0 = k0 / kKeys, count = std::min(kSpan / kKeys, num_blocks - b0);
     for (int64_t r0 = 0; r0 < rows; r0 += kPair) {
       if (k0 > position + std::min((r0 + kPair - 1) / group, n - 1)) continue;  // above these rows' diagonal
+      if (k0 + kSpan <= s.lowest_key(position + std::min(r0 / group, n - 1))) continue;  // below their windows
       span_scores(&qr[r0 * dim], kh_keys + b0 * block_elems, count, dim, scores.data());
-      for (int64_t r = 0; r < kPair; ++r)
-        valid[r] = std::min(position + std::min((r0 + r) / group, n - 1), s.ctx - 1) - k0 + 1;
+      for (int64_t r = 0; r < kPair; ++r) {
+        const int64_t row_position = position + std::min((r0 + r) / group, n - 1);
+        valid[r] = std::min(row_position, s.ctx - 1) - k0 + 1;
+        low[r] = s.lowest_key(row_position) - k0;
+      }
       for (int64_t t = 0; t < kPair; t += kTile)
-        softmax_span(&scores[t * kSpan], valid + t, static_cast<float>(scale), &max[r0 + t], &sum[r0 + t],
+        softmax_span(&scores[t * kSpan], low + t, valid + t, static_cast<float>(scale), &max[r0 + t], &sum[r0 + t],
                      &probs[t * kSpan], &keep[t]);
       span_values(probs.data(), keep.data(), kh_values + b0 * block_elems, count, dim, &acc[r0 * dim]);
     }
@@ -345,9 +367,11 @@ bool prompt_attention_supported() {
 }
 
 // query [L, H, D] bf16 (the chunk's rows, the last at position ctx - 1); key_cache / value_cache
-// [num_slots, Hkv, D] bf16; block_table [>= ctx / block_size] int64. D a multiple of 64. Returns [L, H, D].
+// [num_slots, Hkv, D] bf16; block_table [>= ctx / block_size] int64. D a multiple of 64. window > 0: the query
+// at position p sees keys p - window + 1 .. p (transformers' sliding_window). Returns [L, H, D].
 torch::Tensor prompt_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                               torch::Tensor block_table, int64_t ctx, int64_t block_size, double scale) {
+                               torch::Tensor block_table, int64_t ctx, int64_t block_size, double scale,
+                               int64_t window) {
   TORCH_CHECK(prompt_attention_supported(), "prompt_attention needs AVX512-BF16");
   TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kBFloat16 && key_cache.scalar_type() == at::kBFloat16 &&
                   value_cache.scalar_type() == at::kBFloat16, "prompt_attention: bf16 query [L, H, D] and cache");
@@ -360,15 +384,17 @@ torch::Tensor prompt_attention(torch::Tensor query, torch::Tensor key_cache, tor
   auto table = block_table.contiguous();
   auto out = torch::empty_like(q);
 #if defined(SOBRIO_PROMPT_ATTENTION)
-  const Shape s{rows, heads, kv_heads, dim, ctx, block_size};
+  const Shape s{rows, heads, kv_heads, dim, ctx, block_size, window};
   const int64_t num_blocks = (ctx + kKeys - 1) / kKeys, block_elems = kKeys * dim;
+  const int64_t first_block = s.lowest_key(ctx - rows) / kKeys;  // below it, no query's window reaches
   std::vector<uint16_t> keys(kv_heads * num_blocks * block_elems), values(keys.size());
   const auto* kc = reinterpret_cast<const uint16_t*>(key_cache.data_ptr());
   const auto* vc = reinterpret_cast<const uint16_t*>(value_cache.data_ptr());
   const int64_t* tb = table.data_ptr<int64_t>();
   at::parallel_for(0, kv_heads * num_blocks, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
-      pack_block(kc, vc, tb, block_size, kv_heads, t / num_blocks, dim, (t % num_blocks) * kKeys, ctx,
+      if (t % num_blocks >= first_block)
+        pack_block(kc, vc, tb, block_size, kv_heads, t / num_blocks, dim, (t % num_blocks) * kKeys, ctx,
                  &keys[t * block_elems], &values[t * block_elems]);
   });
   // Tasks by kv head (a thread's next task reads the keys and values its last one left in its cache), and
@@ -412,6 +438,6 @@ void register_prompt_attention(pybind11::module& m) {
   m.def("prompt_attention", &prompt_attention,
         "A prompt chunk's causal attention over its paged bf16 context (AVX512-BF16)", py::arg("query"),
         py::arg("key_cache"), py::arg("value_cache"), py::arg("block_table"), py::arg("ctx"),
-        py::arg("block_size"), py::arg("scale"));
+        py::arg("block_size"), py::arg("scale"), py::arg("window") = 0);
   m.def("prompt_attention_supported", &prompt_attention_supported);
 }

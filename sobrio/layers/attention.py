@@ -13,7 +13,7 @@ Two backends:
   times faster than 64 SDPA calls (whose bf16 GQA path is slow).
 - `CppPagedAttention`: decode through a small C++ operator that reads the paged cache in place, prompt
   chunks of a bf16 cache through another (`prompt_attention`: flash-style, the blocks above the diagonal
-  skipped, AVX512-BF16 dot products, or AMX tiles where the CPU has them; faster than PyTorch's SDPA on
+  and below a sliding window skipped, AVX512-BF16 dot products, or AMX tiles where the CPU has them; faster than PyTorch's SDPA on
   both: docs/benchmarks.md), and so
   every row of a sequence with a short query (up to `SHORT_QUERY` rows: a decode with the tokens structured
   output forced after it, a short chunk), each row as a decode query of its own: gathering a whole context
@@ -325,15 +325,15 @@ class CppPagedAttention(BatchedDecodeAttention):
         for i in seqs:
             s, e = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             out[s:e] = self.ops.prompt_attention(q[s:e], key_cache, value_cache, meta.block_tables[i],
-                                                 meta.context_lens[i], meta.block_size, self.scale)
+                                                 meta.context_lens[i], meta.block_size, self.scale,
+                                                 self.sliding_window or 0)
 
     @functools.cached_property
     def prompt_kernel(self) -> bool:
         """Whether `prompt_attention` computes this layer's prompt chunks: AVX512-BF16 (its products on AMX
-        tiles where the CPU has them), head size a multiple of 64, no sliding window or softcap (those keep
-        SDPA)."""
-        return (self.sliding_window is None and self.softcap is None and self.head_dim % 64 == 0
-                and self.ops.prompt_attention_supported())
+        tiles where the CPU has them), head size a multiple of 64, no softcap (Gemma 2 keeps the scores by
+        hand). A sliding window skips the key blocks below every query's window."""
+        return self.softcap is None and self.head_dim % 64 == 0 and self.ops.prompt_attention_supported()
 
 
 class BatchInvariantAttention(ReferenceAttention):

@@ -65,29 +65,32 @@ def test_fast_backends_equal_reference_on_ragged_batches(backend, dtype, tol, wi
     torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("window", [None, 1, 20, 128, 161, 400])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 64), (6, 6, 128), (4, 1, 256)])
-def test_prompt_kernel_equals_sdpa_on_chunks_after_a_prefix(heads, kv_heads, dim):
+def test_prompt_kernel_equals_sdpa_on_chunks_after_a_prefix(heads, kv_heads, dim, window):
     """The C++ prompt_attention (bf16): whole prompts and chunks after cached keys, lengths off the kernel's
     blocks of 16 positions and 32 keys (AMX: tasks of 32 positions, spans of 128 keys, 32 rows a pass), beside
-    decodes, against the SDPA reference."""
+    decodes, against the SDPA reference; sliding windows of a key, within a block, of a span, off the spans,
+    and longer than some chunks but not their contexts (rows whose first spans hold no key they see)."""
     if load() is None or not load().prompt_attention_supported():
         pytest.skip("no C++ operators, or no AVX512-BF16")
     query_lens, context_lens = [45, 1, 70, 33, 17, 260], [45, 90, 301, 97, 17, 600]
     outs = []
     for cls in (ReferenceAttention, CppPagedAttention):
         cache, meta, q, k, v = ragged_step(query_lens, context_lens, 16, heads, kv_heads, dim, torch.bfloat16, seed=3)
-        attn = cls(heads, kv_heads, dim, dim ** -0.5)
+        attn = cls(heads, kv_heads, dim, dim ** -0.5, window)
         if cls is CppPagedAttention:
             assert attn.prompt_kernel
         outs.append(attn(q, k, v, meta).float())
     torch.testing.assert_close(outs[1], outs[0], atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("window", [None, 300])
 @pytest.mark.parametrize("prefix,chunk", [(0, 700), (400, 300), (1000, 37)])
-def test_prompt_kernel_equals_sdpa_when_the_scores_grow_along_the_keys(prefix, chunk):
+def test_prompt_kernel_equals_sdpa_when_the_scores_grow_along_the_keys(prefix, chunk, window):
     """Scores that grow along the keys (and one far key above all) move each row's running maximum after its
     first span of keys, so the kernel's online softmax must rescale what it summed so far, against the SDPA
-    reference."""
+    reference; under a window the far key leaves later rows' windows."""
     if load() is None or not load().prompt_attention_supported():
         pytest.skip("no C++ operators, or no AVX512-BF16")
     heads, kv_heads, dim, ctx = 8, 2, 64, prefix + chunk
@@ -102,7 +105,7 @@ def test_prompt_kernel_equals_sdpa_when_the_scores_grow_along_the_keys(prefix, c
         keys[slots] = (keys[slots].float() * growth[:, None, None]).bfloat16()
         k = (k.float() * growth[prefix:, None, None]).bfloat16()
         q = (q.float() * 2).bfloat16()
-        attn = cls(heads, kv_heads, dim, dim ** -0.5)
+        attn = cls(heads, kv_heads, dim, dim ** -0.5, window)
         outs.append(attn(q, k, v, meta).float())
     torch.testing.assert_close(outs[1], outs[0], atol=3e-2, rtol=2e-2)
 

@@ -141,8 +141,8 @@ inline float quantize_query_int16(const c10::BFloat16* q, __m512i (&out)[kD / 32
   return qs;
 }
 
-// The common case, bf16 queries with head_dim kD (64 or 128: most models from 1B up) and at most 8 query
-// heads per kv head: scores by AVX512-BF16 dot products straight from the cache rows, 16 keys at a time
+// The common case, bf16 queries with head_dim kD (64 or 128: most models from 1B up; 256: Gemma's) and at
+// most 8 query heads per kv head (or 16): scores by AVX512-BF16 dot products straight from the cache rows, 16 keys at a time
 // summed together (`hsum16`), output accumulated in registers, 64 dims a pass over the values (at 128 dims
 // and 8 heads, one pass would need 64 registers of sums). A key's score is computed the same way wherever it
 // falls in its group of 16 (absent keys are zeros), so a row's result depends on its sequence alone.
@@ -292,11 +292,14 @@ inline std::vector<int64_t> split_by_rows(const int64_t* lens, int64_t batch, in
 template <typename C>
 using FastTask = void (*)(const c10::BFloat16*, const C*, const C*, const c10::BFloat16*, const c10::BFloat16*,
                           const int64_t*, int64_t, int64_t, int64_t, int64_t, float, float*, c10::BFloat16*);
-// The task for head_dim kD and G query heads a kv head (1 to 8).
+// The task for head_dim kD and G query heads a kv head (1 to 8, and 16: GLM-4's 32 heads over 2), null for
+// the group sizes without one.
+constexpr int64_t kMaxFastGroup = 16;
 template <typename C, int kD>
-constexpr FastTask<C> kFastTasks[] = {nullptr, decode_task<C, kD, 1>, decode_task<C, kD, 2>, decode_task<C, kD, 3>,
-                                      decode_task<C, kD, 4>, decode_task<C, kD, 5>, decode_task<C, kD, 6>,
-                                      decode_task<C, kD, 7>, decode_task<C, kD, 8>};
+constexpr FastTask<C> kFastTasks[kMaxFastGroup + 1] = {
+    nullptr, decode_task<C, kD, 1>, decode_task<C, kD, 2>, decode_task<C, kD, 3>, decode_task<C, kD, 4>,
+    decode_task<C, kD, 5>, decode_task<C, kD, 6>, decode_task<C, kD, 7>, decode_task<C, kD, 8>,
+    nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, decode_task<C, kD, 16>};
 
 // C: the cache's rows, bf16 or int8 (then with `key_scales` / `value_scales`, else null).
 template <typename C>
@@ -306,8 +309,12 @@ bool decode_fast(const torch::Tensor& query, const torch::Tensor& key_cache, con
                  const c10::BFloat16* value_scales) {
   const int64_t batch = query.size(0), heads = query.size(1), dim = query.size(2);
   const int64_t kv_heads = key_cache.size(1), group = heads / kv_heads;
-  if (query.scalar_type() != at::kBFloat16 || (dim != 64 && dim != 128) || group > 8) return false;
-  const FastTask<C> task_of_group = dim == 64 ? kFastTasks<C, 64>[group] : kFastTasks<C, 128>[group];
+  if (query.scalar_type() != at::kBFloat16 || (dim != 64 && dim != 128 && dim != 256) || group > kMaxFastGroup)
+    return false;
+  const FastTask<C> task_of_group = dim == 64    ? kFastTasks<C, 64>[group]
+                                    : dim == 128 ? kFastTasks<C, 128>[group]
+                                                 : kFastTasks<C, 256>[group];
+  if (task_of_group == nullptr) return false;
   const auto* q = query.data_ptr<c10::BFloat16>();
   const C* kc = key_cache.data_ptr<C>();
   const C* vc = value_cache.data_ptr<C>();

@@ -80,28 +80,34 @@ inline void block_scores(const uint16_t* q, int64_t dim, const uint16_t* keys, f
   }
 }
 
-// out [kRows][D] = out * keep[r] + probs [kRows][32] (bf16) . values (one packed block), 64 dims at a time
-inline void block_values(const uint16_t* probs, const float* keep, const uint16_t* values, int64_t dim, float* out) {
-  for (int64_t d0 = 0; d0 < dim; d0 += 64) {
-    __m512 acc[kRows][4];
-    for (int64_t r = 0; r < kRows; ++r) {
-      const __m512 c = _mm512_set1_ps(keep[r]);
-      for (int64_t v = 0; v < 4; ++v) acc[r][v] = _mm512_mul_ps(c, _mm512_loadu_ps(out + r * dim + d0 + 16 * v));
-    }
-    for (int64_t p = 0; p < kKeys / 2; ++p) {
-      const uint16_t* vp = values + (p * dim + d0) * 2;
-      const __m512bh v0 = load_bh(vp), v1 = load_bh(vp + 32), v2 = load_bh(vp + 64), v3 = load_bh(vp + 96);
-      for (int64_t r = 0; r < kRows; ++r) {
-        const __m512bh pp = pair_of(probs + r * kKeys + 2 * p);
-        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], pp, v0);
-        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], pp, v1);
-        acc[r][2] = _mm512_dpbf16_ps(acc[r][2], pp, v2);
-        acc[r][3] = _mm512_dpbf16_ps(acc[r][3], pp, v3);
-      }
-    }
-    for (int64_t r = 0; r < kRows; ++r)
-      for (int64_t v = 0; v < 4; ++v) _mm512_storeu_ps(out + r * dim + d0 + 16 * v, acc[r][v]);
+// out [kRows][16 V dims from d0] = out * keep[r] + probs [kRows][32] (bf16) . values (one packed block)
+template <int V>
+inline void block_values_pass(const uint16_t* probs, const float* keep, const uint16_t* values, int64_t dim,
+                              int64_t d0, float* out) {
+  __m512 acc[kRows][V];
+  for (int64_t r = 0; r < kRows; ++r) {
+    const __m512 c = _mm512_set1_ps(keep[r]);
+    for (int v = 0; v < V; ++v) acc[r][v] = _mm512_mul_ps(c, _mm512_loadu_ps(out + r * dim + d0 + 16 * v));
   }
+  for (int64_t p = 0; p < kKeys / 2; ++p) {
+    const uint16_t* vp = values + (p * dim + d0) * 2;
+    __m512bh vv[V];
+    for (int v = 0; v < V; ++v) vv[v] = load_bh(vp + 32 * v);
+    for (int64_t r = 0; r < kRows; ++r) {
+      const __m512bh pp = pair_of(probs + r * kKeys + 2 * p);
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], pp, vv[v]);
+    }
+  }
+  for (int64_t r = 0; r < kRows; ++r)
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(out + r * dim + d0 + 16 * v, acc[r][v]);
+}
+
+// out [kRows][D] = out * keep[r] + probs [kRows][32] (bf16) . values (one packed block), 64 dims at a time
+// (and the last 32 of a head size such as Phi-3's 96)
+inline void block_values(const uint16_t* probs, const float* keep, const uint16_t* values, int64_t dim, float* out) {
+  int64_t d0 = 0;
+  for (; d0 + 64 <= dim; d0 += 64) block_values_pass<4>(probs, keep, values, dim, d0, out);
+  if (d0 < dim) block_values_pass<2>(probs, keep, values, dim, d0, out);
 }
 
 inline __mmask16 lanes_below(int64_t n) {  // the first n lanes of 16 (none for n <= 0, all from 16)
@@ -367,7 +373,7 @@ bool prompt_attention_supported() {
 }
 
 // query [L, H, D] bf16 (the chunk's rows, the last at position ctx - 1); key_cache / value_cache
-// [num_slots, Hkv, D] bf16; block_table [>= ctx / block_size] int64. D a multiple of 64. window > 0: the query
+// [num_slots, Hkv, D] bf16; block_table [>= ctx / block_size] int64. D a multiple of 32. window > 0: the query
 // at position p sees keys p - window + 1 .. p (transformers' sliding_window). Returns [L, H, D].
 torch::Tensor prompt_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                torch::Tensor block_table, int64_t ctx, int64_t block_size, double scale,
@@ -377,7 +383,7 @@ torch::Tensor prompt_attention(torch::Tensor query, torch::Tensor key_cache, tor
                   value_cache.scalar_type() == at::kBFloat16, "prompt_attention: bf16 query [L, H, D] and cache");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && block_table.scalar_type() == at::kLong);
   const int64_t rows = query.size(0), heads = query.size(1), dim = query.size(2), kv_heads = key_cache.size(1);
-  TORCH_CHECK(dim % 64 == 0 && key_cache.size(2) == dim, "prompt_attention: head size a multiple of 64");
+  TORCH_CHECK(dim % 32 == 0 && key_cache.size(2) == dim, "prompt_attention: head size a multiple of 32");
   TORCH_CHECK(heads % kv_heads == 0 && rows >= 1 && rows <= ctx, "prompt_attention: heads or rows");
   TORCH_CHECK(block_table.numel() * block_size >= ctx, "prompt_attention: the block table is shorter than ctx");
   auto q = query.contiguous();

@@ -331,9 +331,9 @@ class CppPagedAttention(BatchedDecodeAttention):
     @functools.cached_property
     def prompt_kernel(self) -> bool:
         """Whether `prompt_attention` computes this layer's prompt chunks: AVX512-BF16 (its products on AMX
-        tiles where the CPU has them), head size a multiple of 64, no softcap (Gemma 2 keeps the scores by
+        tiles where the CPU has them), head size a multiple of 32, no softcap (Gemma 2 keeps the scores by
         hand). A sliding window skips the key blocks below every query's window."""
-        return self.softcap is None and self.head_dim % 64 == 0 and self.ops.prompt_attention_supported()
+        return self.softcap is None and self.head_dim % 32 == 0 and self.ops.prompt_attention_supported()
 
 
 class BatchInvariantAttention(ReferenceAttention):

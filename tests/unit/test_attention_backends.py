@@ -67,7 +67,7 @@ def test_fast_backends_equal_reference_on_ragged_batches(backend, dtype, tol, wi
 
 
 @pytest.mark.parametrize("window", [None, 1, 20, 128, 161, 400])
-@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 64), (6, 6, 128), (4, 1, 256)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 64), (6, 6, 128), (4, 1, 256), (8, 8, 96), (4, 2, 32)])
 def test_prompt_kernel_equals_sdpa_on_chunks_after_a_prefix(heads, kv_heads, dim, window):
     """The C++ prompt_attention (bf16): whole prompts and chunks after cached keys, lengths off the kernel's
     blocks of 16 positions and 32 keys (AMX: tasks of 32 positions, spans of 128 keys, 32 rows a pass), beside

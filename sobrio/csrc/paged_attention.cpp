@@ -141,10 +141,11 @@ inline float quantize_query_int16(const c10::BFloat16* q, __m512i (&out)[kD / 32
   return qs;
 }
 
-// The common case, bf16 queries with head_dim kD (64 or 128: most models from 1B up; 256: Gemma's) and at
-// most 8 query heads per kv head (or 16): scores by AVX512-BF16 dot products straight from the cache rows, 16 keys at a time
-// summed together (`hsum16`), output accumulated in registers, 64 dims a pass over the values (at 128 dims
-// and 8 heads, one pass would need 64 registers of sums). A key's score is computed the same way wherever it
+// The common case, bf16 queries with head_dim kD (64 or 128: most models from 1B up; 96: Phi-3-mini's; 256:
+// Gemma's) and at most 8 query heads per kv head (or 16): scores by AVX512-BF16 dot products straight from
+// the cache rows, 16 keys at a time summed together (`hsum16`), output accumulated in registers, 64 dims a
+// pass over the values, 32 where kD is not a multiple of 64 (at 128 dims and 8 heads, one pass would need 64
+// registers of sums). A key's score is computed the same way wherever it
 // falls in its group of 16 (absent keys are zeros), so a row's result depends on its sequence alone.
 // C = int8_t: a quantized cache, with one bf16 scale per row in `ks` / `vs` (indexed like the rows, by
 // offset / kD). Each query head is rounded once to int16 on a scale of its own (15 bits: finer than its bf16
@@ -157,7 +158,9 @@ void decode_task(const c10::BFloat16* q, const C* kc, const C* vc, const c10::BF
                  int64_t start, int64_t ctx, float scale, float* scores, c10::BFloat16* out) {
   constexpr bool kQuantized = std::is_same_v<C, int8_t>;
   constexpr int64_t kRowBytes = kD * static_cast<int64_t>(sizeof(C));
-  constexpr int64_t kPassBytes = 64 * static_cast<int64_t>(sizeof(C));  // the values' 64 dims a pass
+  constexpr int kPass = kD % 64 == 0 ? 64 : 32;  // the values' dims a pass (Phi-3-mini's 96: three of 32)
+  constexpr int kPassVectors = kPass / 16;
+  constexpr int64_t kPassBytes = kPass * static_cast<int64_t>(sizeof(C));
   const int64_t n = ctx - start;
   __m512i qv[G][kD / 32];  // bf16 pairs, or (quantized cache) int16 pairs
   float q_scale[G];
@@ -240,10 +243,10 @@ void decode_task(const c10::BFloat16* q, const C* kc, const C* vc, const c10::BF
     float* sg = scores + g * n;
     inv[g] = 1.f / exp_and_sum(sg, n, _mm512_reduce_max_ps(row_max[g]));
   }
-  for (int64_t dim0 = 0; dim0 < kD; dim0 += 64) {  // 64 dims of the values a pass
-    __m512 acc[G][4];
+  for (int64_t dim0 = 0; dim0 < kD; dim0 += kPass) {
+    __m512 acc[G][kPassVectors];
     for (int g = 0; g < G; ++g)
-      for (int j = 0; j < 4; ++j) acc[g][j] = _mm512_setzero_ps();
+      for (int j = 0; j < kPassVectors; ++j) acc[g][j] = _mm512_setzero_ps();
     Rows value_rows = first, value_ahead = first;
     for (int64_t t = start; t < std::min<int64_t>(ctx, start + kValuesAhead); ++t) value_ahead.next();
     for (int64_t t = start; t < ctx; ++t) {
@@ -252,16 +255,16 @@ void decode_task(const c10::BFloat16* q, const C* kc, const C* vc, const c10::BF
         for (int64_t b = 0; b < kPassBytes; b += 64) _mm_prefetch(ahead_row + b, _MM_HINT_T0);
       }
       const int64_t r = value_rows.next();
-      __m512 vf[4];
-      for (int j = 0; j < 4; ++j) vf[j] = sobrio_vec::load16(vc + r + dim0 + 16 * j);
+      __m512 vf[kPassVectors];
+      for (int j = 0; j < kPassVectors; ++j) vf[j] = sobrio_vec::load16(vc + r + dim0 + 16 * j);
       const float value_scale = kQuantized ? sobrio_vec::to_float(vs[r / kD]) : 1.f;
       for (int g = 0; g < G; ++g) {
         const __m512 p = _mm512_set1_ps(scores[g * n + (t - start)] * value_scale);
-        for (int j = 0; j < 4; ++j) acc[g][j] = _mm512_fmadd_ps(p, vf[j], acc[g][j]);
+        for (int j = 0; j < kPassVectors; ++j) acc[g][j] = _mm512_fmadd_ps(p, vf[j], acc[g][j]);
       }
     }
     for (int g = 0; g < G; ++g)  // rounded to bf16 16 lanes at a time (see `row_max` for what a scalar loop cost)
-      for (int j = 0; j < 4; ++j)
+      for (int j = 0; j < kPassVectors; ++j)
         sobrio_vec::store16(out + g * kD + dim0 + 16 * j, _mm512_mul_ps(acc[g][j], _mm512_set1_ps(inv[g])));
   }
 }
@@ -309,9 +312,11 @@ bool decode_fast(const torch::Tensor& query, const torch::Tensor& key_cache, con
                  const c10::BFloat16* value_scales) {
   const int64_t batch = query.size(0), heads = query.size(1), dim = query.size(2);
   const int64_t kv_heads = key_cache.size(1), group = heads / kv_heads;
-  if (query.scalar_type() != at::kBFloat16 || (dim != 64 && dim != 128 && dim != 256) || group > kMaxFastGroup)
+  if (query.scalar_type() != at::kBFloat16 || (dim != 64 && dim != 96 && dim != 128 && dim != 256) ||
+      group > kMaxFastGroup)
     return false;
   const FastTask<C> task_of_group = dim == 64    ? kFastTasks<C, 64>[group]
+                                    : dim == 96  ? kFastTasks<C, 96>[group]
                                     : dim == 128 ? kFastTasks<C, 128>[group]
                                                  : kFastTasks<C, 256>[group];
   if (task_of_group == nullptr) return false;

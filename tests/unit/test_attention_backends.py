@@ -49,7 +49,8 @@ def test_cpp_operator_builds():
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("window", [None, 24])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 32), (9, 3, 64), (16, 2, 128), (4, 1, 256), (32, 2, 128),
-                                                (10, 1, 128)])  # C++ fast paths: 64, 128, 256 dims, groups 1-8, 16
+                                                (10, 1, 128), (6, 6, 96)])  # C++ fast paths: 64, 96, 128, 256
+# dims, groups 1-8 and 16
 @pytest.mark.parametrize("query_lens, context_lens", [
     ([1, 7, 1, 1, 30, 1, 16], [1, 40, 77, 5, 30, 130, 16]),  # decodes, a chunk with context, a whole prompt
     ([4, 2, 1, 3], [60, 9, 33, 120])],  # verifying drafts only: every query short, several rows each

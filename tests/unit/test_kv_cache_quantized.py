@@ -71,7 +71,7 @@ def test_every_backend_reads_a_quantized_cache_close_to_the_dense_one(backend, d
 
 @pytest.mark.skipif(load() is None, reason="C++ operators unavailable")
 @pytest.mark.parametrize("dtype", CACHE_DTYPES, ids=str)
-@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (16, 2, 128), (4, 1, 256), (32, 2, 128)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (16, 2, 128), (4, 1, 256), (32, 2, 128), (6, 6, 96)])
 def test_cpp_kernel_equals_the_dequantized_gather(dtype, heads, kv_heads, dim):
     """In-place reads with the scales applied to scores and weights equal attention over the dequantized rows."""
     _, meta, q, k, v = ragged_step([1] * 6, [1, 17, 40, 77, 130, 5], 16, heads, kv_heads, dim, torch.bfloat16,

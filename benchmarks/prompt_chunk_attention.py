@@ -1,10 +1,10 @@
 """Attention for a prompt chunk: PyTorch's SDPA (causal for a whole prompt, the chunk's mask after keys already
-in the cache, as `ReferenceAttention` computes it) against sobrio's C++ `prompt_attention`
+in the cache, as `ReferenceAttention` computes it; with a softcap, its scores by hand) against sobrio's C++ `prompt_attention`
 (`CppPagedAttention`), on the same paged bf16 cache. Prints CPU milliseconds per layer (all threads: a busy
 neighbour stretches wall time, not this), GFLOP per CPU second of the useful (unmasked) work, and the ratio.
 
     .venv/bin/python benchmarks/prompt_chunk_attention.py [--shapes 0:1024,0:2048,2048:2048] [--heads 32 --kv-heads 8]
-        [--window W]
+        [--window W] [--softcap CAP]
 
 A shape is `prefix:chunk`: keys already in the cache, then the chunk's query rows.
 """
@@ -22,7 +22,7 @@ from sobrio.layers.attention import AttentionMetadata, CppPagedAttention, Refere
 
 
 def time_shape(prefix: int, chunk: int, heads: int, kv_heads: int, dim: int, repeats: int,
-               window: int | None = None) -> tuple[float, float]:
+               window: int | None = None, softcap: float | None = None) -> tuple[float, float]:
     block, ctx = 16, prefix + chunk
     blocks = -(-ctx // block)
     cache = torch.randn(2, blocks, block, kv_heads, dim, dtype=torch.bfloat16)
@@ -33,9 +33,7 @@ def time_shape(prefix: int, chunk: int, heads: int, kv_heads: int, dim: int, rep
     out = torch.empty_like(q)
     result = []
     for cls in (ReferenceAttention, CppPagedAttention):
-        attention = cls(heads, kv_heads, dim, dim ** -0.5, window)
-        if cls is CppPagedAttention:  # the kernel, also where the backend would keep SDPA (softcaps)
-            attention.prompt_kernel = True
+        attention = cls(heads, kv_heads, dim, dim ** -0.5, window, softcap=softcap)
         attention.kv_cache = cache
         attention.write_cache(k, v, meta)
         result.append(best_cpu_ms(lambda a=attention: a.attend_each(q, k, v, meta, [0], out), repeats))
@@ -50,14 +48,16 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--window", type=int, default=None, help="a sliding window (keys a query sees)")
+    parser.add_argument("--softcap", type=float, default=None, help="an attention logit softcap (Gemma 2: 50)")
     args = parser.parse_args()
-    print(f"{args.heads}/{args.kv_heads} heads x {args.head_dim}, window {args.window}, bf16, "
+    print(f"{args.heads}/{args.kv_heads} heads x {args.head_dim}, window {args.window}, softcap {args.softcap}, bf16, "
           f"{torch.get_num_threads()} threads; "
           f"CPU ms per layer (GFLOP per CPU second)")
     print(f"{'prefix':>7} {'chunk':>6} {'SDPA':>16} {'prompt_attention':>18} {'ratio':>6}")
     for shape in args.shapes.split(","):
         prefix, chunk = (int(x) for x in shape.split(":"))
-        sdpa, kernel = time_shape(prefix, chunk, args.heads, args.kv_heads, args.head_dim, args.repeats, args.window)
+        sdpa, kernel = time_shape(prefix, chunk, args.heads, args.kv_heads, args.head_dim, args.repeats, args.window,
+                                  args.softcap)
         seen = sum(min(p + 1, args.window or p + 1) for p in range(prefix, prefix + chunk))  # keys each query sees
         useful = 4 * args.heads * args.head_dim * seen  # QK^T and PV, unmasked
         print(f"{prefix:>7} {chunk:>6} {sdpa:8.0f} ({useful / sdpa / 1e6:4.0f}) "

@@ -146,8 +146,23 @@ inline float softmax_step(float* s, int64_t low, int64_t valid, float scale, flo
   return keep;
 }
 
+// scores [n] (n a multiple of 16) := cap / scale * tanh(scores * scale / cap): Gemma 2's logit softcap on the
+// raw scores, so that the softmax's own multiplication by `scale` gives cap * tanh(s * scale / cap).
+// tanh(x) = 1 - 2 / (e^2x + 1), 2x clamped to +-40 (tanh is +-1 in float32 well before).
+inline void softcap_scores(float* s, int64_t n, float scale, float cap) {
+  const __m512 into = _mm512_set1_ps(2.f * scale / cap), back = _mm512_set1_ps(cap / scale);
+  const __m512 one = _mm512_set1_ps(1.f), two = _mm512_set1_ps(2.f), bound = _mm512_set1_ps(40.f);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 x = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_loadu_ps(s + i), into),
+                                                 _mm512_sub_ps(_mm512_setzero_ps(), bound)), bound);
+    const __m512 t = _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(sobrio_vec::exp512(x), one)));
+    _mm512_storeu_ps(s + i, _mm512_mul_ps(t, back));
+  }
+}
+
 struct Shape {
   int64_t rows, heads, kv_heads, dim, ctx, block_size, window;  // window <= 0: none
+  float softcap;  // <= 0: none
   int64_t lowest_key(int64_t position) const {  // the first key the query at `position` sees
     return window > 0 ? std::max<int64_t>(0, position - window + 1) : 0;
   }
@@ -193,6 +208,7 @@ void attend_task(const uint16_t* q, const uint16_t* keys, const uint16_t* values
     const uint16_t* kb = keys + (kh * num_blocks + b) * block_elems;
     const uint16_t* vb = values + (kh * num_blocks + b) * block_elems;
     for (int64_t r = 0; r < rows; r += kRows) block_scores(&qr[r * dim], dim, kb, &scores[r * kKeys]);
+    if (s.softcap > 0) softcap_scores(scores.data(), rows * kKeys, static_cast<float>(scale), s.softcap);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t position = first + i0 + std::min(r / group, n - 1);
       const int64_t valid = std::min(position, s.ctx - 1) - b * kKeys + 1;  // keys of this block it sees
@@ -348,6 +364,7 @@ void attend_task_amx(const uint16_t* q, const uint16_t* keys, const uint16_t* va
       if (k0 > position + std::min((r0 + kPair - 1) / group, n - 1)) continue;  // above these rows' diagonal
       if (k0 + kSpan <= s.lowest_key(position + std::min(r0 / group, n - 1))) continue;  // below their windows
       span_scores(&qr[r0 * dim], kh_keys + b0 * block_elems, count, dim, scores.data());
+      if (s.softcap > 0) softcap_scores(scores.data(), kPair * kSpan, static_cast<float>(scale), s.softcap);
       for (int64_t r = 0; r < kPair; ++r) {
         const int64_t row_position = position + std::min((r0 + r) / group, n - 1);
         valid[r] = std::min(row_position, s.ctx - 1) - k0 + 1;
@@ -374,10 +391,11 @@ bool prompt_attention_supported() {
 
 // query [L, H, D] bf16 (the chunk's rows, the last at position ctx - 1); key_cache / value_cache
 // [num_slots, Hkv, D] bf16; block_table [>= ctx / block_size] int64. D a multiple of 32. window > 0: the query
-// at position p sees keys p - window + 1 .. p (transformers' sliding_window). Returns [L, H, D].
+// at position p sees keys p - window + 1 .. p (transformers' sliding_window). softcap > 0: each scaled score
+// s becomes softcap * tanh(s / softcap) before the softmax (Gemma 2). Returns [L, H, D].
 torch::Tensor prompt_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                torch::Tensor block_table, int64_t ctx, int64_t block_size, double scale,
-                               int64_t window) {
+                               int64_t window, double softcap) {
   TORCH_CHECK(prompt_attention_supported(), "prompt_attention needs AVX512-BF16");
   TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kBFloat16 && key_cache.scalar_type() == at::kBFloat16 &&
                   value_cache.scalar_type() == at::kBFloat16, "prompt_attention: bf16 query [L, H, D] and cache");
@@ -390,7 +408,7 @@ torch::Tensor prompt_attention(torch::Tensor query, torch::Tensor key_cache, tor
   auto table = block_table.contiguous();
   auto out = torch::empty_like(q);
 #if defined(SOBRIO_PROMPT_ATTENTION)
-  const Shape s{rows, heads, kv_heads, dim, ctx, block_size, window};
+  const Shape s{rows, heads, kv_heads, dim, ctx, block_size, window, static_cast<float>(softcap)};
   const int64_t num_blocks = (ctx + kKeys - 1) / kKeys, block_elems = kKeys * dim;
   const int64_t first_block = s.lowest_key(ctx - rows) / kKeys;  // below it, no query's window reaches
   std::vector<uint16_t> keys(kv_heads * num_blocks * block_elems), values(keys.size());
@@ -444,6 +462,6 @@ void register_prompt_attention(pybind11::module& m) {
   m.def("prompt_attention", &prompt_attention,
         "A prompt chunk's causal attention over its paged bf16 context (AVX512-BF16)", py::arg("query"),
         py::arg("key_cache"), py::arg("value_cache"), py::arg("block_table"), py::arg("ctx"),
-        py::arg("block_size"), py::arg("scale"), py::arg("window") = 0);
+        py::arg("block_size"), py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0);
   m.def("prompt_attention_supported", &prompt_attention_supported);
 }

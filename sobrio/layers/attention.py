@@ -294,7 +294,7 @@ class CppPagedAttention(BatchedDecodeAttention):
         assert self.ops is not None, "the C++ operators did not build; use the batched backend"
 
     def forward(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
-        if self.softcap is not None:  # the C++ kernel has no softcap: the batched PyTorch path
+        if self.softcap is not None:  # decodes on the batched PyTorch path (`decode`), prompts on the C++ kernel
             return super().forward(q, k, v, meta)
         self.write_cache(k, v, meta)
         decode = meta.decode_seqs()
@@ -313,6 +313,8 @@ class CppPagedAttention(BatchedDecodeAttention):
         return out.view(q.shape[0], -1)
 
     def decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if self.softcap is not None:  # the C++ decode kernel has no softcap: the batched PyTorch path (which
+            return super().decode(q, meta)  # `forward` reaches through this method, so not the C++ one here)
         _, _, tables, ctx = meta.decode_seqs()
         return self.rows(q, meta, tables, ctx)
 
@@ -326,14 +328,14 @@ class CppPagedAttention(BatchedDecodeAttention):
             s, e = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             out[s:e] = self.ops.prompt_attention(q[s:e], key_cache, value_cache, meta.block_tables[i],
                                                  meta.context_lens[i], meta.block_size, self.scale,
-                                                 self.sliding_window or 0)
+                                                 self.sliding_window or 0, self.softcap or 0.0)
 
     @functools.cached_property
     def prompt_kernel(self) -> bool:
         """Whether `prompt_attention` computes this layer's prompt chunks: AVX512-BF16 (its products on AMX
-        tiles where the CPU has them), head size a multiple of 32, no softcap (Gemma 2 keeps the scores by
-        hand). A sliding window skips the key blocks below every query's window."""
-        return self.softcap is None and self.head_dim % 32 == 0 and self.ops.prompt_attention_supported()
+        tiles where the CPU has them), head size a multiple of 32. A sliding window skips the key blocks below
+        every query's window; a softcap (Gemma 2) is applied to each block's scores before the softmax."""
+        return self.head_dim % 32 == 0 and self.ops.prompt_attention_supported()
 
 
 class BatchInvariantAttention(ReferenceAttention):

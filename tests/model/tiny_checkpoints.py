@@ -48,6 +48,8 @@ def write_checkpoint(folder: Path, model_type: str, fields: dict, seed: int = 0,
     config = AutoConfig.for_model(model_type, **{**BASE, **fields})
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     spread_norms(model, model_type)
+    if fields.get("attn_logit_softcapping"):
+        sharpen_attention(model)
     model.save_pretrained(folder, **save_kwargs)
     tokenizer().save_pretrained(folder)
     return folder
@@ -60,6 +62,16 @@ def spread_norms(model: torch.nn.Module, model_type: str) -> None:
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.uniform_(-0.5, 0.5) if model_type.startswith("gemma") else param.uniform_(0.5, 1.5)
+
+
+def sharpen_attention(model: torch.nn.Module, factor: float = 8.0) -> None:
+    """Query and key weights `factor` times their init, so attention scores reach several units instead of
+    hundredths: an attention softcap of a few units then bends them (at init it changed no greedy token, and
+    a backend that skipped it passed)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                param.mul_(factor)
 
 
 @functools.cache

@@ -87,6 +87,43 @@ def test_prompt_kernel_equals_sdpa_on_chunks_after_a_prefix(heads, kv_heads, dim
     torch.testing.assert_close(outs[1], outs[0], atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("window", [None, 20, 161])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 4, 64), (4, 1, 256)])
+def test_prompt_kernel_with_a_softcap_equals_the_capped_reference(heads, kv_heads, dim, window):
+    """Gemma 2's logit softcap (scores become cap * tanh(s / cap)) on the kernel's blocks, against the
+    reference's scores by hand; a cap of 1.5 bends most scores here (theirs are about N(0, 1) after scaling,
+    and 3x that where q is scaled), so a kernel that skipped it would not pass."""
+    if load() is None or not load().prompt_attention_supported():
+        pytest.skip("no C++ operators, or no AVX512-BF16")
+    query_lens, context_lens = [45, 1, 70, 260, 1], [45, 90, 301, 600, 700]
+    outs = []
+    for cls in (ReferenceAttention, CppPagedAttention):
+        cache, meta, q, k, v = ragged_step(query_lens, context_lens, 16, heads, kv_heads, dim, torch.bfloat16, seed=7)
+        q = (q.float() * 3).bfloat16()
+        attn = cls(heads, kv_heads, dim, dim ** -0.5, window, softcap=1.5)
+        if cls is CppPagedAttention:
+            assert attn.prompt_kernel
+        outs.append(attn(q, k, v, meta).float())
+    uncapped = CppPagedAttention(heads, kv_heads, dim, dim ** -0.5, window)(q, k, v, meta).float()
+    torch.testing.assert_close(outs[1], outs[0], atol=2e-2, rtol=2e-2)
+    for rows in (slice(0, 45), slice(45, 46), slice(46, None)):  # the cap matters for prompt and decode rows
+        assert (uncapped[rows] - outs[0][rows]).abs().max() > 0.2
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_decodes_alone_with_a_softcap_equal_the_capped_reference(backend, dtype):
+    """A pure decode step with Gemma 2's softcap (the C++ backend once took its own decode kernel, which has
+    no softcap, from inside the PyTorch path it falls back to)."""
+    if backend is CppPagedAttention and load() is None:
+        pytest.skip("C++ operators unavailable")
+    outs = []
+    for cls in (ReferenceAttention, backend):
+        cache, meta, q, k, v = ragged_step([1, 1, 1], [40, 90, 301], 16, 8, 4, 64, dtype, seed=7)
+        outs.append(cls(8, 4, 64, 64 ** -0.5, None, softcap=1.5)((q.float() * 3).to(dtype), k, v, meta).float())
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("window", [None, 300])
 @pytest.mark.parametrize("prefix,chunk", [(0, 700), (400, 300), (1000, 37)])
 def test_prompt_kernel_equals_sdpa_when_the_scores_grow_along_the_keys(prefix, chunk, window):

@@ -1,7 +1,8 @@
 """Attention for a prompt chunk: PyTorch's SDPA (causal for a whole prompt, the chunk's mask after keys already
-in the cache, as `ReferenceAttention` computes it; with a softcap, its scores by hand) against sobrio's C++ `prompt_attention`
-(`CppPagedAttention`), on the same paged bf16 cache. Prints CPU milliseconds per layer (all threads: a busy
-neighbour stretches wall time, not this), GFLOP per CPU second of the useful (unmasked) work, and the ratio.
+in the cache, as `ReferenceAttention` computes it; with a softcap, its scores by hand) against sobrio's C++
+`prompt_attention` (`CppPagedAttention`), on the same paged bf16 cache. Prints CPU milliseconds per layer (all
+threads: a busy neighbour stretches wall time, not this), GFLOP per CPU second of the useful (unmasked) work,
+and the ratio.
 
     .venv/bin/python benchmarks/prompt_chunk_attention.py [--shapes 0:1024,0:2048,2048:2048] [--heads 32 --kv-heads 8]
         [--window W] [--softcap CAP]

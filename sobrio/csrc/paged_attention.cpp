@@ -155,7 +155,7 @@ inline float quantize_query_int16(const c10::BFloat16* q, __m512i (&out)[kD / 32
 template <typename C, int kD, int G>
 void decode_task(const c10::BFloat16* q, const C* kc, const C* vc, const c10::BFloat16* ks,
                  const c10::BFloat16* vs, const int64_t* table, int64_t block_size, int64_t kv_stride,
-                 int64_t start, int64_t ctx, float scale, float* scores, c10::BFloat16* out) {
+                 int64_t start, int64_t ctx, float scale, float softcap, float* scores, c10::BFloat16* out) {
   constexpr bool kQuantized = std::is_same_v<C, int8_t>;
   constexpr int64_t kRowBytes = kD * static_cast<int64_t>(sizeof(C));
   constexpr int kPass = kD % 64 == 0 ? 64 : 32;  // the values' dims a pass (Phi-3-mini's 96: three of 32)
@@ -233,7 +233,8 @@ void decode_task(const c10::BFloat16* q, const C* kc, const C* vc, const c10::BF
         }
       }
       const __m512 head_scales = kQuantized ? _mm512_mul_ps(row_scales, _mm512_set1_ps(q_scale[g])) : row_scales;
-      const __m512 s = _mm512_mul_ps(hsum16(d), head_scales);
+      __m512 s = _mm512_mul_ps(hsum16(d), head_scales);
+      if (softcap > 0) s = sobrio_vec::softcap512(s, softcap);  // Gemma 2
       _mm512_mask_storeu_ps(scores + g * n + (t0 - start), present, s);
       row_max[g] = _mm512_mask_max_ps(row_max[g], present, row_max[g], s);
     }
@@ -294,7 +295,7 @@ inline std::vector<int64_t> split_by_rows(const int64_t* lens, int64_t batch, in
 
 template <typename C>
 using FastTask = void (*)(const c10::BFloat16*, const C*, const C*, const c10::BFloat16*, const c10::BFloat16*,
-                          const int64_t*, int64_t, int64_t, int64_t, int64_t, float, float*, c10::BFloat16*);
+                          const int64_t*, int64_t, int64_t, int64_t, int64_t, float, float, float*, c10::BFloat16*);
 // The task for head_dim kD and G query heads a kv head (1 to 8, and 16: GLM-4's 32 heads over 2), null for
 // the group sizes without one.
 constexpr int64_t kMaxFastGroup = 16;
@@ -308,7 +309,7 @@ constexpr FastTask<C> kFastTasks[kMaxFastGroup + 1] = {
 template <typename C>
 bool decode_fast(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                  const torch::Tensor& block_tables, const torch::Tensor& context_lens, torch::Tensor& out,
-                 int64_t block_size, double scale, int64_t window, const c10::BFloat16* key_scales,
+                 int64_t block_size, double scale, int64_t window, double softcap, const c10::BFloat16* key_scales,
                  const c10::BFloat16* value_scales) {
   const int64_t batch = query.size(0), heads = query.size(1), dim = query.size(2);
   const int64_t kv_heads = key_cache.size(1), group = heads / kv_heads;
@@ -343,7 +344,8 @@ bool decode_fast(const torch::Tensor& query, const torch::Tensor& key_cache, con
       // Scales are indexed by row offset / dim: shifted by kh here, as the rows are by kh * dim.
       task_of_group(q + first, kc + kh * dim, vc + kh * dim, key_scales ? key_scales + kh : nullptr,
                            value_scales ? value_scales + kh : nullptr, tables + b * max_blocks, block_size,
-                           kv_heads * dim, start, ctx, static_cast<float>(scale), scores.data(), o + first);
+                           kv_heads * dim, start, ctx, static_cast<float>(scale), static_cast<float>(softcap),
+                           scores.data(), o + first);
     }
   });
   return true;
@@ -351,7 +353,7 @@ bool decode_fast(const torch::Tensor& query, const torch::Tensor& key_cache, con
 #else
 template <typename C>
 bool decode_fast(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
-                 const torch::Tensor&, torch::Tensor&, int64_t, double, int64_t, const c10::BFloat16*,
+                 const torch::Tensor&, torch::Tensor&, int64_t, double, int64_t, double, const c10::BFloat16*,
                  const c10::BFloat16*) {
   return false;
 }
@@ -370,8 +372,8 @@ inline void prefetch_bytes(const void* p, int64_t bytes, int level) {
 template <typename T, typename C>
 void decode_kernel(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                    const torch::Tensor& block_tables, const torch::Tensor& context_lens, torch::Tensor& out,
-                   int64_t block_size, double scale, int64_t window, const c10::BFloat16* key_scales,
-                   const c10::BFloat16* value_scales) {
+                   int64_t block_size, double scale, int64_t window, double softcap,
+                   const c10::BFloat16* key_scales, const c10::BFloat16* value_scales) {
   const int64_t batch = query.size(0), heads = query.size(1), dim = query.size(2);
   const int64_t kv_heads = key_cache.size(1), group = heads / kv_heads;
   const int64_t max_blocks = block_tables.size(1);
@@ -409,6 +411,8 @@ void decode_kernel(const torch::Tensor& query, const torch::Tensor& key_cache, c
         score_row(qf.data(), row_of(kc, t), scale_of(key_scales, t), row.data(), scores.data() + (t - start), group,
                   n, dim);
       }
+      if (softcap > 0)  // Gemma 2: each scaled score s becomes cap * tanh(s / cap)
+        for (float& s : scores) s = static_cast<float>(softcap * std::tanh(s / softcap));
       for (int64_t g = 0; g < group; ++g) {
         float* s = scores.data() + g * n;
         denom[g] = exp_and_sum(s, n, *std::max_element(s, s + n));
@@ -434,7 +438,8 @@ void decode_kernel(const torch::Tensor& query, const torch::Tensor& key_cache, c
 template <typename T>
 void decode_quantized(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                       const torch::Tensor& tables, const torch::Tensor& lens, torch::Tensor& out, int64_t block_size,
-                      double scale, int64_t window, const torch::Tensor& key_scales, const torch::Tensor& value_scales) {
+                      double scale, int64_t window, double softcap, const torch::Tensor& key_scales,
+                      const torch::Tensor& value_scales) {
   TORCH_CHECK(key_scales.scalar_type() == at::kBFloat16 && value_scales.scalar_type() == at::kBFloat16 &&
                   key_scales.is_contiguous() && value_scales.is_contiguous() &&
                   key_scales.numel() * key_cache.size(2) == key_cache.numel() &&
@@ -443,22 +448,25 @@ void decode_quantized(const torch::Tensor& query, const torch::Tensor& key_cache
   const auto* ks = key_scales.data_ptr<c10::BFloat16>();
   const auto* vs = value_scales.data_ptr<c10::BFloat16>();
   if (key_cache.scalar_type() == at::kChar &&
-      decode_fast<int8_t>(query, key_cache, value_cache, tables, lens, out, block_size, scale, window, ks, vs))
+      decode_fast<int8_t>(query, key_cache, value_cache, tables, lens, out, block_size, scale, window, softcap, ks,
+                          vs))
     return;
   if (key_cache.scalar_type() == at::kChar)
-    decode_kernel<T, int8_t>(query, key_cache, value_cache, tables, lens, out, block_size, scale, window, ks, vs);
+    decode_kernel<T, int8_t>(query, key_cache, value_cache, tables, lens, out, block_size, scale, window, softcap, ks,
+                             vs);
   else
     decode_kernel<T, c10::Float8_e4m3fn>(query, key_cache, value_cache, tables, lens, out, block_size, scale, window,
-                                         ks, vs);
+                                         softcap, ks, vs);
 }
 
 // query [B, H, D]; key_cache / value_cache [num_slots, Hkv, D]; block_tables [B, max_blocks] int64;
 // context_lens [B] int64; window <= 0 means full attention. A cache of int8 or fp8 e4m3 rows comes with
-// key_scales / value_scales [num_slots, Hkv] (bf16). Returns [B, H, D].
+// key_scales / value_scales [num_slots, Hkv] (bf16). softcap > 0: each scaled score s becomes
+// softcap * tanh(s / softcap) before the softmax (Gemma 2). Returns [B, H, D].
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
                                      double scale, int64_t window, std::optional<torch::Tensor> key_scales,
-                                     std::optional<torch::Tensor> value_scales) {
+                                     std::optional<torch::Tensor> value_scales, double softcap) {
   TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous());
   TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong);
   TORCH_CHECK(query.size(1) % key_cache.size(1) == 0, "query heads must be a multiple of kv heads");
@@ -472,15 +480,15 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   auto out = torch::empty_like(query);
   if (!quantized && key_cache.scalar_type() == at::kBFloat16 &&
       decode_fast<c10::BFloat16>(query, key_cache, value_cache, tables, lens, out, block_size, scale, window,
-                                 nullptr, nullptr))
+                                 softcap, nullptr, nullptr))
     return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
     if (quantized)
       decode_quantized<scalar_t>(query, key_cache, value_cache, tables, lens, out, block_size, scale, window,
-                                 *key_scales, *value_scales);
+                                 softcap, *key_scales, *value_scales);
     else
       decode_kernel<scalar_t, scalar_t>(query, key_cache, value_cache, tables, lens, out, block_size, scale, window,
-                                        nullptr, nullptr);
+                                        softcap, nullptr, nullptr);
   });
   return out;
 }
@@ -493,7 +501,7 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
                                      double scale, int64_t window, std::optional<torch::Tensor> key_scales,
                                      std::optional<torch::Tensor> value_scales) {
   return ::paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, block_size, scale,
-                                  window, key_scales, value_scales);
+                                  window, key_scales, value_scales, 0.0);
 }
 }  // namespace sobrio_ops
 
@@ -510,7 +518,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)", py::arg("query"),
         py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"), py::arg("context_lens"),
         py::arg("block_size"), py::arg("scale"), py::arg("window"), py::arg("key_scales") = py::none(),
-        py::arg("value_scales") = py::none());
+        py::arg("value_scales") = py::none(), py::arg("softcap") = 0.0);
   register_cpu_ops(m);
   register_amx_ops(m);
   register_grouped_ops(m);

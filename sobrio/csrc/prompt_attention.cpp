@@ -146,18 +146,13 @@ inline float softmax_step(float* s, int64_t low, int64_t valid, float scale, flo
   return keep;
 }
 
-// scores [n] (n a multiple of 16) := cap / scale * tanh(scores * scale / cap): Gemma 2's logit softcap on the
-// raw scores, so that the softmax's own multiplication by `scale` gives cap * tanh(s * scale / cap).
-// tanh(x) = 1 - 2 / (e^2x + 1), 2x clamped to +-40 (tanh is +-1 in float32 well before).
+// scores [n] (n a multiple of 16) := softcap(scores * scale) / scale: Gemma 2's logit softcap on the raw
+// scores, so that the softmax's own multiplication by `scale` gives cap * tanh(s * scale / cap).
 inline void softcap_scores(float* s, int64_t n, float scale, float cap) {
-  const __m512 into = _mm512_set1_ps(2.f * scale / cap), back = _mm512_set1_ps(cap / scale);
-  const __m512 one = _mm512_set1_ps(1.f), two = _mm512_set1_ps(2.f), bound = _mm512_set1_ps(40.f);
-  for (int64_t i = 0; i < n; i += 16) {
-    const __m512 x = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_loadu_ps(s + i), into),
-                                                 _mm512_sub_ps(_mm512_setzero_ps(), bound)), bound);
-    const __m512 t = _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(sobrio_vec::exp512(x), one)));
-    _mm512_storeu_ps(s + i, _mm512_mul_ps(t, back));
-  }
+  const __m512 into = _mm512_set1_ps(scale), back = _mm512_set1_ps(1.f / scale);
+  for (int64_t i = 0; i < n; i += 16)
+    _mm512_storeu_ps(s + i, _mm512_mul_ps(sobrio_vec::softcap512(_mm512_mul_ps(_mm512_loadu_ps(s + i), into), cap),
+                                          back));
 }
 
 struct Shape {

@@ -13,8 +13,8 @@ Two backends:
   times faster than 64 SDPA calls (whose bf16 GQA path is slow).
 - `CppPagedAttention`: decode through a small C++ operator that reads the paged cache in place, prompt
   chunks of a bf16 cache through another (`prompt_attention`: flash-style, the blocks above the diagonal
-  and below a sliding window skipped, AVX512-BF16 dot products, or AMX tiles where the CPU has them; faster than PyTorch's SDPA on
-  both: docs/benchmarks.md), and so
+  and below a sliding window skipped, AVX512-BF16 dot products, or AMX tiles where the CPU has them; faster
+  than PyTorch's SDPA on both: docs/benchmarks.md; both take windows and Gemma 2's softcap), and so
   every row of a sequence with a short query (up to `SHORT_QUERY` rows: a decode with the tokens structured
   output forced after it, a short chunk), each row as a decode query of its own: gathering a whole context
   and its GQA copies for a few rows cost several times the kernel's in-place read.
@@ -183,7 +183,8 @@ class ReferenceAttention(torch.nn.Module):
         scales = self.scales(meta)
         extra = {} if scales is None else {"key_scales": scales[0], "value_scales": scales[1]}
         return self.ops.paged_decode_attention(q.contiguous(), key_cache, value_cache, tables, lens,
-                                               meta.block_size, self.scale, self.sliding_window or 0, **extra)
+                                               meta.block_size, self.scale, self.sliding_window or 0, **extra,
+                                               softcap=self.softcap or 0.0)
 
     def write_cache(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
         """The step's new keys and values into their slots; this layer's (key cache, value cache)."""
@@ -294,8 +295,6 @@ class CppPagedAttention(BatchedDecodeAttention):
         assert self.ops is not None, "the C++ operators did not build; use the batched backend"
 
     def forward(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
-        if self.softcap is not None:  # decodes on the batched PyTorch path (`decode`), prompts on the C++ kernel
-            return super().forward(q, k, v, meta)
         self.write_cache(k, v, meta)
         decode = meta.decode_seqs()
         if decode is not None and len(decode[0]) == meta.num_seqs:  # a pure decode step (most): no scatter
@@ -313,8 +312,6 @@ class CppPagedAttention(BatchedDecodeAttention):
         return out.view(q.shape[0], -1)
 
     def decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        if self.softcap is not None:  # the C++ decode kernel has no softcap: the batched PyTorch path (which
-            return super().decode(q, meta)  # `forward` reaches through this method, so not the C++ one here)
         _, _, tables, ctx = meta.decode_seqs()
         return self.rows(q, meta, tables, ctx)
 

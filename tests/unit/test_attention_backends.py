@@ -48,6 +48,7 @@ def test_cpp_operator_builds():
 @pytest.mark.parametrize("backend", FAST_BACKENDS, ids=lambda c: c.__name__)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("window", [None, 24])
+@pytest.mark.parametrize("softcap", [None, 1.5])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 32), (9, 3, 64), (16, 2, 128), (4, 1, 256), (32, 2, 128),
                                                 (10, 1, 128), (6, 6, 96)])  # C++ fast paths: 64, 96, 128, 256
 # dims, groups 1-8 and 16
@@ -55,14 +56,14 @@ def test_cpp_operator_builds():
     ([1, 7, 1, 1, 30, 1, 16], [1, 40, 77, 5, 30, 130, 16]),  # decodes, a chunk with context, a whole prompt
     ([4, 2, 1, 3], [60, 9, 33, 120])],  # verifying drafts only: every query short, several rows each
     ids=["mixed", "verifying"])
-def test_fast_backends_equal_reference_on_ragged_batches(backend, dtype, tol, window, heads, kv_heads, dim,
+def test_fast_backends_equal_reference_on_ragged_batches(backend, dtype, tol, window, softcap, heads, kv_heads, dim,
                                                          query_lens, context_lens):
     if backend is CppPagedAttention and load() is None:
         pytest.skip("C++ operators unavailable")
     outs = []
     for cls in (ReferenceAttention, backend):
         cache, meta, q, k, v = ragged_step(query_lens, context_lens, 16, heads, kv_heads, dim, dtype)
-        attn = cls(heads, kv_heads, dim, dim ** -0.5, window)
+        attn = cls(heads, kv_heads, dim, dim ** -0.5, window, softcap=softcap)
         outs.append(attn(q, k, v, meta).float())
     torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
 
@@ -113,8 +114,8 @@ def test_prompt_kernel_with_a_softcap_equals_the_capped_reference(heads, kv_head
 @pytest.mark.parametrize("backend", FAST_BACKENDS, ids=lambda c: c.__name__)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_decodes_alone_with_a_softcap_equal_the_capped_reference(backend, dtype):
-    """A pure decode step with Gemma 2's softcap (the C++ backend once took its own decode kernel, which has
-    no softcap, from inside the PyTorch path it falls back to)."""
+    """A pure decode step with Gemma 2's softcap (the C++ backend once took its decode kernel, which had no
+    softcap then, from inside the PyTorch path it fell back to)."""
     if backend is CppPagedAttention and load() is None:
         pytest.skip("C++ operators unavailable")
     outs = []

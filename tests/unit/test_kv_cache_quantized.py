@@ -72,12 +72,14 @@ def test_every_backend_reads_a_quantized_cache_close_to_the_dense_one(backend, d
 @pytest.mark.skipif(load() is None, reason="C++ operators unavailable")
 @pytest.mark.parametrize("dtype", CACHE_DTYPES, ids=str)
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (16, 2, 128), (4, 1, 256), (32, 2, 128), (6, 6, 96)])
-def test_cpp_kernel_equals_the_dequantized_gather(dtype, heads, kv_heads, dim):
-    """In-place reads with the scales applied to scores and weights equal attention over the dequantized rows."""
+@pytest.mark.parametrize("softcap", [None, 1.5])
+def test_cpp_kernel_equals_the_dequantized_gather(dtype, heads, kv_heads, dim, softcap):
+    """In-place reads with the scales applied to scores and weights equal attention over the dequantized rows
+    (with Gemma 2's softcap too)."""
     _, meta, q, k, v = ragged_step([1] * 6, [1, 17, 40, 77, 130, 5], 16, heads, kv_heads, dim, torch.bfloat16,
                                    seed=3)
     quantized = quantized_copy(meta, dtype)
-    outs = [cls(heads, kv_heads, dim, dim ** -0.5)(q, k, v, quantized).float()
+    outs = [cls(heads, kv_heads, dim, dim ** -0.5, softcap=softcap)(q, k, v, quantized).float()
             for cls in (ReferenceAttention, CppPagedAttention)]
     torch.testing.assert_close(outs[1], outs[0], atol=2e-2, rtol=2e-2)
 

@@ -347,8 +347,6 @@ class BatchInvariantAttention(ReferenceAttention):
 
         self.ops = load()
         assert self.ops is not None, "batch-invariant attention needs the C++ operators"
-        if self.softcap is not None:
-            raise NotImplementedError("batch-invariant attention has no logit softcapping (Gemma 2)")
 
     def forward(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
         self.write_cache(k, v, meta)

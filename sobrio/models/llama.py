@@ -328,8 +328,8 @@ class CausalLM(torch.nn.Module):
         return logits
 
     def _softcap(self, logits: torch.Tensor, cap: float) -> torch.Tensor:
-        if self.batch_invariant:  # aten's tanh takes a scalar path at each thread's range end: row by row
-            return torch.stack([torch.tanh(row / cap) * cap for row in logits])
+        if self.batch_invariant and len(logits):  # aten's tanh takes a scalar path at each thread's range end:
+            return torch.stack([torch.tanh(row / cap) * cap for row in logits])  # row by row
         return torch.tanh(logits / cap) * cap
 
     def attention_layers(self) -> list[ReferenceAttention]:

@@ -123,9 +123,6 @@ def build_model(config, max_positions: int, weights, dtype: torch.dtype, attenti
 
     if batch_invariant:
         check_batch_invariant(attention_backend)
-        if getattr(config, "attn_logit_softcapping", None):
-            raise InvalidRequestError("batch_invariant cannot be used with an attention logit softcap "
-                                      "(config field attn_logit_softcapping): its kernel has none", "batch_invariant")
     attn_cls = BatchInvariantAttention if batch_invariant else resolve_backend(attention_backend)
     cached = quantization_cache.read() if quantization_cache is not None else None
     pack_on_load = None

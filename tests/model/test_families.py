@@ -174,7 +174,12 @@ def test_every_attention_backend_honours_the_window(name, backend, tmp_path):
         assert out.outputs[0].token_ids == hf_greedy(folder, p, MAX_TOKENS), f"{name}, {backend}: {len(p)} tokens"
 
 
-def test_batch_invariance_refuses_an_attention_softcap(tmp_path):
+def test_batch_invariance_takes_an_attention_softcap(tmp_path):
+    """Gemma 2's softcap under `--batch-invariant` (every row through the C++ decode kernel, which caps):
+    transformers' greedy tokens, alone and batched with chunked prompts."""
     folder = write_checkpoint(tmp_path, *FAMILIES["gemma2-softcap"])
-    with pytest.raises(ValueError, match="attn_logit_softcapping"):
-        LLM(str(folder), **engine_kwargs(max_model_len=256, batch_invariant=True))
+    llm = LLM(str(folder), **engine_kwargs(max_num_batched_tokens=32, max_model_len=256, batch_invariant=True))
+    prompts = _prompts()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    for p, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(folder, p, MAX_TOKENS), f"{len(p)}-token prompt"

@@ -1,10 +1,10 @@
 // Attention for one sequence's prompt chunk on the CPU, flash-attention style: the chunk's query rows over
 // its whole context, keys and values read from the paged bf16 cache (the chunk's own already written),
 // causal at the bottom right (query i of a chunk of L rows sits at position ctx - L + i and sees the keys up
-// to it; under a sliding window of W, only the last W of them). Scores and probabilities never leave the cache: per task (a kv head and 16 query positions, with
-// every query head of that kv head) the keys go by in blocks of 32 under an online softmax, and both
-// products are AVX512-BF16 dot products (vdpbf16ps) summed in float32. Blocks above the diagonal are skipped,
-// and blocks below every row's window.
+// to it; under a sliding window of W, only the last W of them). Scores and probabilities never leave the
+// cache: per task (a kv head and 16 query positions, with every query head of that kv head) the keys go by in
+// blocks of 32 under an online softmax, and both products are AVX512-BF16 dot products (vdpbf16ps) summed in
+// float32. Blocks above the diagonal are skipped, and blocks below every row's window.
 // PyTorch's CPU flash attention runs at about a quarter of the bf16 peak on AVX512-BF16 without AMX, and
 // with a chunk's mask computes the masked blocks too (docs/benchmarks.md, benchmarks/prompt_chunk_attention.py).
 #include <torch/extension.h>
@@ -414,7 +414,7 @@ torch::Tensor prompt_attention(torch::Tensor query, torch::Tensor key_cache, tor
     for (int64_t t = begin; t < end; ++t)
       if (t % num_blocks >= first_block)
         pack_block(kc, vc, tb, block_size, kv_heads, t / num_blocks, dim, (t % num_blocks) * kKeys, ctx,
-                 &keys[t * block_elems], &values[t * block_elems]);
+                   &keys[t * block_elems], &values[t * block_elems]);
   });
   // Tasks by kv head (a thread's next task reads the keys and values its last one left in its cache), and
   // within a head ordered short, long, short, long... so that contiguous ranges of them weigh about the same.

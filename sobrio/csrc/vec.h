@@ -55,9 +55,9 @@ inline __m512 exp512(__m512 x) {
 // cap * tanh(s / cap), Gemma 2's attention logit softcap: tanh(x) = 1 - 2 / (e^2x + 1), 2x clamped to +-40
 // (tanh is +-1 in float32 well before).
 inline __m512 softcap512(__m512 s, float cap) {
-  const __m512 bound = _mm512_set1_ps(40.f), one = _mm512_set1_ps(1.f);
-  const __m512 x = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(s, _mm512_set1_ps(2.f / cap)),
-                                               _mm512_sub_ps(_mm512_setzero_ps(), bound)), bound);
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 x = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(s, _mm512_set1_ps(2.f / cap)), _mm512_set1_ps(-40.f)),
+                                 _mm512_set1_ps(40.f));
   const __m512 t = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(exp512(x), one)));
   return _mm512_mul_ps(t, _mm512_set1_ps(cap));
 }

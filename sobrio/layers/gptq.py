@@ -59,7 +59,7 @@ def _inverse_hessian_factor(hessian: torch.Tensor) -> torch.Tensor | None:
     for damping in (DAMPING, DAMPING * 10, DAMPING * 100, DAMPING * 1000):
         # With J the order-reversing permutation, J H J = M M^T (M lower) gives H = R R^T with R = J M J upper,
         # so H^-1 = R^-T R^-1 and U = R^-1 = J M^-1 J: one Cholesky and one triangular inverse, where
-        # inverting H and factoring the inverse took three factorizations (~2x the time at K = 8192).
+        # inverting H and factoring the inverse took three factorizations (docs/quantization.md has the times).
         factor, info = torch.linalg.cholesky_ex((h + damping * mean_diagonal * torch.eye(len(h))).flip(0, 1))
         if info == 0:
             return _lower_inverse(factor).flip(0, 1)

@@ -328,8 +328,10 @@ class CausalLM(torch.nn.Module):
         return logits
 
     def _softcap(self, logits: torch.Tensor, cap: float) -> torch.Tensor:
-        if self.batch_invariant and len(logits):  # aten's tanh takes a scalar path at each thread's range end:
-            return torch.stack([torch.tanh(row / cap) * cap for row in logits])  # row by row
+        # batch-invariant: row by row (aten's tanh takes a scalar path at each thread's range end); a step that
+        # samples no row has no logits to stack
+        if self.batch_invariant and len(logits):
+            return torch.stack([torch.tanh(row / cap) * cap for row in logits])
         return torch.tanh(logits / cap) * cap
 
     def attention_layers(self) -> list[ReferenceAttention]:

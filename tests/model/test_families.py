@@ -47,9 +47,14 @@ def test_greedy_equals_transformers(family):
     for p in prompts:  # one at a time first (the second hits the first's cached prefix), then all together
         out = llm.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False)[0]
         assert out.outputs[0].token_ids == hf_greedy(folder, p, MAX_TOKENS), f"{name}: {len(p)}-token prompt"
-    together = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    for p, out in zip(prompts, together):
-        assert out.outputs[0].token_ids == hf_greedy(folder, p, MAX_TOKENS), f"{name}, batched: {len(p)} tokens"
+    assert_batched_greedy_equals_transformers(llm, folder, prompts, f"{name}, batched")
+
+
+def assert_batched_greedy_equals_transformers(llm, folder, prompts: list[list[int]], what: str) -> None:
+    """All `prompts` in one `generate`: each one's greedy tokens are transformers'."""
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    for p, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(folder, p, MAX_TOKENS), f"{what}: {len(p)} tokens"
 
 
 def test_longrope_long_factors_past_the_original_context(tmp_path):
@@ -168,18 +173,12 @@ def test_every_attention_backend_honours_the_window(name, backend, tmp_path):
     prefix hits and batched decode."""
     folder = write_checkpoint(tmp_path, *FAMILIES[name])
     llm = LLM(str(folder), **engine_kwargs(max_num_batched_tokens=32, max_model_len=256, attention_backend=backend))
-    prompts = _prompts()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    for p, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == hf_greedy(folder, p, MAX_TOKENS), f"{name}, {backend}: {len(p)} tokens"
+    assert_batched_greedy_equals_transformers(llm, folder, _prompts(), f"{name}, {backend}")
 
 
 def test_batch_invariance_takes_an_attention_softcap(tmp_path):
     """Gemma 2's softcap under `--batch-invariant` (every row through the C++ decode kernel, which caps):
-    transformers' greedy tokens, alone and batched with chunked prompts."""
+    transformers' greedy tokens, the prompts batched and chunked."""
     folder = write_checkpoint(tmp_path, *FAMILIES["gemma2-softcap"])
     llm = LLM(str(folder), **engine_kwargs(max_num_batched_tokens=32, max_model_len=256, batch_invariant=True))
-    prompts = _prompts()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    for p, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == hf_greedy(folder, p, MAX_TOKENS), f"{len(p)}-token prompt"
+    assert_batched_greedy_equals_transformers(llm, folder, _prompts(), "gemma2-softcap, batch-invariant")

@@ -11,8 +11,7 @@
 // zero-padded buffer when its rows are not whole tiles of 16), so one tile configuration serves every shape;
 // a block of 16 rows or fewer skips its second row tile and its products (on a host whose tile products are
 // slow, 4 products a slab made the kernel compute-bound: docs/benchmarks.md).
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "ops.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -241,15 +240,15 @@ void quantize_token(const T* x, int64_t K, const Outlier& outlier, int8_t* qp, f
 // blocks of 32 output columns split over the threads (only past ~256 KB of weight a thread, as the GEMV).
 template <typename T, typename TOut>
 struct Int8Operands {
-  torch::Tensor bias_c;  // keeps a contiguous copy of the bias alive
+  at::Tensor bias_c;  // keeps a contiguous copy of the bias alive
   const int8_t* wp;
   const float* wsp;
   const T* b;
   TOut* yp;
   int64_t blocks, grain;
-  Int8Operands(const torch::Tensor& packed, const torch::Tensor& w_scale, const c10::optional<torch::Tensor>& bias,
-               torch::Tensor& y, int64_t K)
-      : bias_c(bias.has_value() ? bias->contiguous() : torch::Tensor()),
+  Int8Operands(const at::Tensor& packed, const at::Tensor& w_scale, const c10::optional<at::Tensor>& bias,
+               at::Tensor& y, int64_t K)
+      : bias_c(bias.has_value() ? bias->contiguous() : at::Tensor()),
         wp(packed.data_ptr<int8_t>()),
         wsp(w_scale.data_ptr<float>()),
         b(bias.has_value() ? bias_c.data_ptr<T>() : nullptr),
@@ -260,12 +259,12 @@ struct Int8Operands {
 
 // `amx_int8_kernel` with the activations rounded per token and group of `group_k` inputs (a multiple of 64).
 template <typename T, typename TOut>
-void amx_int8_grouped_kernel(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& w_scale,
-                             const c10::optional<torch::Tensor>& bias, int64_t group_k, torch::Tensor& y) {
+void amx_int8_grouped_kernel(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w_scale,
+                             const c10::optional<at::Tensor>& bias, int64_t group_k, at::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), N = y.size(1), groups = K / group_k;
   const int64_t rows_padded = (M + 2 * kTileRows - 1) / (2 * kTileRows) * (2 * kTileRows);
-  auto xq = torch::empty({rows_padded, K}, x.options().dtype(at::kChar));
-  auto xs = torch::zeros({rows_padded, groups}, x.options().dtype(at::kFloat));  // padding rows: scale 0
+  auto xq = at::empty({rows_padded, K}, x.options().dtype(at::kChar));
+  auto xs = at::zeros({rows_padded, groups}, x.options().dtype(at::kFloat));  // padding rows: scale 0
   const T* xp = x.data_ptr<T>();
   int8_t* qp = xq.data_ptr<int8_t>();
   float* sp = xs.data_ptr<float>();
@@ -296,14 +295,14 @@ void amx_int8_grouped_kernel(const torch::Tensor& x, const torch::Tensor& packed
 }
 
 template <typename T, typename TOut>
-void amx_int8_kernel(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& w_scale,
-                     const c10::optional<torch::Tensor>& bias, const Outlier& outlier, int64_t group_k, torch::Tensor& y) {
+void amx_int8_kernel(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w_scale,
+                     const c10::optional<at::Tensor>& bias, const Outlier& outlier, int64_t group_k, at::Tensor& y) {
   if (group_k) return amx_int8_grouped_kernel<T, TOut>(x, packed, w_scale, bias, group_k, y);
   const int64_t M = x.size(0), K = x.size(1), N = y.size(1);
   const int64_t rows_padded = (M + 2 * kTileRows - 1) / (2 * kTileRows) * (2 * kTileRows);
   const bool split = outlier.index != nullptr;
-  auto xq = torch::empty({rows_padded, K + (split ? kOutlierChannels : 0)}, x.options().dtype(at::kChar));
-  auto xs = torch::empty({2, rows_padded}, x.options().dtype(at::kFloat));
+  auto xq = at::empty({rows_padded, K + (split ? kOutlierChannels : 0)}, x.options().dtype(at::kChar));
+  auto xs = at::empty({2, rows_padded}, x.options().dtype(at::kFloat));
   const T* xp = x.data_ptr<T>();
   int8_t* qp = xq.data_ptr<int8_t>();
   int8_t* qo = qp + rows_padded * K;  // the outlier group's rows, 64 bytes each, after the others
@@ -340,6 +339,15 @@ void amx_int8_kernel(const torch::Tensor& x, const torch::Tensor& packed, const 
 }
 #endif
 
+void check_packable(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "amx: a 2-D bf16 weight");
+  TORCH_CHECK(w.size(0) % kBlockN == 0 && w.size(1) % kTileK == 0, "amx: N a multiple of 32, K of 32");
+}
+
+}  // namespace
+
+namespace sobrio_ops {
+
 bool amx_supported() {
 #if defined(SOBRIO_AMX)
   return request_amx();
@@ -348,37 +356,32 @@ bool amx_supported() {
 #endif
 }
 
-void check_packable(const torch::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "amx: a 2-D bf16 weight");
-  TORCH_CHECK(w.size(0) % kBlockN == 0 && w.size(1) % kTileK == 0, "amx: N a multiple of 32, K of 32");
-}
-
 // w [N, K] -> [N/32, K/32, 16 (input pairs), 32 (columns), 2]: slab (n, k) holds w[n*32 + c][k*32 + 2r + e]
 // at [r][c][e]; the bytes oneDNN's reorder writes on AMX.
-torch::Tensor amx_pack_weight(torch::Tensor w) {
+at::Tensor amx_pack_weight(at::Tensor w) {
   check_packable(w);
   const int64_t N = w.size(0), K = w.size(1);
   return w.contiguous().view({N / kBlockN, kBlockN, K / kTileK, kTileK / 2, 2}).permute({0, 2, 3, 1, 4}).contiguous();
 }
 
-torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias) {
+at::Tensor amx_linear(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias) {
   TORCH_CHECK(amx_supported(), "amx_linear needs AMX-BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "amx_linear: x [M, K] bf16");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() && packed.numel() == N * K &&
                   N % kBlockN == 0 && K % kTileK == 0,
               "amx_linear: a contiguous bf16 weight packed by amx_pack_weight, N a multiple of 32, K of 32");
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
 #if defined(SOBRIO_AMX)
   if (M == 0) return y;
   // Whole 16-row tiles of x (a last block of 16 rows or fewer reads no second tile): a decode batch of 16, 32,
   // 48 or 64 is read in place, others are padded with zeros.
   const int64_t rows_padded = (M + kTileRows - 1) / kTileRows * kTileRows;
-  torch::Tensor xpad = x.is_contiguous() && rows_padded == M ? x : torch::zeros({rows_padded, K}, x.options());
+  at::Tensor xpad = x.is_contiguous() && rows_padded == M ? x : at::zeros({rows_padded, K}, x.options());
   if (!xpad.is_same(x)) xpad.narrow(0, 0, M).copy_(x);
   const auto* xp = xpad.data_ptr<c10::BFloat16>();
   const auto* wp = packed.data_ptr<c10::BFloat16>();
-  torch::Tensor bc = bias.has_value() ? bias->contiguous() : torch::Tensor();
+  at::Tensor bc = bias.has_value() ? bias->contiguous() : at::Tensor();
   const auto* b = bias.has_value() ? bc.data_ptr<c10::BFloat16>() : nullptr;
   auto* yp = y.data_ptr<c10::BFloat16>();
   // Blocks of 32 columns over the threads; split only past ~256 KB of weight a thread (as the GEMV).
@@ -400,7 +403,6 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::
   return y;
 }
 
-
 bool amx_int8_supported() {
 #if defined(SOBRIO_AMX_INT8)
   return request_amx();
@@ -411,7 +413,7 @@ bool amx_int8_supported() {
 
 // w [N, K] int8 -> [N/16, K/64, 16 (input quads), 16 (columns), 4]: tile (n, k) holds w[n*16 + c][k*64 + 4r + e]
 // at [r][c][e].
-torch::Tensor amx_pack_weight_int8(torch::Tensor w) {
+at::Tensor amx_pack_weight_int8(at::Tensor w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar, "amx int8: a 2-D int8 weight");
   TORCH_CHECK(w.size(0) % kBlockN == 0 && w.size(1) % 64 == 0, "amx int8: N a multiple of 32, K of 64");
   const int64_t N = w.size(0), K = w.size(1);
@@ -423,9 +425,9 @@ torch::Tensor amx_pack_weight_int8(torch::Tensor w) {
 // float32 with `float_out`. `outlier_index` (64 channels) and `outlier_packed` (the weight's columns there,
 // packed): those channels rounded on a per-token scale of their own. `group_k` > 0: x rounded per token and
 // group of that many inputs instead (no outliers then: each group has its own step).
-torch::Tensor amx_int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w_scale, int64_t N,
-                              c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> outlier_index,
-                              c10::optional<torch::Tensor> outlier_packed, bool float_out, int64_t group_k) {
+at::Tensor amx_int8_linear(at::Tensor x, at::Tensor packed, at::Tensor w_scale, int64_t N,
+                           c10::optional<at::Tensor> bias, c10::optional<at::Tensor> outlier_index,
+                           c10::optional<at::Tensor> outlier_packed, bool float_out, int64_t group_k) {
   TORCH_CHECK(amx_int8_supported(), "amx_int8_linear needs AMX-INT8");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "amx_int8_linear: x [M, K] bf16 or float32, unit stride along K");
@@ -440,7 +442,7 @@ torch::Tensor amx_int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tens
   TORCH_CHECK(group_k == 0 || (group_k % 64 == 0 && K % group_k == 0 && !outlier_index.has_value()),
               "amx_int8_linear: group_k 0 (a scale a token) or a multiple of 64 dividing K, without outliers");
   Outlier outlier;
-  torch::Tensor index;
+  at::Tensor index;
   if (outlier_index.has_value()) {
     index = outlier_index->contiguous();
     TORCH_CHECK(index.scalar_type() == at::kLong && index.numel() == kOutlierChannels &&
@@ -451,7 +453,7 @@ torch::Tensor amx_int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tens
                 "amx_int8_linear: the outlier channels' weight, packed");
     outlier = {index.data_ptr<int64_t>(), outlier_packed->data_ptr<int8_t>()};
   }
-  auto y = torch::empty({x.size(0), N}, x.options().dtype(float_out ? at::kFloat : x.scalar_type()));
+  auto y = at::empty({x.size(0), N}, x.options().dtype(float_out ? at::kFloat : x.scalar_type()));
 #if defined(SOBRIO_AMX_INT8)
   if (x.size(0) == 0) return y;
   if (x.scalar_type() == at::kFloat) amx_int8_kernel<float, float>(x, packed, w_scale, bias, outlier, group_k, y);
@@ -461,17 +463,4 @@ torch::Tensor amx_int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tens
   return y;
 }
 
-}  // namespace
-
-void register_amx_ops(pybind11::module& m) {
-  m.def("amx_supported", &amx_supported, "whether amx_linear was built and the OS grants AMX");
-  m.def("amx_pack_weight", &amx_pack_weight, "a bf16 weight [N, K] in amx_linear's tile layout");
-  m.def("amx_linear", &amx_linear, "x @ w.T (+ bias) on AMX tiles, w packed by amx_pack_weight",
-        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
-  m.def("amx_int8_supported", &amx_int8_supported, "whether amx_int8_linear was built and the OS grants AMX");
-  m.def("amx_pack_weight_int8", &amx_pack_weight_int8, "an int8 weight [N, K] in amx_int8_linear's tile layout");
-  m.def("amx_int8_linear", &amx_int8_linear, "W8A8 x @ (w * scale).T (+ bias) on AMX-INT8 tiles, x rounded per token",
-        py::arg("x"), py::arg("packed"), py::arg("w_scale"), py::arg("n"), py::arg("bias") = py::none(),
-        py::arg("outlier_index") = py::none(), py::arg("outlier_packed") = py::none(), py::arg("float_out") = false,
-        py::arg("group_k") = 0);
-}
+}  // namespace sobrio_ops

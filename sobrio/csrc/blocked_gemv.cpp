@@ -7,8 +7,7 @@
 // side by side: what one vdpbf16ps multiplies with a broadcast pair of x. Each block is one contiguous stream,
 // read once for up to 4 input rows (16 accumulators of 16 outputs); float32 accumulation, one rounding to bf16
 // per output after the bias. Parallel over blocks of outputs.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "ops.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -22,14 +21,6 @@ namespace {
 
 constexpr int64_t kBlock = 64;  // outputs per block
 constexpr int kMaxRows = 4;     // input rows per pass over a block
-
-bool blocked_gemv_supported() {
-#if defined(__AVX512BF16__)
-  return true;
-#else
-  return false;
-#endif
-}
 
 #if defined(__AVX512BF16__)
 inline __m512 bf16_to_f32(const c10::BFloat16* p) {
@@ -69,8 +60,20 @@ void blocked_rows(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFl
 }
 #endif  // __AVX512BF16__
 
+}  // namespace
+
+namespace sobrio_ops {
+
+bool blocked_gemv_supported() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 // y[M, N] = x[M, K] @ W^T (+ bias), W given as its blocked view [N/64, K/2, 64, 2] (bf16).
-torch::Tensor blocked_gemv_bf16(torch::Tensor x, torch::Tensor blocks, c10::optional<torch::Tensor> bias) {
+at::Tensor blocked_gemv_bf16(at::Tensor x, at::Tensor blocks, c10::optional<at::Tensor> bias) {
   TORCH_CHECK(blocked_gemv_supported(), "blocked_gemv_bf16 needs AVX512-BF16");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && blocks.scalar_type() == at::kBFloat16, "bf16 x and weight");
   TORCH_CHECK(blocks.dim() == 4 && blocks.size(2) == kBlock && blocks.size(3) == 2 && blocks.is_contiguous(),
@@ -78,8 +81,8 @@ torch::Tensor blocked_gemv_bf16(torch::Tensor x, torch::Tensor blocks, c10::opti
   TORCH_CHECK(x.dim() == 2 && x.size(1) == blocks.size(1) * 2, "x: [M, K] with K = 2 * blocks.size(1)");
   auto xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), nblocks = blocks.size(0), N = nblocks * kBlock;
-  auto y = torch::empty({M, N}, x.options());
-  torch::Tensor bc;
+  auto y = at::empty({M, N}, x.options());
+  at::Tensor bc;
   const c10::BFloat16* bp = nullptr;
   if (bias.has_value()) {
     bc = bias->contiguous();
@@ -108,7 +111,7 @@ torch::Tensor blocked_gemv_bf16(torch::Tensor x, torch::Tensor blocks, c10::opti
 // speed (the reorder transposes element by element). Each block of B rows is transposed as 32-bit pairs, 16
 // pairs at a time through a tile of at most 4 KB (one cache line of each of the B rows in, 16 runs of 4B
 // bytes out).
-void pack_blocked_bf16(torch::Tensor weight, torch::Tensor blocks) {
+void pack_blocked_bf16(at::Tensor weight, at::Tensor blocks) {
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && blocks.scalar_type() == at::kBFloat16, "bf16 weight");
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "weight: a contiguous [N, K] tensor");
   const int64_t N = weight.size(0), K = weight.size(1), pairs = K / 2;
@@ -137,14 +140,4 @@ void pack_blocked_bf16(torch::Tensor weight, torch::Tensor blocks) {
   });
 }
 
-}  // namespace
-
-void register_blocked_ops(pybind11::module& m) {
-  m.def("blocked_gemv_supported", &blocked_gemv_supported, "whether blocked_gemv_bf16 was built (AVX512-BF16)");
-  m.def("blocked_gemv_bf16", &blocked_gemv_bf16,
-        "few-row bf16 x @ W.T (+ bias), W as the [N/64, K/2, 64, 2] view of oneDNN's packed copy",
-        py::arg("x"), py::arg("blocks"), py::arg("bias") = py::none());
-  m.def("pack_blocked_bf16", &pack_blocked_bf16,
-        "writes a bf16 weight [N, K] into a [N/B, K/2, B, 2] blocked view (oneDNN's packed layout; B 64 or 32)",
-        py::arg("weight"), py::arg("blocks"));
-}
+}  // namespace sobrio_ops

@@ -5,8 +5,7 @@
 // (float32 math, one rounding to the storage dtype per value that PyTorch would round), so the reference
 // path stays the specification. Each computes a row alone, in an order that does not depend on the other
 // rows or on the threads, which `--batch-invariant` relies on.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "ops.h"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -19,7 +18,6 @@
 #include <limits>
 #include <vector>
 
-#include "ops.h"
 #include "vec.h"
 
 namespace {
@@ -192,15 +190,15 @@ void linear_block(const typename Dot::T* x, const typename Dot::T* w, const type
 }
 
 template <class Dot>
-torch::Tensor linear_run(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
+at::Tensor linear_run(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   using T = typename Dot::T;
   auto xc = x.contiguous();
   auto wc = w.contiguous();
   const int64_t M = xc.size(0), N = wc.size(0), K = xc.size(1);
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   const T* b = nullptr;
-  torch::Tensor bc;
+  at::Tensor bc;
   if (bias.has_value()) {
     bc = bias->contiguous();
     TORCH_CHECK(bc.scalar_type() == x.scalar_type() && bc.numel() == N, "bias: x's dtype, [N]");
@@ -219,55 +217,9 @@ torch::Tensor linear_run(const torch::Tensor& x, const torch::Tensor& w, const c
 }
 #endif  // SOBRIO_LINEAR: AVX-512 F / BW / VL or AVX2
 
-void check_linear(const torch::Tensor& x, const torch::Tensor& w) {
+void check_linear(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "x and w: one dtype");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "shapes: x [M, K], w [N, K]");
-}
-
-bool gemv_supported() {
-#if defined(SOBRIO_LINEAR) && defined(__AVX512BF16__)
-  return true;
-#else
-  return false;
-#endif
-}
-
-torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(gemv_supported(), "gemv_bf16 needs AVX512-BF16");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "gemv_bf16 takes bf16");
-  check_linear(x, w);
-#if defined(SOBRIO_LINEAR) && defined(__AVX512BF16__)
-  return linear_run<PairDotBf16>(x, w, bias);
-#else
-  return x;
-#endif
-}
-
-bool invariant_linear_supported() {
-#if defined(SOBRIO_LINEAR)
-  return true;
-#else
-  return false;
-#endif
-}
-
-// The batch-invariant linear: float32, bf16 or fp16. For bf16 on AVX512-BF16 it is gemv_bf16 itself.
-torch::Tensor invariant_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(invariant_linear_supported(), "invariant_linear needs AVX-512 (F, BW, VL) or AVX2 with FMA");
-  check_linear(x, w);
-#if defined(SOBRIO_LINEAR)
-  switch (x.scalar_type()) {
-    case at::kFloat: return linear_run<LaneDot<float>>(x, w, bias);
-    case at::kHalf: return linear_run<LaneDot<c10::Half>>(x, w, bias);
-#if defined(__AVX512BF16__)
-    case at::kBFloat16: return linear_run<PairDotBf16>(x, w, bias);
-#else
-    case at::kBFloat16: return linear_run<LaneDot<c10::BFloat16>>(x, w, bias);
-#endif
-    default: TORCH_CHECK(false, "invariant_linear takes float32, bf16 or fp16");
-  }
-#endif
-  return x;
 }
 
 #if defined(SOBRIO_LINEAR)
@@ -276,12 +228,12 @@ torch::Tensor invariant_linear(torch::Tensor x, torch::Tensor w, c10::optional<t
 // region: a decode step's 8-80 small matmuls per layer were as many regions (and Python calls) before. Each
 // row's result is the batch-invariant kernel's, whatever the group sizes.
 template <class Dot>
-torch::Tensor expert_linear_run(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& ids,
-                                const torch::Tensor& offsets) {
+at::Tensor expert_linear_run(const at::Tensor& x, const at::Tensor& w, const at::Tensor& ids,
+                             const at::Tensor& offsets) {
   using T = typename Dot::T;
   auto xc = x.contiguous();
   const int64_t groups = ids.size(0), N = w.size(1), K = w.size(2);
-  auto y = torch::empty({xc.size(0), N}, x.options());
+  auto y = at::empty({xc.size(0), N}, x.options());
   const int64_t* id = ids.data_ptr<int64_t>();
   const int64_t* off = offsets.data_ptr<int64_t>();
   const int64_t block = std::max<int64_t>(16, (256 << 10) / (K * static_cast<int64_t>(sizeof(T))));
@@ -300,31 +252,6 @@ torch::Tensor expert_linear_run(const torch::Tensor& x, const torch::Tensor& w, 
   return y;
 }
 #endif
-
-torch::Tensor expert_linear(torch::Tensor x, torch::Tensor w, torch::Tensor ids, torch::Tensor offsets) {
-  TORCH_CHECK(invariant_linear_supported(), "expert_linear needs AVX-512 (F, BW, VL) or AVX2 with FMA");
-  TORCH_CHECK(x.scalar_type() == w.scalar_type() && x.dim() == 2 && w.dim() == 3 && w.is_contiguous() &&
-                  x.size(1) == w.size(2), "expert_linear: x [R, K], w [E, N, K] contiguous, one dtype");
-  TORCH_CHECK(ids.scalar_type() == at::kLong && offsets.scalar_type() == at::kLong && ids.is_contiguous() &&
-                  offsets.is_contiguous() && offsets.numel() == ids.numel() + 1, "ids [G], offsets [G + 1]: int64");
-  const int64_t* id = ids.data_ptr<int64_t>();
-  const int64_t* off = offsets.data_ptr<int64_t>();
-  TORCH_CHECK(off[0] == 0 && off[ids.numel()] == x.size(0), "offsets: 0 .. rows of x");
-  for (int64_t g = 0; g < ids.numel(); ++g)
-    TORCH_CHECK(id[g] >= 0 && id[g] < w.size(0) && off[g] <= off[g + 1], "expert id or offsets out of range");
-#if defined(SOBRIO_LINEAR)
-  switch (x.scalar_type()) {
-    case at::kFloat: return expert_linear_run<LaneDot<float>>(x, w, ids, offsets);
-#if defined(__AVX512BF16__)
-    case at::kBFloat16: return expert_linear_run<PairDotBf16>(x, w, ids, offsets);
-#else
-    case at::kBFloat16: return expert_linear_run<LaneDot<c10::BFloat16>>(x, w, ids, offsets);
-#endif
-    default: TORCH_CHECK(false, "expert_linear takes float32 or bf16");
-  }
-#endif
-  return x;
-}
 
 // ---------------------------------------------------------------------------------------------------
 // RMSNorm over the last dimension. Llama (offset 0): w * bf16(x / rms) with the product rounded once,
@@ -380,25 +307,6 @@ void rms_norm_rows(const T* x, T* residual, const T* w, T* out, int64_t rows, in
   });
 }
 
-// Returns the normed rows; with `residual` given, also adds x into it in place first.
-torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps,
-                       bool gemma) {
-  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "rms_norm: contiguous inputs");
-  const int64_t dim = x.size(-1), rows = x.numel() / dim;
-  TORCH_CHECK(weight.numel() == dim && weight.scalar_type() == x.scalar_type(), "rms_norm: weight [dim], x's dtype");
-  auto out = torch::empty_like(x);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
-    scalar_t* res = nullptr;
-    if (residual.has_value()) {
-      TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes(), "residual: x's shape");
-      res = residual->data_ptr<scalar_t>();
-    }
-    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), res, weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
-                            rows, dim, eps, gemma);
-  });
-  return out;
-}
-
 // ---------------------------------------------------------------------------------------------------
 // Rotary embedding in place, rotate-half layout: x1' = x1 c - x2 s, x2' = x2 c + x1 s, with cos/sin
 // rounded to the dtype first and each product rounded, as the PyTorch reference computes them.
@@ -432,35 +340,6 @@ void rope_heads(T* x, int64_t tokens, int64_t heads, int64_t dim, int64_t stride
           v[i] = static_cast<T>(round_to<T>(a * c1) + round_to<T>(-b * s1));
           v[i + half] = static_cast<T>(round_to<T>(b * c2) + round_to<T>(a * s2));
         }
-      }
-    }
-  });
-}
-
-// q [T, Hq, D] and k [T, Hk, D] may be views into the packed qkv output (row stride given by stride(0)).
-// cos / sin [max_pos, D]: float32, or q's dtype when the model was cast with its buffers.
-void rotary_embedding(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor cos,
-                      torch::Tensor sin) {
-  TORCH_CHECK(positions.scalar_type() == torch::kLong, "positions: int64");
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k.stride(2) == 1 && k.stride(1) == k.size(2));
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && cos.scalar_type() == sin.scalar_type());
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == q.size(2));
-  auto pos = positions.contiguous();
-  const int64_t* pp = pos.data_ptr<int64_t>();
-  const int64_t rows = cos.size(0);
-  // A position past the tables would read other memory as cos / sin (a calibration prompt longer than the
-  // model's positions once did, silently): a scan of T integers, nothing next to the rotation.
-  TORCH_CHECK(std::all_of(pp, pp + pos.numel(), [rows](int64_t p) { return p >= 0 && p < rows; }),
-              "rotary_embedding: a position outside 0..", rows - 1, " (the model's rotary table)");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary_embedding", [&] {
-    for (auto* t : {&q, &k}) {
-      if (cos.scalar_type() == torch::kFloat) {
-        rope_heads<scalar_t, float>(t->data_ptr<scalar_t>(), t->size(0), t->size(1), t->size(2), t->stride(0),
-                                    pos.data_ptr<int64_t>(), cos.data_ptr<float>(), sin.data_ptr<float>());
-      } else {
-        TORCH_CHECK(cos.scalar_type() == q.scalar_type(), "cos / sin: float32 or q's dtype");
-        rope_heads<scalar_t, scalar_t>(t->data_ptr<scalar_t>(), t->size(0), t->size(1), t->size(2), t->stride(0),
-                                       pos.data_ptr<int64_t>(), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>());
       }
     }
   });
@@ -509,46 +388,6 @@ void act_and_mul_rows(const T* x, T* out, int64_t rows, int64_t inter, int64_t a
   });
 }
 
-torch::Tensor act_and_mul(torch::Tensor x, int64_t act) {
-  TORCH_CHECK(x.is_contiguous() && x.size(-1) % 2 == 0, "act_and_mul: contiguous [T, 2I]");
-  const int64_t inter = x.size(-1) / 2, rows = x.numel() / x.size(-1);
-  auto sizes = x.sizes().vec();
-  sizes.back() = inter;
-  auto out = torch::empty(sizes, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "act_and_mul", [&] {
-    act_and_mul_rows<scalar_t>(x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, inter, act);
-  });
-  return out;
-}
-
-// ---------------------------------------------------------------------------------------------------
-// The step's new keys and values into their cache slots: one row copy per token and tensor, where two
-// index_copy_ calls per layer cost ~40 us each in dispatch at decode sizes. Rows may be strided views of
-// the fused qkv output; inside a row the [heads, head_dim] block must be contiguous.
-void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
-              torch::Tensor slot_mapping) {
-  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes(), "write_kv: key, value [T, Hkv, D]");
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "write_kv: contiguous caches");
-  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == value_cache.scalar_type(),
-              "write_kv: dtype mismatch");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.size(0) == key.size(0), "write_kv: slots");
-  const int64_t row = key.size(1) * key.size(2), num_slots = key_cache.numel() / row;
-  for (const auto& t : {key, value})
-    TORCH_CHECK(t.stride(2) == 1 && t.stride(1) == t.size(2), "write_kv: [Hkv, D] contiguous per token");
-  const int64_t bytes = row * key.element_size();
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  auto* kc = static_cast<char*>(key_cache.data_ptr());
-  auto* vc = static_cast<char*>(value_cache.data_ptr());
-  const auto* k = static_cast<const char*>(key.data_ptr());
-  const auto* v = static_cast<const char*>(value.data_ptr());
-  const int64_t ks = key.stride(0) * key.element_size(), vs = value.stride(0) * value.element_size();
-  for (int64_t t = 0; t < key.size(0); ++t) {
-    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "write_kv: slot out of range");
-    std::memcpy(kc + slots[t] * bytes, k + t * ks, bytes);
-    std::memcpy(vc + slots[t] * bytes, v + t * vs, bytes);
-  }
-}
-
 // One row of D values into int8 with a bf16 scale, as `sobrio.kv.cache.quantize_rows` does: scale =
 // max |x| / 127 rounded to bf16, values rounded half to even against that scale.
 template <typename T>
@@ -560,36 +399,6 @@ void quantize_row_int8(const T* x, int64_t dim, int8_t* q, c10::BFloat16* scale)
   for (int64_t i = 0; i < dim; ++i)
     q[i] = static_cast<int8_t>(std::clamp(std::nearbyint(sobrio_vec::to_float(x[i]) / sf), -127.f, 127.f));
   *scale = s;
-}
-
-// write_kv for an int8 cache: each new (token, kv head) row quantized into its slot, its scale beside it.
-void write_kv_int8(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
-                   torch::Tensor key_scales, torch::Tensor value_scales, torch::Tensor slot_mapping) {
-  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.scalar_type() == value.scalar_type(),
-              "write_kv_int8: key, value [T, Hkv, D] of one dtype");
-  TORCH_CHECK(key_cache.scalar_type() == at::kChar && value_cache.scalar_type() == at::kChar &&
-                  key_scales.scalar_type() == at::kBFloat16 && value_scales.scalar_type() == at::kBFloat16,
-              "write_kv_int8: int8 caches, bf16 scales");
-  for (const auto& t : {key_cache, value_cache, key_scales, value_scales})
-    TORCH_CHECK(t.is_contiguous(), "write_kv_int8: contiguous caches and scales");
-  for (const auto& t : {key, value})
-    TORCH_CHECK(t.stride(2) == 1 && t.stride(1) == t.size(2), "write_kv_int8: [Hkv, D] contiguous per token");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.size(0) == key.size(0), "write_kv_int8: slots");
-  const int64_t heads = key.size(1), dim = key.size(2), num_slots = key_scales.numel() / heads;
-  TORCH_CHECK(key_cache.numel() == num_slots * heads * dim, "write_kv_int8: scales do not match the cache");
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "write_kv_int8", [&] {
-    for (int64_t t = 0; t < key.size(0); ++t) {
-      TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "write_kv_int8: slot out of range");
-      for (int64_t h = 0; h < heads; ++h) {
-        const int64_t row = slots[t] * heads + h;
-        quantize_row_int8(key.data_ptr<scalar_t>() + t * key.stride(0) + h * dim, dim,
-                          key_cache.data_ptr<int8_t>() + row * dim, key_scales.data_ptr<c10::BFloat16>() + row);
-        quantize_row_int8(value.data_ptr<scalar_t>() + t * value.stride(0) + h * dim, dim,
-                          value_cache.data_ptr<int8_t>() + row * dim, value_scales.data_ptr<c10::BFloat16>() + row);
-      }
-    }
-  });
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -636,12 +445,205 @@ inline int64_t argmax_row(const float* x, int64_t n) {
   return best_index;
 }
 
-torch::Tensor argmax_rows(torch::Tensor logits) {
+}  // namespace
+
+namespace sobrio_ops {
+
+bool gemv_supported() {
+#if defined(SOBRIO_LINEAR) && defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor gemv_bf16(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(gemv_supported(), "gemv_bf16 needs AVX512-BF16");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "gemv_bf16 takes bf16");
+  check_linear(x, w);
+#if defined(SOBRIO_LINEAR) && defined(__AVX512BF16__)
+  return linear_run<PairDotBf16>(x, w, bias);
+#else
+  return x;
+#endif
+}
+
+bool invariant_linear_supported() {
+#if defined(SOBRIO_LINEAR)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// The batch-invariant linear: float32, bf16 or fp16. For bf16 on AVX512-BF16 it is gemv_bf16 itself.
+at::Tensor invariant_linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(invariant_linear_supported(), "invariant_linear needs AVX-512 (F, BW, VL) or AVX2 with FMA");
+  check_linear(x, w);
+#if defined(SOBRIO_LINEAR)
+  switch (x.scalar_type()) {
+    case at::kFloat: return linear_run<LaneDot<float>>(x, w, bias);
+    case at::kHalf: return linear_run<LaneDot<c10::Half>>(x, w, bias);
+#if defined(__AVX512BF16__)
+    case at::kBFloat16: return linear_run<PairDotBf16>(x, w, bias);
+#else
+    case at::kBFloat16: return linear_run<LaneDot<c10::BFloat16>>(x, w, bias);
+#endif
+    default: TORCH_CHECK(false, "invariant_linear takes float32, bf16 or fp16");
+  }
+#endif
+  return x;
+}
+
+at::Tensor expert_linear(at::Tensor x, at::Tensor w, at::Tensor ids, at::Tensor offsets) {
+  TORCH_CHECK(invariant_linear_supported(), "expert_linear needs AVX-512 (F, BW, VL) or AVX2 with FMA");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type() && x.dim() == 2 && w.dim() == 3 && w.is_contiguous() &&
+                  x.size(1) == w.size(2), "expert_linear: x [R, K], w [E, N, K] contiguous, one dtype");
+  TORCH_CHECK(ids.scalar_type() == at::kLong && offsets.scalar_type() == at::kLong && ids.is_contiguous() &&
+                  offsets.is_contiguous() && offsets.numel() == ids.numel() + 1, "ids [G], offsets [G + 1]: int64");
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  TORCH_CHECK(off[0] == 0 && off[ids.numel()] == x.size(0), "offsets: 0 .. rows of x");
+  for (int64_t g = 0; g < ids.numel(); ++g)
+    TORCH_CHECK(id[g] >= 0 && id[g] < w.size(0) && off[g] <= off[g + 1], "expert id or offsets out of range");
+#if defined(SOBRIO_LINEAR)
+  switch (x.scalar_type()) {
+    case at::kFloat: return expert_linear_run<LaneDot<float>>(x, w, ids, offsets);
+#if defined(__AVX512BF16__)
+    case at::kBFloat16: return expert_linear_run<PairDotBf16>(x, w, ids, offsets);
+#else
+    case at::kBFloat16: return expert_linear_run<LaneDot<c10::BFloat16>>(x, w, ids, offsets);
+#endif
+    default: TORCH_CHECK(false, "expert_linear takes float32 or bf16");
+  }
+#endif
+  return x;
+}
+
+// Returns the normed rows; with `residual` given, also adds x into it in place first.
+at::Tensor rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight, double eps,
+                    bool gemma) {
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "rms_norm: contiguous inputs");
+  const int64_t dim = x.size(-1), rows = x.numel() / dim;
+  TORCH_CHECK(weight.numel() == dim && weight.scalar_type() == x.scalar_type(), "rms_norm: weight [dim], x's dtype");
+  auto out = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    scalar_t* res = nullptr;
+    if (residual.has_value()) {
+      TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes(), "residual: x's shape");
+      res = residual->data_ptr<scalar_t>();
+    }
+    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), res, weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                            rows, dim, eps, gemma);
+  });
+  return out;
+}
+
+// q [T, Hq, D] and k [T, Hk, D] may be views into the packed qkv output (row stride given by stride(0)).
+// cos / sin [max_pos, D]: float32, or q's dtype when the model was cast with its buffers.
+void rotary_embedding(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor cos,
+                      at::Tensor sin) {
+  TORCH_CHECK(positions.scalar_type() == at::kLong, "positions: int64");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k.stride(2) == 1 && k.stride(1) == k.size(2));
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && cos.scalar_type() == sin.scalar_type());
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == q.size(2));
+  auto pos = positions.contiguous();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const int64_t rows = cos.size(0);
+  // A position past the tables would read other memory as cos / sin (a calibration prompt longer than the
+  // model's positions once did, silently): a scan of T integers, nothing next to the rotation.
+  TORCH_CHECK(std::all_of(pp, pp + pos.numel(), [rows](int64_t p) { return p >= 0 && p < rows; }),
+              "rotary_embedding: a position outside 0..", rows - 1, " (the model's rotary table)");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary_embedding", [&] {
+    for (auto* t : {&q, &k}) {
+      if (cos.scalar_type() == at::kFloat) {
+        rope_heads<scalar_t, float>(t->data_ptr<scalar_t>(), t->size(0), t->size(1), t->size(2), t->stride(0),
+                                    pos.data_ptr<int64_t>(), cos.data_ptr<float>(), sin.data_ptr<float>());
+      } else {
+        TORCH_CHECK(cos.scalar_type() == q.scalar_type(), "cos / sin: float32 or q's dtype");
+        rope_heads<scalar_t, scalar_t>(t->data_ptr<scalar_t>(), t->size(0), t->size(1), t->size(2), t->stride(0),
+                                       pos.data_ptr<int64_t>(), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>());
+      }
+    }
+  });
+}
+
+at::Tensor act_and_mul(at::Tensor x, int64_t act) {
+  TORCH_CHECK(x.is_contiguous() && x.size(-1) % 2 == 0, "act_and_mul: contiguous [T, 2I]");
+  const int64_t inter = x.size(-1) / 2, rows = x.numel() / x.size(-1);
+  auto sizes = x.sizes().vec();
+  sizes.back() = inter;
+  auto out = at::empty(sizes, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "act_and_mul", [&] {
+    act_and_mul_rows<scalar_t>(x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, inter, act);
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The step's new keys and values into their cache slots: one row copy per token and tensor, where two
+// index_copy_ calls per layer cost ~40 us each in dispatch at decode sizes. Rows may be strided views of
+// the fused qkv output; inside a row the [heads, head_dim] block must be contiguous.
+void write_kv(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::Tensor value_cache,
+              at::Tensor slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes(), "write_kv: key, value [T, Hkv, D]");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "write_kv: contiguous caches");
+  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == value_cache.scalar_type(),
+              "write_kv: dtype mismatch");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.size(0) == key.size(0), "write_kv: slots");
+  const int64_t row = key.size(1) * key.size(2), num_slots = key_cache.numel() / row;
+  for (const auto& t : {key, value})
+    TORCH_CHECK(t.stride(2) == 1 && t.stride(1) == t.size(2), "write_kv: [Hkv, D] contiguous per token");
+  const int64_t bytes = row * key.element_size();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  auto* kc = static_cast<char*>(key_cache.data_ptr());
+  auto* vc = static_cast<char*>(value_cache.data_ptr());
+  const auto* k = static_cast<const char*>(key.data_ptr());
+  const auto* v = static_cast<const char*>(value.data_ptr());
+  const int64_t ks = key.stride(0) * key.element_size(), vs = value.stride(0) * value.element_size();
+  for (int64_t t = 0; t < key.size(0); ++t) {
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "write_kv: slot out of range");
+    std::memcpy(kc + slots[t] * bytes, k + t * ks, bytes);
+    std::memcpy(vc + slots[t] * bytes, v + t * vs, bytes);
+  }
+}
+
+// write_kv for an int8 cache: each new (token, kv head) row quantized into its slot, its scale beside it.
+void write_kv_int8(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::Tensor value_cache,
+                   at::Tensor key_scales, at::Tensor value_scales, at::Tensor slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.scalar_type() == value.scalar_type(),
+              "write_kv_int8: key, value [T, Hkv, D] of one dtype");
+  TORCH_CHECK(key_cache.scalar_type() == at::kChar && value_cache.scalar_type() == at::kChar &&
+                  key_scales.scalar_type() == at::kBFloat16 && value_scales.scalar_type() == at::kBFloat16,
+              "write_kv_int8: int8 caches, bf16 scales");
+  for (const auto& t : {key_cache, value_cache, key_scales, value_scales})
+    TORCH_CHECK(t.is_contiguous(), "write_kv_int8: contiguous caches and scales");
+  for (const auto& t : {key, value})
+    TORCH_CHECK(t.stride(2) == 1 && t.stride(1) == t.size(2), "write_kv_int8: [Hkv, D] contiguous per token");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.size(0) == key.size(0), "write_kv_int8: slots");
+  const int64_t heads = key.size(1), dim = key.size(2), num_slots = key_scales.numel() / heads;
+  TORCH_CHECK(key_cache.numel() == num_slots * heads * dim, "write_kv_int8: scales do not match the cache");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "write_kv_int8", [&] {
+    for (int64_t t = 0; t < key.size(0); ++t) {
+      TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "write_kv_int8: slot out of range");
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t row = slots[t] * heads + h;
+        quantize_row_int8(key.data_ptr<scalar_t>() + t * key.stride(0) + h * dim, dim,
+                          key_cache.data_ptr<int8_t>() + row * dim, key_scales.data_ptr<c10::BFloat16>() + row);
+        quantize_row_int8(value.data_ptr<scalar_t>() + t * value.stride(0) + h * dim, dim,
+                          value_cache.data_ptr<int8_t>() + row * dim, value_scales.data_ptr<c10::BFloat16>() + row);
+      }
+    }
+  });
+}
+
+at::Tensor argmax_rows(at::Tensor logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1 &&
                   logits.size(1) > 0 && logits.size(1) < (int64_t{1} << 31),
               "argmax_rows: float32 logits [B, V], unit stride along V, 0 < V < 2^31");
   const int64_t rows = logits.size(0), n = logits.size(1), stride = logits.stride(0);
-  auto out = torch::empty({rows}, logits.options().dtype(at::kLong));
+  auto out = at::empty({rows}, logits.options().dtype(at::kLong));
   const float* x = logits.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, std::max<int64_t>(1, (64 << 10) / n), [&](int64_t begin, int64_t end) {
@@ -650,41 +652,4 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
   return out;
 }
 
-}  // namespace
-
-namespace sobrio_ops {
-torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps,
-                       bool gemma) {
-  return ::rms_norm(x, residual, weight, eps, gemma);
-}
-void rotary_embedding(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor cos,
-                      torch::Tensor sin) {
-  ::rotary_embedding(positions, q, k, cos, sin);
-}
-torch::Tensor act_and_mul(torch::Tensor x, int64_t act) { return ::act_and_mul(x, act); }
-void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
-              torch::Tensor slot_mapping) {
-  ::write_kv(key, value, key_cache, value_cache, slot_mapping);
-}
-void write_kv_int8(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
-                   torch::Tensor key_scales, torch::Tensor value_scales, torch::Tensor slot_mapping) {
-  ::write_kv_int8(key, value, key_cache, value_cache, key_scales, value_scales, slot_mapping);
-}
 }  // namespace sobrio_ops
-
-void register_cpu_ops(pybind11::module& m) {
-  m.def("gemv_supported", &gemv_supported, "whether gemv_bf16 was built (AVX512-BF16)");
-  m.def("gemv_bf16", &gemv_bf16, "few-row bf16 matmul x @ w.T (+ bias)", py::arg("x"), py::arg("w"),
-        py::arg("bias") = py::none());
-  m.def("invariant_linear_supported", &invariant_linear_supported, "whether invariant_linear was built (AVX-512 or AVX2)");
-  m.def("invariant_linear", &invariant_linear, "x @ w.T (+ bias), each row's result independent of the others",
-        py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
-  m.def("expert_linear", &expert_linear, "rows grouped by expert, each group @ its expert's weight.T",
-        py::arg("x"), py::arg("w"), py::arg("ids"), py::arg("offsets"));
-  m.def("rms_norm", &rms_norm, "RMSNorm, optionally adding x into residual first");
-  m.def("rotary_embedding", &rotary_embedding, "rotate-half RoPE in place");
-  m.def("act_and_mul", &act_and_mul, "silu(gate)*up (0) or gelu_tanh(gate)*up (1)");
-  m.def("write_kv", &write_kv, "new keys and values into their cache slots");
-  m.def("write_kv_int8", &write_kv_int8, "new keys and values quantized into an int8 cache's slots and scales");
-  m.def("argmax_rows", &argmax_rows, "each row's first index of its maximum (a NaN's, if any), as torch.max");
-}

@@ -4,8 +4,7 @@
 // batch is bound by reading the weights, so this reads each code once (one byte a weight, against two for
 // bf16), widens it to float32 in registers and accumulates in float32: the activations stay in float (no
 // int8 rounding of x), as in the dequantize-then-matmul reference. Parallel over N.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "ops.h"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -132,10 +131,10 @@ void grouped_block(const float* x, const float* xsum, const int8_t* codes, const
 #endif  // SOBRIO_GROUPED
 
 // [M, N] float32 sums (+ bias) rounded once to x's dtype.
-torch::Tensor finish(const std::vector<float>& yf, int64_t M, int64_t N, const torch::Tensor& x,
-                     const c10::optional<torch::Tensor>& bias) {
-  auto y = torch::empty({M, N}, x.options());
-  torch::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : torch::Tensor();
+at::Tensor finish(const std::vector<float>& yf, int64_t M, int64_t N, const at::Tensor& x,
+                  const c10::optional<at::Tensor>& bias) {
+  auto y = at::empty({M, N}, x.options());
+  at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   TORCH_CHECK(!b.defined() || b.numel() == N, "bias: [N]");
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "grouped_linear_y", [&] {
@@ -144,6 +143,10 @@ torch::Tensor finish(const std::vector<float>& yf, int64_t M, int64_t N, const t
   });
   return y;
 }
+
+}  // namespace
+
+namespace sobrio_ops {
 
 bool grouped_linear_supported() {
 #if defined(SOBRIO_GROUPED)
@@ -155,9 +158,8 @@ bool grouped_linear_supported() {
 
 // x [M, K] (float, bf16 or fp16); codes int8 [N, K]; scales and offsets float32 [N, K / group]; returns
 // [M, N] in x's dtype (the bias added in float32 before the one rounding).
-torch::Tensor grouped_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
-                                  c10::optional<torch::Tensor> offsets, int64_t group,
-                                  c10::optional<torch::Tensor> bias) {
+at::Tensor grouped_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, c10::optional<at::Tensor> offsets,
+                          int64_t group, c10::optional<at::Tensor> bias) {
   TORCH_CHECK(grouped_linear_supported(), "grouped_linear needs AVX-512 or AVX2 with FMA");
   TORCH_CHECK(codes.scalar_type() == at::kChar && codes.is_contiguous() && codes.dim() == 2,
               "codes: contiguous int8 [N, K]");
@@ -195,12 +197,4 @@ torch::Tensor grouped_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor
   return finish(yf, M, N, x, bias);
 }
 
-}  // namespace
-
-void register_grouped_ops(pybind11::module& m) {
-  m.def("grouped_linear_supported", &grouped_linear_supported, "whether grouped_linear was built (AVX-512, or AVX2 with FMA)");
-  m.def("grouped_linear", &grouped_linear,
-        "few-row x @ W.T for group-wise int8 W = codes * scale + offset per group (+ bias)",
-        py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("offsets") = py::none(), py::arg("group"),
-        py::arg("bias") = py::none());
-}
+}  // namespace sobrio_ops

@@ -13,8 +13,7 @@
 // applies it to the product, so B is placed as the file stores it. A packed module (q/k/v, gate/up) has one slice a projection, `widths` their
 // output columns. Work items are (group, up to kRowBlock of its rows) over the threads; where there are fewer
 // items than threads, each item's tiles are split in parts (a part computes h for its slices only).
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "ops.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -210,9 +209,9 @@ std::vector<Slice> slices_of(const std::vector<int64_t>& widths, int64_t R) {
   return slices;
 }
 
-void check(const torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& b,
-           const torch::Tensor& ranks, const torch::Tensor& scales, const std::vector<Slice>& slices, int64_t R, const torch::Tensor& rows,
-           const torch::Tensor& slots, const torch::Tensor& offsets) {
+void check(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
+           const at::Tensor& ranks, const at::Tensor& scales, const std::vector<Slice>& slices, int64_t R, const at::Tensor& rows,
+           const at::Tensor& slots, const at::Tensor& offsets) {
   const auto dtype = y.scalar_type();
   const int64_t S = static_cast<int64_t>(slices.size());
   TORCH_CHECK(y.dim() == 2 && x.dim() == 2 && a.dim() == 3 && b.dim() == 2 && y.is_contiguous() &&
@@ -243,16 +242,20 @@ void check(const torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& 
 }
 
 template <typename T>
-void apply_typed(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& b,
-                 const torch::Tensor& ranks, const torch::Tensor& scales, std::vector<Slice> slices, int64_t R, const torch::Tensor& rows,
+void apply_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
+                 const at::Tensor& ranks, const at::Tensor& scales, std::vector<Slice> slices, int64_t R, const at::Tensor& rows,
                  const std::vector<Item>& items) {
   const Operands<T> p{y.data_ptr<T>(), x.data_ptr<T>(), a.data_ptr<T>(), b.data_ptr<T>(), ranks.data_ptr<int32_t>(),
                       scales.data_ptr<float>(), std::move(slices), x.size(1), y.size(1), R, b.size(1)};
   apply_run<T>(p, rows.data_ptr<int64_t>(), items);
 }
 
-void lora_apply(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor b, torch::Tensor ranks,
-                torch::Tensor scales, std::vector<int64_t> widths, torch::Tensor rows, torch::Tensor slots, torch::Tensor offsets) {
+}  // namespace
+
+namespace sobrio_ops {
+
+void lora_apply(at::Tensor y, at::Tensor x, at::Tensor a, at::Tensor b, at::Tensor ranks,
+                at::Tensor scales, std::vector<int64_t> widths, at::Tensor rows, at::Tensor slots, at::Tensor offsets) {
   TORCH_CHECK(!widths.empty() && a.dim() == 3 && a.size(1) % static_cast<int64_t>(widths.size()) == 0,
               "lora_apply: a [slots, S * R, K] for S = len(widths) slices");
   const int64_t R = a.size(1) / static_cast<int64_t>(widths.size());
@@ -269,11 +272,4 @@ void lora_apply(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor
   }
 }
 
-}  // namespace
-
-void register_lora_ops(pybind11::module& m) {
-  m.def("lora_apply", &lora_apply,
-        "y[rows] += scale * (x[rows] @ a[slot].T) @ B[slot].T by adapter group; B packed in tiles of 64 columns a slice",
-        py::arg("y"), py::arg("x"), py::arg("a"), py::arg("b"), py::arg("ranks"), py::arg("scales"), py::arg("widths"),
-        py::arg("rows"), py::arg("slots"), py::arg("offsets"));
-}
+}  // namespace sobrio_ops

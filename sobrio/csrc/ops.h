@@ -1,27 +1,77 @@
-// The operators other translation units call directly (fused_decode.cpp), each defined beside its kernels
-// and forwarding to them; the same functions Python calls, so a fused path computes what the modules do.
+// Every operator Python calls, each defined beside its kernels (the file named above it) and bound once in
+// bindings.cpp; the fused decode step (fused_decode.h) calls the same functions, so a fused path computes what
+// the modules do.
 #pragma once
-#include <torch/extension.h>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "aten.h"
 
 namespace sobrio_ops {
 
-torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps,
-                       bool gemma);
-void rotary_embedding(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor cos,
-                      torch::Tensor sin);
-torch::Tensor act_and_mul(torch::Tensor x, int64_t act);
-void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
-              torch::Tensor slot_mapping);
-void write_kv_int8(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
-                   torch::Tensor key_scales, torch::Tensor value_scales, torch::Tensor slot_mapping);
-torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
-                                     double scale, int64_t window, std::optional<torch::Tensor> key_scales,
-                                     std::optional<torch::Tensor> value_scales);
-// From dense_min_rows rows, the dense path (the modules pass layers/vnni.py dense_min_rows: the same switch).
-torch::Tensor vnni_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor scales,
-                          c10::optional<torch::Tensor> offsets, int64_t N, int64_t bits, int64_t group,
-                          int64_t code_zero, int64_t act_bits, c10::optional<torch::Tensor> bias,
-                          int64_t dense_min_rows);
+// paged_attention.cpp
+at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                                  at::Tensor block_tables, at::Tensor context_lens, int64_t block_size,
+                                  double scale, int64_t window, std::optional<at::Tensor> key_scales,
+                                  std::optional<at::Tensor> value_scales, double softcap);
+
+// prompt_attention.cpp
+bool prompt_attention_supported();
+at::Tensor prompt_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache, at::Tensor block_table,
+                            int64_t ctx, int64_t block_size, double scale, int64_t window, double softcap);
+
+// cpu_ops.cpp
+bool gemv_supported();
+at::Tensor gemv_bf16(at::Tensor x, at::Tensor w, std::optional<at::Tensor> bias);
+bool invariant_linear_supported();
+at::Tensor invariant_linear(at::Tensor x, at::Tensor w, std::optional<at::Tensor> bias);
+at::Tensor expert_linear(at::Tensor x, at::Tensor w, at::Tensor ids, at::Tensor offsets);
+at::Tensor rms_norm(at::Tensor x, std::optional<at::Tensor> residual, at::Tensor weight, double eps, bool gemma);
+void rotary_embedding(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin);
+at::Tensor act_and_mul(at::Tensor x, int64_t act);
+void write_kv(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::Tensor value_cache,
+              at::Tensor slot_mapping);
+void write_kv_int8(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::Tensor value_cache,
+                   at::Tensor key_scales, at::Tensor value_scales, at::Tensor slot_mapping);
+at::Tensor argmax_rows(at::Tensor logits);
+
+// amx_linear.cpp
+bool amx_supported();
+at::Tensor amx_pack_weight(at::Tensor w);
+at::Tensor amx_linear(at::Tensor x, at::Tensor packed, int64_t N, std::optional<at::Tensor> bias);
+bool amx_int8_supported();
+at::Tensor amx_pack_weight_int8(at::Tensor w);
+at::Tensor amx_int8_linear(at::Tensor x, at::Tensor packed, at::Tensor w_scale, int64_t N,
+                           std::optional<at::Tensor> bias, std::optional<at::Tensor> outlier_index,
+                           std::optional<at::Tensor> outlier_packed, bool float_out, int64_t group_k);
+
+// blocked_gemv.cpp
+bool blocked_gemv_supported();
+at::Tensor blocked_gemv_bf16(at::Tensor x, at::Tensor blocks, std::optional<at::Tensor> bias);
+void pack_blocked_bf16(at::Tensor weight, at::Tensor blocks);
+
+// grouped_linear.cpp
+bool grouped_linear_supported();
+at::Tensor grouped_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, std::optional<at::Tensor> offsets,
+                          int64_t group, std::optional<at::Tensor> bias);
+
+// vnni_linear.cpp
+// From this many rows (prompt chunks) `vnni_linear` multiplies x by the weight dequantized into x's dtype
+// with aten's dense matmul, where bf16 runs on AMX (without AMX, layers/vnni.py `dense_min_rows` passes
+// more): the int8 dot products cost ~5x at 1,000 rows. SmolLM2's layers, Intel Xeon
+// with AMX, 2 threads (`benchmarks/vnni_kernels.py --rows 64,128,1000`, "vnni act16" against "dequant"):
+// 64 rows 59 ms against 90, 128 rows 121 against 95, 1,000 rows 1,009 against 187.
+constexpr int64_t kDenseMinRows = 128;
+bool vnni_linear_supported();
+at::Tensor vnni_linear(at::Tensor x, at::Tensor weight, at::Tensor scales, std::optional<at::Tensor> offsets,
+                       int64_t N, int64_t bits, int64_t group, int64_t code_zero, int64_t act_bits,
+                       std::optional<at::Tensor> bias, int64_t dense_min_rows);
+at::Tensor vnni_dequantize(at::Tensor weight, at::Tensor scales, std::optional<at::Tensor> offsets, int64_t N,
+                           int64_t K, int64_t bits, int64_t group, int64_t code_zero, bool bf16);
+
+// lora.cpp
+void lora_apply(at::Tensor y, at::Tensor x, at::Tensor a, at::Tensor b, at::Tensor ranks, at::Tensor scales,
+                std::vector<int64_t> widths, at::Tensor rows, at::Tensor slots, at::Tensor offsets);
 
 }  // namespace sobrio_ops

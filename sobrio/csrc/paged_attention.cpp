@@ -2,8 +2,7 @@
 // block-paged cache (no gather, no padding), float32 accumulation, one task per (sequence, kv head).
 // A quantized cache (int8 or fp8 e4m3 rows, one bf16 scale per token and kv head) is read the same way:
 // a key's scale multiplies its score, a value's scale its weight, so no row is dequantized in memory.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "ops.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -17,7 +16,6 @@
 #include <type_traits>
 #include <vector>
 
-#include "ops.h"
 #include "vec.h"
 
 namespace {
@@ -307,8 +305,8 @@ constexpr FastTask<C> kFastTasks[kMaxFastGroup + 1] = {
 
 // C: the cache's rows, bf16 or int8 (then with `key_scales` / `value_scales`, else null).
 template <typename C>
-bool decode_fast(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
-                 const torch::Tensor& block_tables, const torch::Tensor& context_lens, torch::Tensor& out,
+bool decode_fast(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                 const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out,
                  int64_t block_size, double scale, int64_t window, double softcap, const c10::BFloat16* key_scales,
                  const c10::BFloat16* value_scales) {
   const int64_t batch = query.size(0), heads = query.size(1), dim = query.size(2);
@@ -352,8 +350,8 @@ bool decode_fast(const torch::Tensor& query, const torch::Tensor& key_cache, con
 }
 #else
 template <typename C>
-bool decode_fast(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
-                 const torch::Tensor&, torch::Tensor&, int64_t, double, int64_t, double, const c10::BFloat16*,
+bool decode_fast(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                 const at::Tensor&, at::Tensor&, int64_t, double, int64_t, double, const c10::BFloat16*,
                  const c10::BFloat16*) {
   return false;
 }
@@ -370,8 +368,8 @@ inline void prefetch_bytes(const void* p, int64_t bytes, int level) {
 
 // T: the query's and output's type; C: the cache's (T itself, or int8 / fp8 with per-row scales).
 template <typename T, typename C>
-void decode_kernel(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
-                   const torch::Tensor& block_tables, const torch::Tensor& context_lens, torch::Tensor& out,
+void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                   const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out,
                    int64_t block_size, double scale, int64_t window, double softcap,
                    const c10::BFloat16* key_scales, const c10::BFloat16* value_scales) {
   const int64_t batch = query.size(0), heads = query.size(1), dim = query.size(2);
@@ -436,10 +434,10 @@ void decode_kernel(const torch::Tensor& query, const torch::Tensor& key_cache, c
 
 // A quantized cache: int8 or fp8 rows, with `[num_slots, Hkv]` bf16 scales for keys and values.
 template <typename T>
-void decode_quantized(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
-                      const torch::Tensor& tables, const torch::Tensor& lens, torch::Tensor& out, int64_t block_size,
-                      double scale, int64_t window, double softcap, const torch::Tensor& key_scales,
-                      const torch::Tensor& value_scales) {
+void decode_quantized(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                      const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out, int64_t block_size,
+                      double scale, int64_t window, double softcap, const at::Tensor& key_scales,
+                      const at::Tensor& value_scales) {
   TORCH_CHECK(key_scales.scalar_type() == at::kBFloat16 && value_scales.scalar_type() == at::kBFloat16 &&
                   key_scales.is_contiguous() && value_scales.is_contiguous() &&
                   key_scales.numel() * key_cache.size(2) == key_cache.numel() &&
@@ -459,16 +457,20 @@ void decode_quantized(const torch::Tensor& query, const torch::Tensor& key_cache
                                          softcap, ks, vs);
 }
 
+}  // namespace
+
+namespace sobrio_ops {
+
 // query [B, H, D]; key_cache / value_cache [num_slots, Hkv, D]; block_tables [B, max_blocks] int64;
 // context_lens [B] int64; window <= 0 means full attention. A cache of int8 or fp8 e4m3 rows comes with
 // key_scales / value_scales [num_slots, Hkv] (bf16). softcap > 0: each scaled score s becomes
 // softcap * tanh(s / softcap) before the softmax (Gemma 2). Returns [B, H, D].
-torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
-                                     double scale, int64_t window, std::optional<torch::Tensor> key_scales,
-                                     std::optional<torch::Tensor> value_scales, double softcap) {
+at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                                  at::Tensor block_tables, at::Tensor context_lens, int64_t block_size,
+                                  double scale, int64_t window, std::optional<at::Tensor> key_scales,
+                                  std::optional<at::Tensor> value_scales, double softcap) {
   TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous());
-  TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong);
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong);
   TORCH_CHECK(query.size(1) % key_cache.size(1) == 0, "query heads must be a multiple of kv heads");
   TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type(), "keys and values of one cache dtype");
   const bool quantized = key_cache.scalar_type() == at::kChar || key_cache.scalar_type() == at::kFloat8_e4m3fn;
@@ -477,7 +479,7 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
               "paged_decode_attention: an int8/fp8 cache with its scales, or a cache of the query's dtype");
   auto tables = block_tables.contiguous();
   auto lens = context_lens.contiguous();
-  auto out = torch::empty_like(query);
+  auto out = at::empty_like(query);
   if (!quantized && key_cache.scalar_type() == at::kBFloat16 &&
       decode_fast<c10::BFloat16>(query, key_cache, value_cache, tables, lens, out, block_size, scale, window,
                                  softcap, nullptr, nullptr))
@@ -493,38 +495,4 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   return out;
 }
 
-}  // namespace
-
-namespace sobrio_ops {
-torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
-                                     double scale, int64_t window, std::optional<torch::Tensor> key_scales,
-                                     std::optional<torch::Tensor> value_scales) {
-  return ::paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, block_size, scale,
-                                  window, key_scales, value_scales, 0.0);
-}
 }  // namespace sobrio_ops
-
-void register_cpu_ops(pybind11::module& m);  // cpu_ops.cpp
-void register_amx_ops(pybind11::module& m);  // amx_linear.cpp
-void register_grouped_ops(pybind11::module& m);  // grouped_linear.cpp
-void register_vnni_ops(pybind11::module& m);  // vnni_linear.cpp
-void register_fused_decode(pybind11::module& m);  // fused_decode.cpp
-void register_blocked_ops(pybind11::module& m);  // blocked_gemv.cpp
-void register_lora_ops(pybind11::module& m);  // lora.cpp
-void register_prompt_attention(pybind11::module& m);  // prompt_attention.cpp
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)", py::arg("query"),
-        py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"), py::arg("context_lens"),
-        py::arg("block_size"), py::arg("scale"), py::arg("window"), py::arg("key_scales") = py::none(),
-        py::arg("value_scales") = py::none(), py::arg("softcap") = 0.0);
-  register_cpu_ops(m);
-  register_amx_ops(m);
-  register_grouped_ops(m);
-  register_vnni_ops(m);
-  register_fused_decode(m);
-  register_blocked_ops(m);
-  register_lora_ops(m);
-  register_prompt_attention(m);
-}

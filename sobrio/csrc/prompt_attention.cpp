@@ -7,8 +7,7 @@
 // float32. Blocks above the diagonal are skipped, and blocks below every row's window.
 // PyTorch's CPU flash attention runs at about a quarter of the bf16 peak on AVX512-BF16 without AMX, and
 // with a chunk's mask computes the masked blocks too (docs/benchmarks.md, benchmarks/prompt_chunk_attention.py).
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "ops.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -376,21 +375,17 @@ void attend_task_amx(const uint16_t* q, const uint16_t* keys, const uint16_t* va
 #endif  // AMX
 #endif  // AVX512-BF16
 
-bool prompt_attention_supported() {
-#if defined(SOBRIO_PROMPT_ATTENTION)
-  return true;
-#else
-  return false;
-#endif
-}
+}  // namespace
+
+namespace sobrio_ops {
 
 // query [L, H, D] bf16 (the chunk's rows, the last at position ctx - 1); key_cache / value_cache
 // [num_slots, Hkv, D] bf16; block_table [>= ctx / block_size] int64. D a multiple of 32. window > 0: the query
 // at position p sees keys p - window + 1 .. p (transformers' sliding_window). softcap > 0: each scaled score
 // s becomes softcap * tanh(s / softcap) before the softmax (Gemma 2). Returns [L, H, D].
-torch::Tensor prompt_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                               torch::Tensor block_table, int64_t ctx, int64_t block_size, double scale,
-                               int64_t window, double softcap) {
+at::Tensor prompt_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                            at::Tensor block_table, int64_t ctx, int64_t block_size, double scale,
+                            int64_t window, double softcap) {
   TORCH_CHECK(prompt_attention_supported(), "prompt_attention needs AVX512-BF16");
   TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kBFloat16 && key_cache.scalar_type() == at::kBFloat16 &&
                   value_cache.scalar_type() == at::kBFloat16, "prompt_attention: bf16 query [L, H, D] and cache");
@@ -401,7 +396,7 @@ torch::Tensor prompt_attention(torch::Tensor query, torch::Tensor key_cache, tor
   TORCH_CHECK(block_table.numel() * block_size >= ctx, "prompt_attention: the block table is shorter than ctx");
   auto q = query.contiguous();
   auto table = block_table.contiguous();
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
 #if defined(SOBRIO_PROMPT_ATTENTION)
   const Shape s{rows, heads, kv_heads, dim, ctx, block_size, window, static_cast<float>(softcap)};
   const int64_t num_blocks = (ctx + kKeys - 1) / kKeys, block_elems = kKeys * dim;
@@ -451,12 +446,12 @@ torch::Tensor prompt_attention(torch::Tensor query, torch::Tensor key_cache, tor
   return out;
 }
 
-}  // namespace
-
-void register_prompt_attention(pybind11::module& m) {
-  m.def("prompt_attention", &prompt_attention,
-        "A prompt chunk's causal attention over its paged bf16 context (AVX512-BF16)", py::arg("query"),
-        py::arg("key_cache"), py::arg("value_cache"), py::arg("block_table"), py::arg("ctx"),
-        py::arg("block_size"), py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0);
-  m.def("prompt_attention_supported", &prompt_attention_supported);
+bool prompt_attention_supported() {
+#if defined(SOBRIO_PROMPT_ATTENTION)
+  return true;
+#else
+  return false;
+#endif
 }
+
+}  // namespace sobrio_ops

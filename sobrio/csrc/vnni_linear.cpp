@@ -13,8 +13,7 @@
 // one scale a channel, [tiles, 1, 32], and no offsets (the int8 modes' weights): then each group's
 // sums are scaled by x's step only, and by the channel's scale once at the end (two vector operations a row,
 // half-tile and group instead of four: docs/quantization.md). A group's sums start at the code_zero term.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "ops.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -26,7 +25,6 @@
 #include <memory>
 #include <type_traits>
 
-#include "ops.h"
 #include "vec.h"
 
 namespace {
@@ -47,12 +45,6 @@ constexpr int64_t kRowPass = 256;
 // ahead into L2 streamed a few per cent faster than 2 KB into L1 on that Xeon (docs/benchmarks.md): L1's
 // fill buffers no longer hold the lines in flight.
 constexpr int64_t kPrefetch = 4096;
-// From this many rows (prompt chunks) `vnni_linear` multiplies x by the weight dequantized into x's dtype
-// with aten's dense matmul, where bf16 runs on AMX (without AMX, layers/vnni.py `dense_min_rows` passes
-// more): the int8 dot products cost ~5x at 1,000 rows. SmolLM2's layers, Intel Xeon
-// with AMX, 2 threads (`benchmarks/vnni_kernels.py --rows 64,128,1000`, "vnni act16" against "dequant"):
-// 64 rows 59 ms against 90, 128 rows 121 against 95, 1,000 rows 1,009 against 187.
-constexpr int64_t kDenseMinRows = 128;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
 #define SOBRIO_VNNI 1
@@ -356,17 +348,9 @@ TileKernel<T> tile_kernel(int64_t bits, bool wide, bool channel) {
 }
 #endif  // AVX512 F / BW / VNNI, F16C
 
-bool vnni_linear_supported() {
-#if defined(SOBRIO_VNNI)
-  return true;
-#else
-  return false;
-#endif
-}
-
 // How many scales a tile's channel has: G (one a group, [tiles, G, 32]) or 1 (one a channel, [tiles, 1, 32],
 // which takes no offsets); offsets, where given, are laid out as the scales.
-int64_t scale_groups(const torch::Tensor& scales, const c10::optional<torch::Tensor>& offsets, int64_t tiles,
+int64_t scale_groups(const at::Tensor& scales, const c10::optional<at::Tensor>& offsets, int64_t tiles,
                      int64_t G) {
   TORCH_CHECK(scales.is_contiguous() && scales.element_size() == 2 &&
                   (scales.numel() == tiles * G * kTile || scales.numel() == tiles * kTile),
@@ -408,33 +392,25 @@ void dequantize_tiles(const uint8_t* w, const uint16_t* scales, const uint16_t* 
   });
 }
 
-torch::Tensor vnni_dequantize(torch::Tensor weight, torch::Tensor scales, c10::optional<torch::Tensor> offsets,
-                              int64_t N, int64_t K, int64_t bits, int64_t group, int64_t code_zero, bool bf16) {
-  const at::ScalarType dtype = bf16 ? at::kBFloat16 : at::kFloat;
-  TORCH_CHECK(bits == 4 || bits == 8, "bits: 4 or 8");
-  TORCH_CHECK(group > 0 && group % 16 == 0 && K % group == 0, "group: a multiple of 16 that divides K");
-  const int64_t tiles = (N + kTile - 1) / kTile;
-  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.is_contiguous() && weight.numel() == tiles * kTile * K * bits / 8,
-              "weight: contiguous uint8 codes for N, K = ", N, ", ", K);
-  const int64_t groups = scale_groups(scales, offsets, tiles, K / group);
-  auto out = torch::empty({N, K}, torch::TensorOptions().dtype(dtype));
-  const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr());
-  const auto* op = offsets.has_value() ? reinterpret_cast<const uint16_t*>(offsets->data_ptr()) : nullptr;
-  const int32_t cz = static_cast<int32_t>(code_zero);
-  if (dtype == at::kFloat)
-    dequantize_tiles(weight.data_ptr<uint8_t>(), sp, op, N, K, bits, group, groups, cz, out.data_ptr<float>());
-  else
-    dequantize_tiles(weight.data_ptr<uint8_t>(), sp, op, N, K, bits, group, groups, cz, out.data_ptr<c10::BFloat16>());
-  return out;
+}  // namespace
+
+namespace sobrio_ops {
+
+bool vnni_linear_supported() {
+#if defined(SOBRIO_VNNI)
+  return true;
+#else
+  return false;
+#endif
 }
 
 // x [M, K] (float32 or bf16); weight uint8 [tiles, G, chunks, 2, 64] as layers/vnni.py packs it; scales and
 // offsets fp16 (stored as int16) [tiles, G, 32], or scales [tiles, 1, 32] alone; returns [M, N] in x's dtype, the bias added in float32 (from
 // `dense_min_rows` rows: x times the dequantized weight by aten, the bias in x's dtype).
-torch::Tensor vnni_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor scales,
-                          c10::optional<torch::Tensor> offsets, int64_t N, int64_t bits, int64_t group,
-                          int64_t code_zero, int64_t act_bits, c10::optional<torch::Tensor> bias,
-                          int64_t dense_min_rows) {
+at::Tensor vnni_linear(at::Tensor x, at::Tensor weight, at::Tensor scales,
+                       c10::optional<at::Tensor> offsets, int64_t N, int64_t bits, int64_t group,
+                       int64_t code_zero, int64_t act_bits, c10::optional<at::Tensor> bias,
+                       int64_t dense_min_rows) {
   TORCH_CHECK(vnni_linear_supported(), "vnni_linear needs AVX512-VNNI");
   TORCH_CHECK(bits == 4 || bits == 8, "bits: 4 or 8");
   TORCH_CHECK(act_bits == 8 || act_bits == 16, "act_bits: 8 or 16");
@@ -454,16 +430,16 @@ torch::Tensor vnni_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor s
   if (M >= dense_min_rows) {
     const auto dense = vnni_dequantize(weight, scales, offsets, N, K, bits, group, code_zero,
                                        x.scalar_type() == at::kBFloat16);
-    return at::linear(x, dense, bias.has_value() ? c10::optional<torch::Tensor>(bias->to(x.scalar_type())) : bias);
+    return at::linear(x, dense, bias.has_value() ? c10::optional<at::Tensor>(bias->to(x.scalar_type())) : bias);
   }
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
 #if defined(SOBRIO_VNNI)
   auto xc = x.contiguous();
   const QuantizedRows xq = x.scalar_type() == at::kFloat
                                ? quantize_rows(xc.data_ptr<float>(), M, K, group, act_bits == 16)
                                : quantize_rows(xc.data_ptr<c10::BFloat16>(), M, K, group, act_bits == 16);
-  torch::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : torch::Tensor();
+  at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   TORCH_CHECK(!b.defined() || b.numel() == N, "bias: [N]");
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   const uint8_t* wp = weight.data_ptr<uint8_t>();
@@ -491,26 +467,24 @@ torch::Tensor vnni_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor s
   return y;
 }
 
-}  // namespace
-
-namespace sobrio_ops {
-torch::Tensor vnni_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor scales,
-                          c10::optional<torch::Tensor> offsets, int64_t N, int64_t bits, int64_t group,
-                          int64_t code_zero, int64_t act_bits, c10::optional<torch::Tensor> bias,
-                          int64_t dense_min_rows) {
-  return ::vnni_linear(x, weight, scales, offsets, N, bits, group, code_zero, act_bits, bias, dense_min_rows);
+at::Tensor vnni_dequantize(at::Tensor weight, at::Tensor scales, c10::optional<at::Tensor> offsets,
+                           int64_t N, int64_t K, int64_t bits, int64_t group, int64_t code_zero, bool bf16) {
+  const at::ScalarType dtype = bf16 ? at::kBFloat16 : at::kFloat;
+  TORCH_CHECK(bits == 4 || bits == 8, "bits: 4 or 8");
+  TORCH_CHECK(group > 0 && group % 16 == 0 && K % group == 0, "group: a multiple of 16 that divides K");
+  const int64_t tiles = (N + kTile - 1) / kTile;
+  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.is_contiguous() && weight.numel() == tiles * kTile * K * bits / 8,
+              "weight: contiguous uint8 codes for N, K = ", N, ", ", K);
+  const int64_t groups = scale_groups(scales, offsets, tiles, K / group);
+  auto out = at::empty({N, K}, at::TensorOptions().dtype(dtype));
+  const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr());
+  const auto* op = offsets.has_value() ? reinterpret_cast<const uint16_t*>(offsets->data_ptr()) : nullptr;
+  const int32_t cz = static_cast<int32_t>(code_zero);
+  if (dtype == at::kFloat)
+    dequantize_tiles(weight.data_ptr<uint8_t>(), sp, op, N, K, bits, group, groups, cz, out.data_ptr<float>());
+  else
+    dequantize_tiles(weight.data_ptr<uint8_t>(), sp, op, N, K, bits, group, groups, cz, out.data_ptr<c10::BFloat16>());
+  return out;
 }
+
 }  // namespace sobrio_ops
-
-void register_vnni_ops(pybind11::module& m) {
-  m.def("vnni_linear_supported", &vnni_linear_supported, "whether vnni_linear was built (AVX512-VNNI)");
-  m.def("vnni_linear", &vnni_linear,
-        "x @ W.T for 4- or 8-bit group-wise W, x rounded to 8 or 16 bits per group, int8 dot products (+ bias)",
-        py::arg("x"), py::arg("weight"), py::arg("scales"), py::arg("offsets"), py::arg("n"), py::arg("bits"),
-        py::arg("group"), py::arg("code_zero"), py::arg("act_bits"), py::arg("bias") = py::none(),
-        py::arg("dense_min_rows") = kDenseMinRows);
-  m.attr("vnni_dense_min_rows") = kDenseMinRows;
-  m.def("vnni_dequantize", &vnni_dequantize, "the [N, K] float32 (or bf16) weight of vnni_linear's codes",
-        py::arg("weight"), py::arg("scales"), py::arg("offsets"), py::arg("n"), py::arg("k"), py::arg("bits"),
-        py::arg("group"), py::arg("code_zero"), py::arg("bf16"));
-}

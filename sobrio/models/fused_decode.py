@@ -4,7 +4,7 @@ checkpoints; the int8 modes where the CPU has VNNI but no AMX-INT8) through its 
 At one sequence a decode step of SmolLM2-135M in GGUF makes about 300 operator calls, each of a few
 microseconds to tens; through the modules, each also costs Python's module call, views and pybind's
 argument conversion, a sizeable share of a small model's step (measured: docs/quantization.md).
-`LlamaDecoder` (csrc/fused_decode.cpp) makes the same operator calls in the same order on the same tensors,
+`LlamaDecoder` (csrc/fused_decode.h) makes the same operator calls in the same order on the same tensors,
 so its hidden states equal the modules' bitwise (tests/model/test_fused_decode.py); the modules stay the
 reference and the path of every other step: prompt chunks, draft verification, early exits, and models or
 modes it does not cover. `benchmarks/fused_decode.py` times both.

@@ -1,0 +1,111 @@
+// A pure decode step (one new token per sequence) of a Llama-family decoder whose projections are all
+// group-wise VNNI codes, in one call from Python: the same operators the modules call (ops.h), in the
+// same order, on the same tensors, so the results equal the modules' bitwise; only the ~10 Python module
+// calls and pybind argument conversions per layer are gone (models/fused_decode.py says what they cost).
+#pragma once
+#include <utility>
+#include <vector>
+
+#include "ops.h"
+
+namespace sobrio_ops {
+
+// A projection on 4- or 8-bit group-wise codes, as layers/vnni.py's VnniLinear holds it.
+struct VnniWeight {
+  at::Tensor weight, scales;
+  c10::optional<at::Tensor> offsets, bias;
+  int64_t n, bits, group, code_zero, act_bits, dense_min_rows;  // the last as layers/vnni.py dense_min_rows
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    return vnni_linear(x, weight, scales, offsets, n, bits, group, code_zero, act_bits, bias,
+                                   dense_min_rows);
+  }
+};
+
+// One decoder layer: its two norms' weights, its four projections, its attention's scale and window
+// (0: full attention).
+struct DecoderLayer {
+  at::Tensor input_norm, post_norm;
+  VnniWeight qkv, o, gate_up, down;
+  double scale;
+  int64_t window;
+};
+
+// One layer's KV cache as `KVCache.slots` / `.scales` give it: [num_slots, Hkv, D] keys and values, and
+// for an int8 cache their [num_slots, Hkv] bf16 scales.
+struct CacheLayer {
+  at::Tensor keys, values;
+  c10::optional<at::Tensor> key_scales, value_scales;
+};
+
+struct KVLayers {
+  std::vector<CacheLayer> layers;
+};
+
+// Where this step's tokens are: their positions, KV slots, and each sequence's block table and length.
+struct StepInputs {
+  const at::Tensor& positions;
+  const at::Tensor& slot_mapping;
+  const at::Tensor& block_tables;
+  const at::Tensor& context_lens;
+  int64_t block_size;
+};
+
+class LlamaDecoder {
+ public:
+  LlamaDecoder(std::vector<DecoderLayer> layers, at::Tensor final_norm, double eps, int64_t heads,
+               int64_t kv_heads, int64_t head_dim, int64_t act, at::Tensor cos, at::Tensor sin)
+      : layers_(std::move(layers)), final_norm_(std::move(final_norm)), eps_(eps), heads_(heads),
+        kv_heads_(kv_heads), head_dim_(head_dim), act_(act), cos_(std::move(cos)), sin_(std::move(sin)) {
+    TORCH_CHECK(!layers_.empty() && heads_ % kv_heads_ == 0, "LlamaDecoder: layers, heads a multiple of kv heads");
+  }
+
+  // x [T, hidden]: the step's embedded tokens, one per decoding sequence. Returns the final norm of the
+  // residual stream, as DecoderModel.forward; adds into x in place (the first layer's residual) as it does.
+  at::Tensor forward(at::Tensor x, at::Tensor positions, const KVLayers& cache, at::Tensor slot_mapping,
+                     at::Tensor block_tables, at::Tensor context_lens, int64_t block_size) const {
+    TORCH_CHECK(cache.layers.size() == layers_.size(), "LlamaDecoder: one cache layer per decoder layer");
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(0) == context_lens.size(0) &&
+                    x.scalar_type() == final_norm_.scalar_type(),
+                "LlamaDecoder: x [sequences, hidden], contiguous, in the norms' dtype");
+    const StepInputs step{positions, slot_mapping, block_tables, context_lens, block_size};
+    at::Tensor residual = x;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const DecoderLayer& w = layers_[i];
+      auto h = i == 0 ? rms_norm(x, c10::nullopt, w.input_norm, eps_, false)
+                      : rms_norm(x, residual, w.input_norm, eps_, false);
+      h = rms_norm(attention(w, cache.layers[i], h, step), residual, w.post_norm, eps_, false);
+      x = w.down(act_and_mul(w.gate_up(h), act_));
+    }
+    return rms_norm(x, residual, final_norm_, eps_, false);
+  }
+
+ private:
+  // LlamaAttention.forward with CppPagedAttention's decode: q, k rotated in place in the qkv output, k
+  // and v written to their slots, each sequence's query over its cache, then o_proj.
+  at::Tensor attention(const DecoderLayer& w, const CacheLayer& c, const at::Tensor& h,
+                       const StepInputs& step) const {
+    const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
+    auto qkv = w.qkv(h);
+    auto q = qkv.narrow(1, 0, q_size).view({-1, heads_, head_dim_});
+    auto k = qkv.narrow(1, q_size, kv_size).view({-1, kv_heads_, head_dim_});
+    auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({-1, kv_heads_, head_dim_});
+    rotary_embedding(step.positions, q, k, cos_, sin_);
+    if (c.key_scales.has_value())
+      write_kv_int8(k, v, c.keys, c.values, *c.key_scales, *c.value_scales, step.slot_mapping);
+    else
+      write_kv(k, v, c.keys, c.values, step.slot_mapping);
+    auto out = paged_decode_attention(q.contiguous(), c.keys, c.values, step.block_tables,
+                                                  step.context_lens, step.block_size, w.scale, w.window,
+                                                  c.key_scales, c.value_scales, 0.0);
+    return w.o(out.view({h.size(0), q_size}));
+  }
+
+  std::vector<DecoderLayer> layers_;
+  at::Tensor final_norm_;
+  double eps_;
+  int64_t heads_, kv_heads_, head_dim_, act_;
+  at::Tensor cos_, sin_;
+};
+
+}  // namespace sobrio_ops

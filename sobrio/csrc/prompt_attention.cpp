@@ -415,10 +415,10 @@ at::Tensor prompt_attention(at::Tensor query, at::Tensor key_cache, at::Tensor v
   // within a head ordered short, long, short, long... so that contiguous ranges of them weigh about the same.
 #if defined(SOBRIO_PROMPT_ATTENTION_AMX)
   const bool tiles = sobrio_amx::request_amx();
-#else
-  const bool tiles = false;
-#endif
   const int64_t positions = tiles ? kAmxPositions : kPositions;
+#else
+  const int64_t positions = kPositions;  // AVX512-BF16 without AMX (AMD Zen 4): the vector path alone
+#endif
   const int64_t spans = (rows + positions - 1) / positions, tasks = kv_heads * spans;
   const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());

@@ -75,7 +75,7 @@ def test_the_eagle_head_reads_the_feature_of_the_newest_position(smollm2, echo_e
         return drafts
 
     proposer.draft = recording
-    expected = _ids(smollm2.generate(prompts, GREEDY, use_tqdm=False))
+    expected = _plain_ids(smollm2, prompts, GREEDY)
     assert _ids(spec.generate(prompts, GREEDY, use_tqdm=False)) == expected
     assert len(seen) > 50
     assert sum(tokens[0] == newest for newest, tokens in seen) >= 0.95 * len(seen)
@@ -93,6 +93,18 @@ def grounded_prompts(tokenizer) -> list[list[int]]:
 
 def _ids(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
+
+
+_PLAIN: dict = {}
+
+
+def _plain_ids(llm: LLM, prompts: list[dict], params: SamplingParams) -> list[list[int]]:
+    """The plain engine's greedy tokens, once per (engine, prompt ids, params) in this module: most tests here
+    compare against the same reference (a cache salt does not change greedy tokens)."""
+    key = (id(llm), tuple(tuple(p["prompt_token_ids"]) for p in prompts), repr(params))
+    if key not in _PLAIN:
+        _PLAIN[key] = _ids(llm.generate(prompts, params, use_tqdm=False))
+    return _PLAIN[key]
 
 
 def _no_blocks_held(llm: LLM) -> bool:
@@ -118,7 +130,7 @@ def test_greedy_output_is_the_same_with_drafts_chunked_and_cached(alias, method,
     prompts = [{"prompt_token_ids": p} for p in grounded_prompts(plain.get_tokenizer())]
     if alias == "gemma3-270m":  # its 262k-row head makes each draft dear: a copy, code and a free answer, batched
         prompts = prompts[1:4]
-    expected = _ids(plain.generate(prompts, GREEDY, use_tqdm=False))
+    expected = _plain_ids(plain, prompts, GREEDY)
     # 64-token steps: the long prompts come in chunks, and drafts share steps with them
     spec = LLM(alias, **engine_kwargs(speculative_config=method, max_num_batched_tokens=64))
     assert _ids(spec.generate(prompts, GREEDY, use_tqdm=False)) == expected
@@ -149,7 +161,7 @@ def test_greedy_output_is_the_same_across_preemption(smollm2, method, request):
     tokenizer = smollm2.get_tokenizer()
     prompts = [{"prompt_token_ids": p, "cache_salt": str(i)} for i, p in enumerate(grounded_prompts(tokenizer))]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    expected = _ids(smollm2.generate(prompts, params, use_tqdm=False))
+    expected = _plain_ids(smollm2, prompts, params)
     # 12 blocks of 16 = 192 tokens of KV for the 376 the five need at their end: preemption is certain
     draft_layers = {"draft_model": 30, "eagle": 1}.get(method["method"], 0)  # the draft's own KV, per block
     block_bytes = 2 * (30 + draft_layers) * 16 * 3 * 64 * 4
@@ -255,7 +267,7 @@ def untrained_heads(tmp_path_factory, smollm2) -> Path:
 
 def test_greedy_output_is_the_same_with_draft_heads(smollm2, untrained_heads):
     prompts = [{"prompt_token_ids": p} for p in grounded_prompts(smollm2.get_tokenizer())]
-    expected = _ids(smollm2.generate(prompts, GREEDY, use_tqdm=False))
+    expected = _plain_ids(smollm2, prompts, GREEDY)
     medusa = {"method": "medusa", "model": str(untrained_heads), "num_speculative_tokens": 3,
               "disable_by_batch_size": None, "min_acceptance_rate": 0.0}
     spec = LLM("smollm2-135m", **engine_kwargs(speculative_config=medusa, max_num_batched_tokens=64))

@@ -33,7 +33,8 @@ def test_a_prepared_folder_is_read_first(empty_cache):
 
 def test_an_hf_folder_gives_its_tokenizer(empty_cache):
     path = resolve_model("smollm2-135m").path
-    gguf.gguf_tokenizer(path).save_pretrained(empty_cache / "hf")
+    converted = gguf.gguf_tokenizer(path)  # ~7 s: once
+    converted.save_pretrained(empty_cache / "hf")
     (empty_cache / "hf" / "config.json").write_text("{}")  # a model folder is known by its config.json
     tokenizer = load_tokenizer(str(empty_cache / "hf"))
-    assert tokenizer("Hello").input_ids == gguf.gguf_tokenizer(path)("Hello").input_ids
+    assert tokenizer("Hello").input_ids == converted("Hello").input_ids

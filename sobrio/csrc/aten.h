@@ -1,6 +1,7 @@
-// What the kernels' files use of PyTorch: ATen's Tensor, its dtype dispatch, parallel_for and the few factory
-// functions they call. Not <torch/extension.h>, which brings the whole C++ frontend (nn, optim, data) and
-// pybind11: ~40 s of compiling a translation unit here against ~6 (docs/benchmarks.md, "The CPU fast path").
+// What the kernels' files use of PyTorch: ATen's Tensor, its dtype dispatch, parallel_for and the four ATen
+// functions they call (empty, empty_like, zeros, linear). Not <torch/extension.h>, which brings the whole C++
+// frontend (nn, optim, data) and pybind11: ~40 s of compiling a translation unit here against ~6
+// (docs/benchmarks.md, "The CPU fast path").
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>

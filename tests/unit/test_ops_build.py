@@ -248,9 +248,9 @@ def test_the_real_operators_build_on_this_cpu():
 
 # -march targets standing for the CPU classes the sources' guards tell apart, other than the one the suite runs
 # on (whose build the test above checks): a name kept under one guard and used outside it compiles here and
-# breaks the build there, which happened twice on AMD Zen 4 (the AMX host's suite stayed green).
-# Each with the guard that sets it apart from an AMX host: only the kernel files that test it (or include a
-# header that does) compile differently there; None: every kernel file.
+# breaks the build there, which happened twice on AMD Zen 4 (the AMX host's suite stayed green). Each comes with
+# the guard that sets it apart from an AMX host, so only the kernel files testing it (or including a header that
+# does) are compiled; None: every kernel file.
 OTHER_CPUS = [
     pytest.param("cooperlake", "__AMX", id="cooperlake"),  # AVX512-BF16 and VNNI, no AMX: AMD Zen 4's guards
     pytest.param("icelake-server", None, id="icelake-server", marks=pytest.mark.exhaustive),  # no AVX512-BF16

@@ -1,7 +1,10 @@
 """Decode steps through the fused C++ decoder (models/fused_decode.py) against the same steps through the
 modules, in one process, alternating rounds of `--steps` so that both see the same host and contexts.
 
-    .venv/bin/python benchmarks/fused_decode.py [--batch 1] [--quantization gguf] [--kv-cache-dtype int8]
+    .venv/bin/python benchmarks/fused_decode.py [--model M] [--batch 1] [--quantization gguf|none]
+        [--kv-cache-dtype int8]
+
+`--quantization none` runs the model in bf16 (oneDNN's packed copies, where the CPU has AVX512-BF16 or AMX).
 """
 
 import argparse
@@ -22,10 +25,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=20, help="decode steps a round")
     parser.add_argument("--rounds", type=int, default=6, help="rounds of each way")
-    parser.add_argument("--quantization", default="gguf")
+    parser.add_argument("--quantization", default="gguf", help="gguf, int4, ... or none (bf16)")
     parser.add_argument("--kv-cache-dtype", default="auto")
     args = parser.parse_args()
-    llm = LLM(args.model, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+    quantization = None if args.quantization == "none" else args.quantization
+    llm = LLM(args.model, quantization=quantization, kv_cache_dtype=args.kv_cache_dtype,
+              **({"dtype": "bfloat16"} if quantization is None else {}))
     engine, rng = llm.engine, random.Random(0)
     model = engine.runner.model.model
     fused = model.fused_decode

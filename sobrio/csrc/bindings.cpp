@@ -62,6 +62,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("blocked_gemv_bf16", &blocked_gemv_bf16,
         "few-row bf16 x @ W.T (+ bias), W as the [N/64, K/2, 64, 2] view of oneDNN's packed copy",
         py::arg("x"), py::arg("blocks"), py::arg("bias") = py::none());
+  m.def("blocked_linear", &blocked_linear,
+        "x @ W.T (+ bias) from oneDNN's packed bf16 copy: the few-row kernel up to max_rows rows, oneDNN's GEMM past",
+        py::arg("x"), py::arg("packed"), py::arg("blocks"), py::arg("bias"), py::arg("max_rows"));
   m.def("pack_blocked_bf16", &pack_blocked_bf16,
         "writes a bf16 weight [N, K] into a [N/B, K/2, B, 2] blocked view (oneDNN's packed layout; B 64 or 32)",
         py::arg("weight"), py::arg("blocks"));
@@ -82,8 +85,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>(),
            py::arg("weight"), py::arg("scales"), py::arg("offsets"), py::arg("bias"), py::arg("n"), py::arg("bits"),
            py::arg("group"), py::arg("code_zero"), py::arg("act_bits"), py::arg("dense_min_rows"));
+  py::class_<BlockedWeight>(m, "BlockedWeight")
+      .def(py::init<at::Tensor, at::Tensor, c10::optional<at::Tensor>, int64_t>(), py::arg("packed"),
+           py::arg("blocks"), py::arg("bias"), py::arg("max_rows"));
   py::class_<DecoderLayer>(m, "DecoderLayer")
-      .def(py::init<at::Tensor, at::Tensor, VnniWeight, VnniWeight, VnniWeight, VnniWeight, double, int64_t>(),
+      .def(py::init<at::Tensor, at::Tensor, Projection, Projection, Projection, Projection, double, int64_t>(),
            py::arg("input_norm"), py::arg("post_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"),
            py::arg("down"), py::arg("scale"), py::arg("window"));
   py::class_<CacheLayer>(m, "CacheLayer")

@@ -9,6 +9,8 @@
 // per output after the bias. Parallel over blocks of outputs.
 #include "ops.h"
 
+#include <ATen/core/dispatch/Dispatcher.h>
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -16,6 +18,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <string>
+#include <vector>
 
 namespace {
 
@@ -104,6 +108,36 @@ at::Tensor blocked_gemv_bf16(at::Tensor x, at::Tensor blocks, c10::optional<at::
   });
 #endif
   return y;
+}
+
+// oneDNN's GEMM on its packed copy: `torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")`,
+// the same operator through the dispatcher (no ATen C++ function declares it).
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  std::vector<c10::IValue> stack{x, packed, bias.has_value() ? c10::IValue(*bias) : c10::IValue(),
+                                 c10::IValue(std::string("none")),
+                                 c10::IValue(c10::List<std::optional<at::Scalar>>()), c10::IValue(std::string(""))};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+at::Tensor blocked_linear(at::Tensor x, at::Tensor packed, at::Tensor blocks, std::optional<at::Tensor> bias,
+                          int64_t max_rows) {
+  TORCH_CHECK(blocks.dim() == 4 && (blocks.size(2) == kBlock || blocks.size(2) == kBlock / 2),
+              "blocked_linear: blocks [N/B, K/2, B, 2] with B 64 or 32");
+  const int64_t block = blocks.size(2), N = blocks.size(0) * block;
+  const auto rows = x.reshape({-1, x.size(-1)});
+  at::Tensor y;
+  if (rows.size(0) > max_rows)
+    y = onednn_linear(rows, packed, bias);
+  else if (block == kBlock / 2)
+    y = amx_linear(rows, blocks, N, bias);
+  else
+    y = blocked_gemv_bf16(rows, blocks, bias);
+  auto shape = x.sizes().vec();
+  shape.back() = N;
+  return y.view(shape);
 }
 
 // blocks[N/B, K/2, B, 2] = weight[N, K] in the layout above (B = 64), or in oneDNN's on AMX (B = 32, the same

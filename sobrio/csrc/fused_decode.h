@@ -1,9 +1,10 @@
 // A pure decode step (one new token per sequence) of a Llama-family decoder whose projections are all
-// group-wise VNNI codes, in one call from Python: the same operators the modules call (ops.h), in the
+// group-wise VNNI codes or all bf16 on oneDNN's packed copy, in one call from Python: the same operators the modules call (ops.h), in the
 // same order, on the same tensors, so the results equal the modules' bitwise; only the ~10 Python module
 // calls and pybind argument conversions per layer are gone (models/fused_decode.py says what they cost).
 #pragma once
 #include <utility>
+#include <variant>
 #include <vector>
 
 #include "ops.h"
@@ -22,11 +23,26 @@ struct VnniWeight {
   }
 };
 
+// A bf16 projection as layers/linear.py's Linear holds it where the few-row kernel reads oneDNN's packed copy.
+struct BlockedWeight {
+  at::Tensor packed, blocks;
+  c10::optional<at::Tensor> bias;
+  int64_t max_rows;  // the few-row kernel's, as layers/linear.py blocked_linear passes it
+
+  at::Tensor operator()(const at::Tensor& x) const { return blocked_linear(x, packed, blocks, bias, max_rows); }
+};
+
+using Projection = std::variant<VnniWeight, BlockedWeight>;
+
+inline at::Tensor project(const Projection& weight, const at::Tensor& x) {
+  return std::visit([&x](const auto& w) { return w(x); }, weight);
+}
+
 // One decoder layer: its two norms' weights, its four projections, its attention's scale and window
 // (0: full attention).
 struct DecoderLayer {
   at::Tensor input_norm, post_norm;
-  VnniWeight qkv, o, gate_up, down;
+  Projection qkv, o, gate_up, down;
   double scale;
   int64_t window;
 };
@@ -75,7 +91,7 @@ class LlamaDecoder {
       auto h = i == 0 ? rms_norm(x, c10::nullopt, w.input_norm, eps_, false)
                       : rms_norm(x, residual, w.input_norm, eps_, false);
       h = rms_norm(attention(w, cache.layers[i], h, step), residual, w.post_norm, eps_, false);
-      x = w.down(act_and_mul(w.gate_up(h), act_));
+      x = project(w.down, act_and_mul(project(w.gate_up, h), act_));
     }
     return rms_norm(x, residual, final_norm_, eps_, false);
   }
@@ -86,7 +102,7 @@ class LlamaDecoder {
   at::Tensor attention(const DecoderLayer& w, const CacheLayer& c, const at::Tensor& h,
                        const StepInputs& step) const {
     const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
-    auto qkv = w.qkv(h);
+    auto qkv = project(w.qkv, h);
     auto q = qkv.narrow(1, 0, q_size).view({-1, heads_, head_dim_});
     auto k = qkv.narrow(1, q_size, kv_size).view({-1, kv_heads_, head_dim_});
     auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({-1, kv_heads_, head_dim_});
@@ -98,7 +114,7 @@ class LlamaDecoder {
     auto out = paged_decode_attention(q.contiguous(), c.keys, c.values, step.block_tables,
                                                   step.context_lens, step.block_size, w.scale, w.window,
                                                   c.key_scales, c.value_scales, 0.0);
-    return w.o(out.view({h.size(0), q_size}));
+    return project(w.o, out.view({h.size(0), q_size}));
   }
 
   std::vector<DecoderLayer> layers_;

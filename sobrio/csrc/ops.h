@@ -50,6 +50,11 @@ at::Tensor amx_int8_linear(at::Tensor x, at::Tensor packed, at::Tensor w_scale, 
 bool blocked_gemv_supported();
 at::Tensor blocked_gemv_bf16(at::Tensor x, at::Tensor blocks, std::optional<at::Tensor> bias);
 void pack_blocked_bf16(at::Tensor weight, at::Tensor blocks);
+// x @ W.T (+ bias) from oneDNN's packed bf16 copy alone (layers/linear.py `blocked_linear`): up to `max_rows` rows
+// the few-row kernel on its blocked view (`amx_linear` on AMX's blocks of 32, `blocked_gemv_bf16` on 64),
+// oneDNN's GEMM past them.
+at::Tensor blocked_linear(at::Tensor x, at::Tensor packed, at::Tensor blocks, std::optional<at::Tensor> bias,
+                          int64_t max_rows);
 
 // grouped_linear.cpp
 bool grouped_linear_supported();

@@ -186,16 +186,14 @@ def unblocked(blocks: torch.Tensor) -> torch.Tensor:
 def blocked_linear(x: torch.Tensor, packed: torch.Tensor, blocks: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias from oneDNN's packed copy alone: a C++ kernel on its blocked view for a few rows
-    (the AMX kernel on AMX's blocks of 32, the GEMV on blocks of 64), oneDNN's GEMM past them."""
-    rows = x.reshape(-1, x.shape[-1])
-    amx = blocks.shape[2] == AMX_BLOCK
-    if rows.shape[0] > (AMX_MAX_ROWS if amx else BLOCKED_GEMV_MAX_ROWS):
-        y = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
-    elif amx:
-        y = cpu_ops().amx_linear(rows, blocks, blocks.shape[0] * AMX_BLOCK, bias)
-    else:
-        y = cpu_ops().blocked_gemv_bf16(rows, blocks, bias)
-    return y.view(*x.shape[:-1], y.shape[-1])
+    (the AMX kernel on AMX's blocks of 32, the GEMV on blocks of 64), oneDNN's GEMM past them. One C++ call
+    (`csrc/blocked_gemv.cpp`), which the fused decode step makes too (models/fused_decode.py)."""
+    return cpu_ops().blocked_linear(x, packed, blocks, bias, blocked_max_rows(blocks))
+
+
+def blocked_max_rows(blocks: torch.Tensor) -> int:
+    """The most rows the few-row kernel on this blocked view takes; oneDNN's GEMM takes more."""
+    return AMX_MAX_ROWS if blocks.shape[2] == AMX_BLOCK else BLOCKED_GEMV_MAX_ROWS
 
 
 class BlockedEmbedding(torch.nn.Module):

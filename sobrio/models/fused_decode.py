@@ -1,13 +1,15 @@
-"""A pure decode step of a Llama-family model on VNNI codes (`--quantization gguf` and `int4`, AWQ/GPTQ
-checkpoints; the int8 modes where the CPU has VNNI but no AMX-INT8) through its layers in one C++ call.
+"""A pure decode step of a Llama-family model through its layers in one C++ call: on VNNI codes
+(`--quantization gguf` and `int4`, AWQ/GPTQ checkpoints; the int8 modes where the CPU has VNNI but no
+AMX-INT8), or in bf16 where each Linear keeps oneDNN's packed copy alone (`layers/linear.py`
+`blocked_linear`: the default on CPUs with AVX512-BF16 or AMX).
 
 At one sequence a decode step of SmolLM2-135M in GGUF makes about 300 operator calls, each of a few
 microseconds to tens; through the modules, each also costs Python's module call, views and pybind's
-argument conversion, a sizeable share of a small model's step (measured: docs/quantization.md).
-`LlamaDecoder` (csrc/fused_decode.h) makes the same operator calls in the same order on the same tensors,
-so its hidden states equal the modules' bitwise (tests/model/test_fused_decode.py); the modules stay the
-reference and the path of every other step: prompt chunks, draft verification, early exits, and models or
-modes it does not cover. `benchmarks/fused_decode.py` times both.
+argument conversion, a sizeable share of a small model's step (measured: docs/quantization.md and
+docs/benchmarks.md). `LlamaDecoder` (csrc/fused_decode.h) makes the same operator calls in the same order on
+the same tensors, so its hidden states equal the modules' bitwise (tests/model/test_fused_decode.py); the
+modules stay the reference and the path of every other step: prompt chunks, draft verification, early exits,
+and models or modes it does not cover. `benchmarks/fused_decode.py` times both.
 
 It reads the weights the modules hold when it is built (`build`, after `prepack`): a later change to them
 (`model.to`, a forward hook such as tensor parallelism's collectives) needs `model.model.fused_decode = None`.
@@ -20,7 +22,8 @@ import torch
 
 from sobrio.layers import vnni
 from sobrio.layers.attention import AttentionMetadata, CppPagedAttention
-from sobrio.layers.cpu_ops import cpu_ops, vnni_linear_available
+from sobrio.layers.cpu_ops import cpu_ops
+from sobrio.layers.linear import Linear, blocked_max_rows
 from sobrio.layers.norm import RMSNorm
 from sobrio.layers.vnni import VnniLinear
 from sobrio.models.llama import ACTIVATIONS, CausalLM, GatedMLP, LlamaAttention, LlamaDecoderLayer
@@ -62,7 +65,7 @@ def build(model: CausalLM) -> FusedDecode | None:
     """The fused decode of a model whose every layer it covers, or None (the modules then run every step)."""
     ops = cpu_ops()
     layers = list(model.model.layers)
-    if (os.environ.get("SOBRIO_DISABLE_FUSED_DECODE") == "1" or ops is None or not vnni_linear_available()
+    if (os.environ.get("SOBRIO_DISABLE_FUSED_DECODE") == "1" or ops is None
             or model.model.norm.weight.dtype not in FUSED_DTYPES
             or not layers or not all(map(_covered, layers)) or type(model.model.norm) is not RMSNorm
             or any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())):
@@ -79,8 +82,8 @@ def build(model: CausalLM) -> FusedDecode | None:
 
 
 def _covered(layer: torch.nn.Module) -> bool:
-    """A plain Llama layer (not Gemma's norms or a q/k norm), VNNI codes in all four projections, the C++
-    paged attention."""
+    """A plain Llama layer (not Gemma's norms or a q/k norm), the four projections all VNNI codes or all bf16
+    on oneDNN's packed copy alone, the C++ paged attention."""
     if type(layer) is not LlamaDecoderLayer or type(layer.self_attn) is not LlamaAttention \
             or type(layer.mlp) is not GatedMLP or type(layer.self_attn.attn) is not CppPagedAttention:
         return False
@@ -89,8 +92,15 @@ def _covered(layer: torch.nn.Module) -> bool:
         return False  # Qwen3's q/k norms, a softcap, a partial or interleaved rotary: the modules compute them
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-    return all(type(n) is RMSNorm for n in norms) and all(type(p) is VnniLinear for p in projections) \
-        and layer.mlp.act_code in ACTIVATIONS.values()
+    return all(type(n) is RMSNorm for n in norms) and layer.mlp.act_code in ACTIVATIONS.values() \
+        and (all(type(p) is VnniLinear for p in projections) or all(map(_blocked, projections)))
+
+
+def _blocked(linear: torch.nn.Module) -> bool:
+    """A bf16 Linear (or a fused one, `PackedLinear`) whose only copy is oneDNN's packed one, read by
+    `blocked_linear`."""
+    return isinstance(linear, Linear) and type(linear).forward is Linear.forward and linear.blocks is not None \
+        and not linear.batch_invariant
 
 
 def _layer(ops, layer: LlamaDecoderLayer):
@@ -100,7 +110,9 @@ def _layer(ops, layer: LlamaDecoderLayer):
                             *[_weight(ops, p) for p in projections], attn.attn.scale, attn.attn.sliding_window or 0)
 
 
-def _weight(ops, linear: VnniLinear):
+def _weight(ops, linear: VnniLinear | Linear):
+    if isinstance(linear, Linear):
+        return ops.BlockedWeight(linear.packed, linear.blocks, linear.bias, blocked_max_rows(linear.blocks))
     w = linear.weight_codes
     return ops.VnniWeight(w.weight, w.scales, w.offsets, linear.bias, w.out_features, w.bits, w.group_size,
                           w.code_zero, linear.act_bits, vnni.dense_min_rows(linear.act_bits))

@@ -1,17 +1,21 @@
 """The fused decode (models/fused_decode.py): a pure decode step through the C++ `LlamaDecoder` gives the
 hidden states and logits of the same step through the modules, bitwise, on SmolLM2's GGUF computed on its
-own blocks; and it stands aside for every step and model it does not cover."""
+own blocks and on SmolLM2 in bf16 (oneDNN's packed copies); and it stands aside for every step and model it
+does not cover."""
 
 import pytest
 import torch
 
 from sobrio import LLM, SamplingParams
+from sobrio.layers.linear import AMX_MAX_ROWS, blocked_max_rows, one_copy_layout
 from sobrio.layers.vnni import usable
 from sobrio.loader.resolve import resolve_model
 from sobrio.models import fused_decode
 from tests.conftest import engine_kwargs
 
-pytestmark = pytest.mark.skipif(not usable(32), reason="the fused decode covers VNNI codes only")
+needs_vnni = pytest.mark.skipif(not usable(32), reason="the fused decode on VNNI codes needs AVX512-VNNI")
+needs_blocked = pytest.mark.skipif(not one_copy_layout(), reason="bf16 Linears here keep a plain weight beside "
+                                   "oneDNN's copy (no few-row kernel reads its layout): the modules decode")
 
 PROMPTS = [[300 + i for i in range(n)] for n in (5, 37, 130)]  # ragged contexts, one spanning several blocks
 
@@ -59,6 +63,7 @@ def run_both_ways(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[
     return pairs, counting.calls
 
 
+@needs_vnni
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_fused_decode_equals_the_modules(kv_cache_dtype: str) -> None:
     path = str(resolve_model("smollm2-135m").path)
@@ -71,6 +76,7 @@ def test_fused_decode_equals_the_modules(kv_cache_dtype: str) -> None:
         assert torch.equal(logits, reference_logits)
 
 
+@needs_vnni
 def test_fused_decode_equals_the_modules_past_the_dense_row_count() -> None:
     """A decode batch of `dense_min_rows` sequences or more takes the dense matmul in the fused decode as in
     the modules (both pass the same switch to the operator they call)."""
@@ -85,10 +91,11 @@ def test_fused_decode_equals_the_modules_past_the_dense_row_count() -> None:
         assert torch.equal(hidden, reference_hidden) and torch.equal(logits, reference_logits)
 
 
+@needs_vnni
 def test_fused_decode_stands_aside_where_it_does_not_cover(smollm2, monkeypatch) -> None:
-    """A float model's projections are not VNNI codes: no fused decode. On a covered model, a step with a
-    prompt takes the modules; a forward hook (which it would step past) or SOBRIO_DISABLE_FUSED_DECODE=1
-    means none is built."""
+    """A float32 model's projections are neither VNNI codes nor packed bf16: no fused decode. On a covered
+    model, a step with a prompt takes the modules; a forward hook (which it would step past) or
+    SOBRIO_DISABLE_FUSED_DECODE=1 means none is built."""
     assert smollm2.engine.runner.model.model.fused_decode is None
     llm = LLM(str(resolve_model("smollm2-135m").path), quantization="gguf", **engine_kwargs())
     model = llm.engine.runner.model
@@ -106,6 +113,7 @@ def test_fused_decode_stands_aside_where_it_does_not_cover(smollm2, monkeypatch)
     assert fused_decode.build(model) is None
 
 
+@needs_vnni
 def test_a_float16_model_on_vnni_codes_decodes_through_the_modules() -> None:
     """The C++ decoder's operators take float32 and bf16: a float16 model keeps the modules (built anyway,
     each of its decode steps failed, and so every request)."""
@@ -116,6 +124,7 @@ def test_a_float16_model_on_vnni_codes_decodes_through_the_modules() -> None:
     assert all(o.outputs[0].finish_reason == "length" and len(o.outputs[0].token_ids) == 6 for o in out)
 
 
+@needs_vnni
 def test_fused_decode_honours_the_sliding_window(tmp_path) -> None:
     """A windowed Mistral (int4, so on VNNI codes) decoding past its window: the fused decode's steps equal
     the modules', whose windowed attention equals transformers (tests/model/test_families.py)."""
@@ -124,6 +133,47 @@ def test_fused_decode_honours_the_sliding_window(tmp_path) -> None:
     folder = write_checkpoint(tmp_path, *FAMILIES["mistral-window"])
     llm = LLM(str(folder), quantization="int4", **engine_kwargs(dtype="bfloat16", max_model_len=256))
     assert [a.sliding_window for a in llm.engine.runner.model.attention_layers()] == [WINDOW, WINDOW]
+    pairs, calls = run_both_ways(llm, [prompt(3 * WINDOW), prompt(5, seed=2)], max_tokens=2 * WINDOW)
+    assert calls == len(pairs) >= 2 * WINDOW - 1
+    for hidden, reference_hidden, logits, reference_logits in pairs:
+        assert torch.equal(hidden, reference_hidden) and torch.equal(logits, reference_logits)
+
+
+@needs_blocked
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_bf16_fused_decode_equals_the_modules(kv_cache_dtype: str) -> None:
+    """bf16, sobrio's default where the CPU has AVX512-BF16 or AMX: each projection on oneDNN's packed copy
+    (`blocked_linear`), the same C++ call from the modules and from the fused decode."""
+    llm = LLM(str(resolve_model("smollm2-135m").path), **engine_kwargs(dtype="bfloat16", kv_cache_dtype=kv_cache_dtype))
+    pairs, calls = run_both_ways(llm, PROMPTS, max_tokens=12)
+    assert len(pairs) >= 10 and calls == len(pairs)
+    assert any(h.shape[0] == len(PROMPTS) for h, *_ in pairs)
+    for hidden, reference_hidden, logits, reference_logits in pairs:
+        assert torch.equal(hidden, reference_hidden) and torch.equal(logits, reference_logits)
+
+
+@needs_blocked
+def test_bf16_fused_decode_past_the_few_row_kernel() -> None:
+    """A decode batch larger than the few-row kernel takes (4 rows on the GEMV, 64 on AMX) goes to oneDNN's GEMM
+    in the fused decode as in the modules."""
+    batch = AMX_MAX_ROWS + 2
+    llm = LLM(str(resolve_model("smollm2-135m").path), **engine_kwargs(dtype="bfloat16", max_num_seqs=batch))
+    assert blocked_max_rows(llm.engine.runner.model.model.layers[0].mlp.down_proj.blocks) < batch
+    pairs, calls = run_both_ways(llm, [[300 + i, 7 + i, 900] for i in range(batch)], max_tokens=3)
+    assert calls == len(pairs) >= 2 and any(h.shape[0] == batch for h, *_ in pairs)
+    for hidden, reference_hidden, logits, reference_logits in pairs:
+        assert torch.equal(hidden, reference_hidden) and torch.equal(logits, reference_logits)
+
+
+@needs_blocked
+@pytest.mark.parametrize("family", ["llama-llama3-rope", "qwen2-window-bias", "mistral-window"])
+def test_bf16_fused_decode_equals_the_modules_across_llama_families(tmp_path, family: str) -> None:
+    """q/k/v biases (Qwen2), a sliding window on some layers or all (Qwen2, Mistral), llama3's rope scaling:
+    decoding past the window, the fused decode's steps equal the modules'."""
+    from tests.model.tiny_checkpoints import FAMILIES, WINDOW, prompt, write_checkpoint
+
+    folder = write_checkpoint(tmp_path, *FAMILIES[family])
+    llm = LLM(str(folder), **engine_kwargs(dtype="bfloat16", max_model_len=256))
     pairs, calls = run_both_ways(llm, [prompt(3 * WINDOW), prompt(5, seed=2)], max_tokens=2 * WINDOW)
     assert calls == len(pairs) >= 2 * WINDOW - 1
     for hidden, reference_hidden, logits, reference_logits in pairs:

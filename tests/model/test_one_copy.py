@@ -139,6 +139,7 @@ def test_the_packed_copy_alone_computes_the_linear(rows):
     x = torch.randn(rows, 96).bfloat16()
     expected = F.linear(x.float(), weight.float(), bias.float())
     torch.testing.assert_close(layer(x).float(), expected, rtol=1e-2, atol=2e-2)
+    assert torch.equal(layer(x[None]), layer(x)[None])  # leading dimensions kept
 
 
 @needs_blocked

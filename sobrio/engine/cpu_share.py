@@ -92,6 +92,10 @@ class OthersMeter:
         """The next reading covers from now on."""
         self._last = self._read()
 
+    def age(self) -> float:
+        """Seconds the next reading covers."""
+        return time.monotonic() - self._last[0]
+
     def cores(self) -> float:
         now, busy, ours = self._read()
         then, busy_then, ours_then = self._last
@@ -156,12 +160,26 @@ def open_governor(num_threads_flag: int | None) -> ThreadGovernor | None:
 
 
 def spin_count_for_start(long_spin: str, short_spin: str, probe_s: float = 0.25) -> str:
-    """The OpenMP spin for a new engine-core process: the long one only if nobody else seemed busy (over
-    `probe_s`) and no quota holds the process below its cores."""
+    """The OpenMP spin for a new engine-core process: the long one only if nobody else seemed busy (over at
+    least `probe_s`) and no quota holds the process below its cores. A process's first start reads the look
+    begun when this module was imported (`sobrio serve`'s first tenths of a second), so its spawn does not wait
+    the whole probe."""
     quota = cpu_quota()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if quota is not None and quota < cores:
         return short_spin
-    meter = OthersMeter([os.getpid()])
-    time.sleep(probe_s)
+    meter = _first_look()
+    time.sleep(max(0.0, probe_s - meter.age()))
     return long_spin if meter.cores() < 1 - SLACK else short_spin
+
+
+FIRST_LOOK_MAX_AGE_S = 5.0  # older, it tells little of the host now: a later start (a restarted core) looks anew
+_first: list[OthersMeter] = [OthersMeter([os.getpid()])]
+
+
+def _first_look() -> OthersMeter:
+    """The look begun at import for the first start of this process, if recent; a fresh one otherwise."""
+    first = _first.pop() if _first else None
+    if first is not None and first.age() <= FIRST_LOOK_MAX_AGE_S:
+        return first
+    return OthersMeter([os.getpid()])

@@ -140,3 +140,23 @@ def test_the_governor_looks_between_the_layers_of_a_step(tmp_path):
     llm.engine.runner.poll_between_layers(lambda: looks.append(1))
     llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(looks) >= BASE["num_hidden_layers"]  # the prompt's step, layer by layer (decode may be fused)
+
+
+def test_a_first_start_reads_the_look_begun_at_import_and_later_ones_look_anew(monkeypatch):
+    """`sobrio serve`'s first core spawns without waiting the whole probe (the look began at import); a later
+    start, or one after the first look has aged, probes afresh."""
+    sleeps = []
+    monkeypatch.setattr(cpu_share.time, "sleep", sleeps.append)
+    monkeypatch.setattr(cpu_share, "cpu_quota", lambda: None)
+    early = OthersMeter([os.getpid()])
+    early._last = (early._last[0] - 1.0, *early._last[1:])  # begun a second ago
+    monkeypatch.setattr(cpu_share, "_first", [early])
+    cpu_share.spin_count_for_start("long", "short", probe_s=0.25)
+    assert sleeps == [0.0]
+    cpu_share.spin_count_for_start("long", "short", probe_s=0.25)  # the first look is spent: a fresh probe
+    assert sleeps[1] == pytest.approx(0.25, abs=0.05)
+    stale = OthersMeter([os.getpid()])
+    stale._last = (stale._last[0] - cpu_share.FIRST_LOOK_MAX_AGE_S - 1, *stale._last[1:])
+    monkeypatch.setattr(cpu_share, "_first", [stale])
+    cpu_share.spin_count_for_start("long", "short", probe_s=0.25)
+    assert sleeps[2] == pytest.approx(0.25, abs=0.05)

@@ -89,9 +89,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<at::Tensor, at::Tensor, c10::optional<at::Tensor>, int64_t>(), py::arg("packed"),
            py::arg("blocks"), py::arg("bias"), py::arg("max_rows"));
   py::class_<DecoderLayer>(m, "DecoderLayer")
-      .def(py::init<at::Tensor, at::Tensor, Projection, Projection, Projection, Projection, double, int64_t>(),
+      .def(py::init<at::Tensor, at::Tensor, Projection, Projection, Projection, Projection, double, int64_t,
+                    c10::optional<at::Tensor>, c10::optional<at::Tensor>>(),
            py::arg("input_norm"), py::arg("post_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"),
-           py::arg("down"), py::arg("scale"), py::arg("window"));
+           py::arg("down"), py::arg("scale"), py::arg("window"), py::arg("q_norm") = py::none(),
+           py::arg("k_norm") = py::none());
   py::class_<CacheLayer>(m, "CacheLayer")
       .def(py::init<at::Tensor, at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>>(),
            py::arg("keys"), py::arg("values"), py::arg("key_scales"), py::arg("value_scales"));

@@ -39,12 +39,13 @@ inline at::Tensor project(const Projection& weight, const at::Tensor& x) {
 }
 
 // One decoder layer: its two norms' weights, its four projections, its attention's scale and window
-// (0: full attention).
+// (0: full attention), and Qwen3's per-head RMSNorm weights of q and k (none elsewhere).
 struct DecoderLayer {
   at::Tensor input_norm, post_norm;
   Projection qkv, o, gate_up, down;
   double scale;
   int64_t window;
+  c10::optional<at::Tensor> q_norm, k_norm;
 };
 
 // One layer's KV cache as `KVCache.slots` / `.scales` give it: [num_slots, Hkv, D] keys and values, and
@@ -97,8 +98,8 @@ class LlamaDecoder {
   }
 
  private:
-  // LlamaAttention.forward with CppPagedAttention's decode: q, k rotated in place in the qkv output, k
-  // and v written to their slots, each sequence's query over its cache, then o_proj.
+  // LlamaAttention.forward with CppPagedAttention's decode: q and k (through Qwen3's q/k norms where the layer
+  // has them) rotated in place, k and v written to their slots, each sequence's query over its cache, then o_proj.
   at::Tensor attention(const DecoderLayer& w, const CacheLayer& c, const at::Tensor& h,
                        const StepInputs& step) const {
     const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
@@ -106,6 +107,10 @@ class LlamaDecoder {
     auto q = qkv.narrow(1, 0, q_size).view({-1, heads_, head_dim_});
     auto k = qkv.narrow(1, q_size, kv_size).view({-1, kv_heads_, head_dim_});
     auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({-1, kv_heads_, head_dim_});
+    if (w.q_norm.has_value()) {  // LlamaAttention: q_norm(q), k_norm(k) (RMSNorm.forward), each into a new tensor
+      q = rms_norm(q.contiguous(), c10::nullopt, *w.q_norm, eps_, false);
+      k = rms_norm(k.contiguous(), c10::nullopt, *w.k_norm, eps_, false);
+    }
     rotary_embedding(step.positions, q, k, cos_, sin_);
     if (c.key_scales.has_value())
       write_kv_int8(k, v, c.keys, c.values, *c.key_scales, *c.value_scales, step.slot_mapping);

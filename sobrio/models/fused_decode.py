@@ -71,7 +71,7 @@ def build(model: CausalLM) -> FusedDecode | None:
             or any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())):
         return None
     attn = layers[0].self_attn
-    norms = [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    norms = [n for layer in layers for n in _norms(layer)]
     one_rotary = all(layer.self_attn.rotary is attn.rotary for layer in layers)
     if len({n.eps for n in norms} | {model.model.norm.eps}) != 1 or not one_rotary:
         return None
@@ -88,12 +88,19 @@ def _covered(layer: torch.nn.Module) -> bool:
             or type(layer.mlp) is not GatedMLP or type(layer.self_attn.attn) is not CppPagedAttention:
         return False
     attn = layer.self_attn
-    if attn.q_norm is not None or attn.attn.softcap is not None or not attn.rotary.plain:
-        return False  # Qwen3's q/k norms, a softcap, a partial or interleaved rotary: the modules compute them
-    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if attn.attn.softcap is not None or not attn.rotary.plain:
+        return False  # a softcap, a partial or interleaved rotary: the modules compute them
+    norms = _norms(layer)
     projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
     return all(type(n) is RMSNorm for n in norms) and layer.mlp.act_code in ACTIVATIONS.values() \
         and (all(type(p) is VnniLinear for p in projections) or all(map(_blocked, projections)))
+
+
+def _norms(layer: LlamaDecoderLayer) -> tuple[torch.nn.Module, ...]:
+    """The layer's RMSNorms: its two, and Qwen3's q/k norms where it has them."""
+    attn = layer.self_attn
+    return (layer.input_layernorm, layer.post_attention_layernorm) + \
+        ((attn.q_norm, attn.k_norm) if attn.q_norm is not None else ())
 
 
 def _blocked(linear: torch.nn.Module) -> bool:
@@ -106,8 +113,10 @@ def _blocked(linear: torch.nn.Module) -> bool:
 def _layer(ops, layer: LlamaDecoderLayer):
     attn = layer.self_attn
     projections = (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    qk_norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
     return ops.DecoderLayer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                            *[_weight(ops, p) for p in projections], attn.attn.scale, attn.attn.sliding_window or 0)
+                            *[_weight(ops, p) for p in projections], attn.attn.scale, attn.attn.sliding_window or 0,
+                            *qk_norms)
 
 
 def _weight(ops, linear: VnniLinear | Linear):

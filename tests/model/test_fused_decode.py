@@ -165,15 +165,21 @@ def test_bf16_fused_decode_past_the_few_row_kernel() -> None:
         assert torch.equal(hidden, reference_hidden) and torch.equal(logits, reference_logits)
 
 
-@needs_blocked
-@pytest.mark.parametrize("family", ["llama-llama3-rope", "qwen2-window-bias", "mistral-window"])
-def test_bf16_fused_decode_equals_the_modules_across_llama_families(tmp_path, family: str) -> None:
-    """q/k/v biases (Qwen2), a sliding window on some layers or all (Qwen2, Mistral), llama3's rope scaling:
-    decoding past the window, the fused decode's steps equal the modules'."""
+@pytest.mark.parametrize("family, quantization", [
+    pytest.param("llama-llama3-rope", None, marks=needs_blocked),
+    pytest.param("qwen2-window-bias", None, marks=needs_blocked),
+    pytest.param("mistral-window", None, marks=needs_blocked),
+    pytest.param("qwen3-qk-norm", None, marks=needs_blocked),
+    pytest.param("qwen3-qk-norm", "int4", marks=needs_vnni),
+])
+def test_fused_decode_equals_the_modules_across_llama_families(tmp_path, family: str, quantization: str | None) -> None:
+    """q/k/v biases (Qwen2), a sliding window on some layers or all (Qwen2, Mistral), llama3's and yarn's rope
+    scaling, Qwen3's per-head q/k norms: decoding past the window, the fused decode's steps equal the modules'
+    (bf16 on oneDNN's packed copies, and on VNNI codes)."""
     from tests.model.tiny_checkpoints import FAMILIES, WINDOW, prompt, write_checkpoint
 
     folder = write_checkpoint(tmp_path, *FAMILIES[family])
-    llm = LLM(str(folder), **engine_kwargs(dtype="bfloat16", max_model_len=256))
+    llm = LLM(str(folder), quantization=quantization, **engine_kwargs(dtype="bfloat16", max_model_len=256))
     pairs, calls = run_both_ways(llm, [prompt(3 * WINDOW), prompt(5, seed=2)], max_tokens=2 * WINDOW)
     assert calls == len(pairs) >= 2 * WINDOW - 1
     for hidden, reference_hidden, logits, reference_logits in pairs:

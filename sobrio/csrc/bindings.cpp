@@ -88,21 +88,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<BlockedWeight>(m, "BlockedWeight")
       .def(py::init<at::Tensor, at::Tensor, c10::optional<at::Tensor>, int64_t>(), py::arg("packed"),
            py::arg("blocks"), py::arg("bias"), py::arg("max_rows"));
+  py::class_<AmxInt8Weight>(m, "AmxInt8Weight")
+      .def(py::init<at::Tensor, at::Tensor, c10::optional<at::Tensor>, int64_t, int64_t>(), py::arg("packed"),
+           py::arg("scale"), py::arg("bias"), py::arg("n"), py::arg("group"));
   py::class_<DecoderLayer>(m, "DecoderLayer")
       .def(py::init<at::Tensor, at::Tensor, Projection, Projection, Projection, Projection, double, int64_t,
-                    c10::optional<at::Tensor>, c10::optional<at::Tensor>>(),
+                    c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
+                    c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<at::Tensor>, double>(),
            py::arg("input_norm"), py::arg("post_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"),
            py::arg("down"), py::arg("scale"), py::arg("window"), py::arg("q_norm") = py::none(),
-           py::arg("k_norm") = py::none());
+           py::arg("k_norm") = py::none(), py::arg("attn_out_norm") = py::none(), py::arg("mlp_out_norm") = py::none(),
+           py::arg("cos") = py::none(), py::arg("sin") = py::none(), py::arg("softcap") = 0.0);
   py::class_<CacheLayer>(m, "CacheLayer")
       .def(py::init<at::Tensor, at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>>(),
            py::arg("keys"), py::arg("values"), py::arg("key_scales"), py::arg("value_scales"));
   py::class_<KVLayers>(m, "KVLayers").def(py::init<std::vector<CacheLayer>>(), py::arg("layers"));
   py::class_<LlamaDecoder>(m, "LlamaDecoder")
       .def(py::init<std::vector<DecoderLayer>, at::Tensor, double, int64_t, int64_t, int64_t, int64_t,
-                    at::Tensor, at::Tensor>(),
+                    at::Tensor, at::Tensor, bool>(),
            py::arg("layers"), py::arg("final_norm"), py::arg("eps"), py::arg("heads"), py::arg("kv_heads"),
-           py::arg("head_dim"), py::arg("act"), py::arg("cos"), py::arg("sin"))
+           py::arg("head_dim"), py::arg("act"), py::arg("cos"), py::arg("sin"), py::arg("gemma") = false)
       .def("forward", &LlamaDecoder::forward, py::arg("x"), py::arg("positions"), py::arg("cache"),
            py::arg("slot_mapping"), py::arg("block_tables"), py::arg("context_lens"), py::arg("block_size"));
 }

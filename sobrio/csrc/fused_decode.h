@@ -1,5 +1,5 @@
-// A pure decode step (one new token per sequence) of a Llama-family decoder whose projections are all
-// group-wise VNNI codes or all bf16 on oneDNN's packed copy, in one call from Python: the same operators the modules call (ops.h), in the
+// A pure decode step (one new token per sequence) of a Llama- or Gemma-family decoder whose projections are all
+// group-wise VNNI codes, all bf16 on oneDNN's packed copy or all int8 on the AMX tiles, in one call from Python: the same operators the modules call (ops.h), in the
 // same order, on the same tensors, so the results equal the modules' bitwise; only the ~10 Python module
 // calls and pybind argument conversions per layer are gone (models/fused_decode.py says what they cost).
 #pragma once
@@ -32,20 +32,38 @@ struct BlockedWeight {
   at::Tensor operator()(const at::Tensor& x) const { return blocked_linear(x, packed, blocks, bias, max_rows); }
 };
 
-using Projection = std::variant<VnniWeight, BlockedWeight>;
+// A projection on int8 codes with one scale a channel, on the AMX-INT8 tiles (layers/quantization.py
+// QuantizedLinear with `amx_packed` and no outlier channels: W8A8, the activations rounded in the kernel per
+// token, or per token and `group` inputs).
+struct AmxInt8Weight {
+  at::Tensor packed, scale;
+  c10::optional<at::Tensor> bias;
+  int64_t n, group;
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    auto out = amx_int8_linear(x.contiguous(), packed, scale, n, c10::nullopt, c10::nullopt, c10::nullopt, false,
+                               group);
+    return bias.has_value() ? out.add(*bias) : out;  // QuantizedLinear: out + bias
+  }
+};
+
+using Projection = std::variant<VnniWeight, BlockedWeight, AmxInt8Weight>;
 
 inline at::Tensor project(const Projection& weight, const at::Tensor& x) {
   return std::visit([&x](const auto& w) { return w(x); }, weight);
 }
 
-// One decoder layer: its two norms' weights, its four projections, its attention's scale and window
-// (0: full attention), and Qwen3's per-head RMSNorm weights of q and k (none elsewhere).
+// One decoder layer: the norms before its attention and its MLP, its four projections, its attention's scale
+// and window (0: full attention); Qwen3's and Gemma 3's per-head norms of q and k; a four-norm layer's
+// (Gemma 2 and 3) norms of the attention's and the MLP's outputs; its rotary tables where they are not the
+// model's (Gemma 3's local layers); Gemma 2's attention logit softcap (0: none).
 struct DecoderLayer {
   at::Tensor input_norm, post_norm;
   Projection qkv, o, gate_up, down;
   double scale;
   int64_t window;
-  c10::optional<at::Tensor> q_norm, k_norm;
+  c10::optional<at::Tensor> q_norm, k_norm, attn_out_norm, mlp_out_norm, cos, sin;
+  double softcap;
 };
 
 // One layer's KV cache as `KVCache.slots` / `.scales` give it: [num_slots, Hkv, D] keys and values, and
@@ -70,10 +88,12 @@ struct StepInputs {
 
 class LlamaDecoder {
  public:
+  // gemma: every norm scales by (1 + weight) (GemmaRMSNorm), else by its weight.
   LlamaDecoder(std::vector<DecoderLayer> layers, at::Tensor final_norm, double eps, int64_t heads,
-               int64_t kv_heads, int64_t head_dim, int64_t act, at::Tensor cos, at::Tensor sin)
+               int64_t kv_heads, int64_t head_dim, int64_t act, at::Tensor cos, at::Tensor sin, bool gemma)
       : layers_(std::move(layers)), final_norm_(std::move(final_norm)), eps_(eps), heads_(heads),
-        kv_heads_(kv_heads), head_dim_(head_dim), act_(act), cos_(std::move(cos)), sin_(std::move(sin)) {
+        kv_heads_(kv_heads), head_dim_(head_dim), act_(act), cos_(std::move(cos)), sin_(std::move(sin)),
+        gemma_(gemma) {
     TORCH_CHECK(!layers_.empty() && heads_ % kv_heads_ == 0, "LlamaDecoder: layers, heads a multiple of kv heads");
   }
 
@@ -89,12 +109,14 @@ class LlamaDecoder {
     at::Tensor residual = x;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const DecoderLayer& w = layers_[i];
-      auto h = i == 0 ? rms_norm(x, c10::nullopt, w.input_norm, eps_, false)
-                      : rms_norm(x, residual, w.input_norm, eps_, false);
-      h = rms_norm(attention(w, cache.layers[i], h, step), residual, w.post_norm, eps_, false);
+      auto h = i == 0 ? norm(x, w.input_norm) : rms_norm(x, residual, w.input_norm, eps_, gemma_);
+      auto out = attention(w, cache.layers[i], h, step);
+      if (w.attn_out_norm.has_value()) out = norm(out, *w.attn_out_norm);
+      h = rms_norm(out, residual, w.post_norm, eps_, gemma_);
       x = project(w.down, act_and_mul(project(w.gate_up, h), act_));
+      if (w.mlp_out_norm.has_value()) x = norm(x, *w.mlp_out_norm);
     }
-    return rms_norm(x, residual, final_norm_, eps_, false);
+    return rms_norm(x, residual, final_norm_, eps_, gemma_);
   }
 
  private:
@@ -107,19 +129,24 @@ class LlamaDecoder {
     auto q = qkv.narrow(1, 0, q_size).view({-1, heads_, head_dim_});
     auto k = qkv.narrow(1, q_size, kv_size).view({-1, kv_heads_, head_dim_});
     auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({-1, kv_heads_, head_dim_});
-    if (w.q_norm.has_value()) {  // LlamaAttention: q_norm(q), k_norm(k) (RMSNorm.forward), each into a new tensor
-      q = rms_norm(q.contiguous(), c10::nullopt, *w.q_norm, eps_, false);
-      k = rms_norm(k.contiguous(), c10::nullopt, *w.k_norm, eps_, false);
+    if (w.q_norm.has_value()) {  // LlamaAttention: q_norm(q), k_norm(k), each into a new tensor
+      q = norm(q, *w.q_norm);
+      k = norm(k, *w.k_norm);
     }
-    rotary_embedding(step.positions, q, k, cos_, sin_);
+    rotary_embedding(step.positions, q, k, w.cos.has_value() ? *w.cos : cos_, w.sin.has_value() ? *w.sin : sin_);
     if (c.key_scales.has_value())
       write_kv_int8(k, v, c.keys, c.values, *c.key_scales, *c.value_scales, step.slot_mapping);
     else
       write_kv(k, v, c.keys, c.values, step.slot_mapping);
     auto out = paged_decode_attention(q.contiguous(), c.keys, c.values, step.block_tables,
                                                   step.context_lens, step.block_size, w.scale, w.window,
-                                                  c.key_scales, c.value_scales, 0.0);
+                                                  c.key_scales, c.value_scales, w.softcap);
     return project(w.o, out.view({h.size(0), q_size}));
+  }
+
+  // RMSNorm.forward without a residual: a new tensor.
+  at::Tensor norm(const at::Tensor& x, const at::Tensor& weight) const {
+    return rms_norm(x.contiguous(), c10::nullopt, weight, eps_, gemma_);
   }
 
   std::vector<DecoderLayer> layers_;
@@ -127,6 +154,7 @@ class LlamaDecoder {
   double eps_;
   int64_t heads_, kv_heads_, head_dim_, act_;
   at::Tensor cos_, sin_;
+  bool gemma_;
 };
 
 }  // namespace sobrio_ops

@@ -1,7 +1,8 @@
-"""A pure decode step of a Llama-family model through its layers in one C++ call: on VNNI codes
-(`--quantization gguf` and `int4`, AWQ/GPTQ checkpoints; the int8 modes where the CPU has VNNI but no
-AMX-INT8), or in bf16 where each Linear keeps oneDNN's packed copy alone (`layers/linear.py`
-`blocked_linear`: the default on CPUs with AVX512-BF16 or AMX).
+"""A pure decode step of a Llama-family model (Llama, Mistral, Qwen2 and 3) or a Gemma 2 or 3 through its layers
+in one C++ call: on VNNI codes (`--quantization gguf` and `int4`, AWQ/GPTQ checkpoints; the int8 modes where
+the CPU has VNNI but no AMX-INT8), in bf16 where each Linear keeps oneDNN's packed copy alone
+(`layers/linear.py` `blocked_linear`: the default on CPUs with AVX512-BF16 or AMX), or `--quantization int8`
+on AMX-INT8 (`layers/quantization.py` `amx_int8_mm`).
 
 At one sequence a decode step of SmolLM2-135M in GGUF makes about 300 operator calls, each of a few
 microseconds to tens; through the modules, each also costs Python's module call, views and pybind's
@@ -24,9 +25,10 @@ from sobrio.layers import vnni
 from sobrio.layers.attention import AttentionMetadata, CppPagedAttention
 from sobrio.layers.cpu_ops import cpu_ops
 from sobrio.layers.linear import Linear, blocked_max_rows
-from sobrio.layers.norm import RMSNorm
+from sobrio.layers.norm import GemmaRMSNorm, RMSNorm
+from sobrio.layers.quantization import QuantizedLinear
 from sobrio.layers.vnni import VnniLinear
-from sobrio.models.llama import ACTIVATIONS, CausalLM, GatedMLP, LlamaAttention, LlamaDecoderLayer
+from sobrio.models.llama import ACTIVATIONS, CausalLM, GatedMLP, LlamaAttention, LlamaDecoderLayer, SandwichDecoderLayer
 
 # What its C++ norms, rotary and activations take: a float16 model (`--dtype float16`) keeps the modules,
 # whose PyTorch operators take it (built anyway, every decode step of such a model failed).
@@ -65,63 +67,87 @@ def build(model: CausalLM) -> FusedDecode | None:
     """The fused decode of a model whose every layer it covers, or None (the modules then run every step)."""
     ops = cpu_ops()
     layers = list(model.model.layers)
+    final_norm = model.model.norm
     if (os.environ.get("SOBRIO_DISABLE_FUSED_DECODE") == "1" or ops is None
-            or model.model.norm.weight.dtype not in FUSED_DTYPES
-            or not layers or not all(map(_covered, layers)) or type(model.model.norm) is not RMSNorm
+            or final_norm.weight.dtype not in FUSED_DTYPES or type(final_norm) not in NORMS
+            or not layers or not all(map(_covered, layers))
             or any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())):
         return None
     attn = layers[0].self_attn
     norms = [n for layer in layers for n in _norms(layer)]
-    one_rotary = all(layer.self_attn.rotary is attn.rotary for layer in layers)
-    if len({n.eps for n in norms} | {model.model.norm.eps}) != 1 or not one_rotary:
+    if len({n.eps for n in norms} | {final_norm.eps}) != 1 or {type(n) for n in norms} != {type(final_norm)}:
         return None
-    decoder = ops.LlamaDecoder([_layer(ops, layer) for layer in layers], model.model.norm.weight, norms[0].eps,
-                               attn.num_heads, attn.num_kv_heads, attn.head_dim, layers[0].mlp.act_code,
-                               attn.rotary.cos, attn.rotary.sin)
-    return FusedDecode(decoder, model.model.norm.weight.dtype)
+    decoder = ops.LlamaDecoder([_layer(ops, layer, attn.rotary) for layer in layers], final_norm.weight,
+                               final_norm.eps, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                               layers[0].mlp.act_code, attn.rotary.cos, attn.rotary.sin, final_norm.offset != 0.0)
+    return FusedDecode(decoder, final_norm.weight.dtype)
+
+
+NORMS = (RMSNorm, GemmaRMSNorm)  # the C++ rms_norm's two: weight * normalize(x), and Gemma's (1 + weight)
 
 
 def _covered(layer: torch.nn.Module) -> bool:
-    """A plain Llama layer (not Gemma's norms or a q/k norm), the four projections all VNNI codes or all bf16
-    on oneDNN's packed copy alone, the C++ paged attention."""
-    if type(layer) is not LlamaDecoderLayer or type(layer.self_attn) is not LlamaAttention \
+    """A Llama layer (two norms) or a four-norm one (Gemma 2 and 3), the four projections of one kind that
+    `_weight` takes, the C++ paged attention, a plain rotary."""
+    if type(layer) not in (LlamaDecoderLayer, SandwichDecoderLayer) or type(layer.self_attn) is not LlamaAttention \
             or type(layer.mlp) is not GatedMLP or type(layer.self_attn.attn) is not CppPagedAttention:
         return False
+    if not layer.self_attn.rotary.plain:
+        return False  # a partial or interleaved rotary (GLM-4, Phi-3's partial): the modules compute it
+    kinds = {_kind(p) for p in _projections(layer)}
+    return all(type(n) in NORMS for n in _norms(layer)) and layer.mlp.act_code in ACTIVATIONS.values() \
+        and len(kinds) == 1 and None not in kinds
+
+
+def _projections(layer) -> tuple[torch.nn.Module, ...]:
+    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+
+
+def _norms(layer) -> tuple[torch.nn.Module, ...]:
+    """The layer's norms: before its attention and before its MLP; after each, in a four-norm layer; Qwen3's
+    and Gemma 3's q/k norms where it has them."""
     attn = layer.self_attn
-    if attn.attn.softcap is not None or not attn.rotary.plain:
-        return False  # a softcap, a partial or interleaved rotary: the modules compute them
+    if type(layer) is SandwichDecoderLayer:
+        attn_in, attn_out, mlp_in, mlp_out = (getattr(layer, name) for name in layer.names)
+        norms = (attn_in, mlp_in, attn_out, mlp_out)
+    else:
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    return norms + ((attn.q_norm, attn.k_norm) if attn.q_norm is not None else ())
+
+
+def _kind(linear: torch.nn.Module) -> str | None:
+    """Which of the C++ decoder's projections computes this module as its forward does, or None."""
+    if type(linear) is VnniLinear:
+        return "vnni"
+    if isinstance(linear, Linear) and type(linear).forward is Linear.forward and linear.blocks is not None \
+            and not linear.batch_invariant:
+        return "blocked"  # a bf16 Linear (or a fused one, `PackedLinear`) on oneDNN's packed copy alone
+    if type(linear) is QuantizedLinear and linear.amx_packed is not None and linear.outliers is None \
+            and not linear.float_out:
+        return "amx_int8"
+    return None
+
+
+def _layer(ops, layer, rotary):
+    """The C++ DecoderLayer of one layer; `rotary`: the model's (the first layer's), which a layer with tables
+    of its own (Gemma 3's local layers) does not share."""
+    attn = layer.self_attn
     norms = _norms(layer)
-    projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-    return all(type(n) is RMSNorm for n in norms) and layer.mlp.act_code in ACTIVATIONS.values() \
-        and (all(type(p) is VnniLinear for p in projections) or all(map(_blocked, projections)))
+    qk_norms = (norms[-2].weight, norms[-1].weight) if attn.q_norm is not None else (None, None)
+    out_norms = (norms[2].weight, norms[3].weight) if type(layer) is SandwichDecoderLayer else (None, None)
+    tables = (None, None) if attn.rotary is rotary else (attn.rotary.cos, attn.rotary.sin)
+    return ops.DecoderLayer(norms[0].weight, norms[1].weight, *[_weight(ops, p) for p in _projections(layer)],
+                            attn.attn.scale, attn.attn.sliding_window or 0, *qk_norms, *out_norms, *tables,
+                            attn.attn.softcap or 0.0)
 
 
-def _norms(layer: LlamaDecoderLayer) -> tuple[torch.nn.Module, ...]:
-    """The layer's RMSNorms: its two, and Qwen3's q/k norms where it has them."""
-    attn = layer.self_attn
-    return (layer.input_layernorm, layer.post_attention_layernorm) + \
-        ((attn.q_norm, attn.k_norm) if attn.q_norm is not None else ())
-
-
-def _blocked(linear: torch.nn.Module) -> bool:
-    """A bf16 Linear (or a fused one, `PackedLinear`) whose only copy is oneDNN's packed one, read by
-    `blocked_linear`."""
-    return isinstance(linear, Linear) and type(linear).forward is Linear.forward and linear.blocks is not None \
-        and not linear.batch_invariant
-
-
-def _layer(ops, layer: LlamaDecoderLayer):
-    attn = layer.self_attn
-    projections = (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-    qk_norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
-    return ops.DecoderLayer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                            *[_weight(ops, p) for p in projections], attn.attn.scale, attn.attn.sliding_window or 0,
-                            *qk_norms)
-
-
-def _weight(ops, linear: VnniLinear | Linear):
-    if isinstance(linear, Linear):
+def _weight(ops, linear: torch.nn.Module):
+    kind = _kind(linear)
+    if kind == "blocked":
         return ops.BlockedWeight(linear.packed, linear.blocks, linear.bias, blocked_max_rows(linear.blocks))
+    if kind == "amx_int8":
+        return ops.AmxInt8Weight(linear.amx_packed, linear.scale_fp32, linear.bias, linear.scale_fp32.shape[0],
+                                 linear.act_group)
     w = linear.weight_codes
     return ops.VnniWeight(w.weight, w.scales, w.offsets, linear.bias, w.out_features, w.bits, w.group_size,
                           w.code_zero, linear.act_bits, vnni.dense_min_rows(linear.act_bits))

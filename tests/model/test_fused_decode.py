@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from sobrio import LLM, SamplingParams
+from sobrio.layers.cpu_ops import amx_int8_available
 from sobrio.layers.linear import AMX_MAX_ROWS, blocked_max_rows, one_copy_layout
 from sobrio.layers.vnni import usable
 from sobrio.loader.resolve import resolve_model
@@ -171,16 +172,34 @@ def test_bf16_fused_decode_past_the_few_row_kernel() -> None:
     pytest.param("mistral-window", None, marks=needs_blocked),
     pytest.param("qwen3-qk-norm", None, marks=needs_blocked),
     pytest.param("qwen3-qk-norm", "int4", marks=needs_vnni),
+    pytest.param("gemma2-softcap", None, marks=needs_blocked),
+    pytest.param("gemma3-window", None, marks=needs_blocked),
+    pytest.param("gemma3-window", "int4", marks=needs_vnni),
 ])
 def test_fused_decode_equals_the_modules_across_llama_families(tmp_path, family: str, quantization: str | None) -> None:
-    """q/k/v biases (Qwen2), a sliding window on some layers or all (Qwen2, Mistral), llama3's and yarn's rope
-    scaling, Qwen3's per-head q/k norms: decoding past the window, the fused decode's steps equal the modules'
-    (bf16 on oneDNN's packed copies, and on VNNI codes)."""
-    from tests.model.tiny_checkpoints import FAMILIES, WINDOW, prompt, write_checkpoint
+    """q/k/v biases (Qwen2), a sliding window on some layers or all (Qwen2, Mistral, Gemma), llama3's and yarn's
+    rope scaling, per-head q/k norms (Qwen3, Gemma 3), four norms a layer and Gemma's (1 + weight) (Gemma 2
+    and 3), a rotary base per layer type (Gemma 3), an attention softcap (Gemma 2): decoding past the window,
+    the fused decode's steps equal the modules' (bf16 on oneDNN's packed copies, and on VNNI codes)."""
+    from tests.model.tiny_checkpoints import EXHAUSTIVE_FAMILIES, FAMILIES, WINDOW, prompt, write_checkpoint
 
-    folder = write_checkpoint(tmp_path, *FAMILIES[family])
+    model_type, fields = {**FAMILIES, **EXHAUSTIVE_FAMILIES}[family]
+    if model_type == "gemma3_text":  # a local layer and a global one: a rotary base each
+        fields = {**fields, "layer_types": ["sliding_attention", "full_attention"]}
+    folder = write_checkpoint(tmp_path, model_type, fields)
     llm = LLM(str(folder), quantization=quantization, **engine_kwargs(dtype="bfloat16", max_model_len=256))
     pairs, calls = run_both_ways(llm, [prompt(3 * WINDOW), prompt(5, seed=2)], max_tokens=2 * WINDOW)
     assert calls == len(pairs) >= 2 * WINDOW - 1
+    for hidden, reference_hidden, logits, reference_logits in pairs:
+        assert torch.equal(hidden, reference_hidden) and torch.equal(logits, reference_logits)
+
+
+@pytest.mark.skipif(not amx_int8_available(), reason="int8's layers take the AMX-INT8 kernel only where it runs")
+def test_int8_fused_decode_on_amx_equals_the_modules() -> None:
+    """`--quantization int8` on AMX-INT8: each projection W8A8 on the tiles (a down_proj's activations rounded per
+    group), the same C++ call from the modules and from the fused decode."""
+    llm = LLM(str(resolve_model("smollm2-135m").path), quantization="int8", **engine_kwargs(dtype="bfloat16"))
+    pairs, calls = run_both_ways(llm, PROMPTS, max_tokens=12)
+    assert len(pairs) >= 10 and calls == len(pairs)
     for hidden, reference_hidden, logits, reference_logits in pairs:
         assert torch.equal(hidden, reference_hidden) and torch.equal(logits, reference_logits)

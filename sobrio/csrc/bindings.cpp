@@ -103,11 +103,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<at::Tensor, at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>>(),
            py::arg("keys"), py::arg("values"), py::arg("key_scales"), py::arg("value_scales"));
   py::class_<KVLayers>(m, "KVLayers").def(py::init<std::vector<CacheLayer>>(), py::arg("layers"));
-  py::class_<LlamaDecoder>(m, "LlamaDecoder")
+  py::class_<FusedDecoder>(m, "FusedDecoder")
       .def(py::init<std::vector<DecoderLayer>, at::Tensor, double, int64_t, int64_t, int64_t, int64_t,
                     at::Tensor, at::Tensor, bool>(),
            py::arg("layers"), py::arg("final_norm"), py::arg("eps"), py::arg("heads"), py::arg("kv_heads"),
            py::arg("head_dim"), py::arg("act"), py::arg("cos"), py::arg("sin"), py::arg("gemma") = false)
-      .def("forward", &LlamaDecoder::forward, py::arg("x"), py::arg("positions"), py::arg("cache"),
+      .def("forward", &FusedDecoder::forward, py::arg("x"), py::arg("positions"), py::arg("cache"),
            py::arg("slot_mapping"), py::arg("block_tables"), py::arg("context_lens"), py::arg("block_size"));
 }

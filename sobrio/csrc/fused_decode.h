@@ -1,7 +1,8 @@
-// A pure decode step (one new token per sequence) of a Llama- or Gemma-family decoder whose projections are all
-// group-wise VNNI codes, all bf16 on oneDNN's packed copy or all int8 on the AMX tiles, in one call from Python: the same operators the modules call (ops.h), in the
-// same order, on the same tensors, so the results equal the modules' bitwise; only the ~10 Python module
-// calls and pybind argument conversions per layer are gone (models/fused_decode.py says what they cost).
+// A pure decode step (one new token per sequence) of a Llama-family (Llama, Mistral, Qwen2 and 3) or Gemma 2
+// or 3 decoder whose projections are all group-wise VNNI codes, all bf16 on oneDNN's packed copy or all int8 on
+// the AMX tiles, in one call from Python: the same operators the modules call (ops.h), in the same order, on
+// the same tensors, so the results equal the modules' bitwise; only the ~10 Python module calls and pybind
+// argument conversions per layer are gone (models/fused_decode.py says what they cost).
 #pragma once
 #include <utility>
 #include <variant>
@@ -86,25 +87,25 @@ struct StepInputs {
   int64_t block_size;
 };
 
-class LlamaDecoder {
+class FusedDecoder {
  public:
   // gemma: every norm scales by (1 + weight) (GemmaRMSNorm), else by its weight.
-  LlamaDecoder(std::vector<DecoderLayer> layers, at::Tensor final_norm, double eps, int64_t heads,
+  FusedDecoder(std::vector<DecoderLayer> layers, at::Tensor final_norm, double eps, int64_t heads,
                int64_t kv_heads, int64_t head_dim, int64_t act, at::Tensor cos, at::Tensor sin, bool gemma)
       : layers_(std::move(layers)), final_norm_(std::move(final_norm)), eps_(eps), heads_(heads),
         kv_heads_(kv_heads), head_dim_(head_dim), act_(act), cos_(std::move(cos)), sin_(std::move(sin)),
         gemma_(gemma) {
-    TORCH_CHECK(!layers_.empty() && heads_ % kv_heads_ == 0, "LlamaDecoder: layers, heads a multiple of kv heads");
+    TORCH_CHECK(!layers_.empty() && heads_ % kv_heads_ == 0, "FusedDecoder: layers, heads a multiple of kv heads");
   }
 
   // x [T, hidden]: the step's embedded tokens, one per decoding sequence. Returns the final norm of the
   // residual stream, as DecoderModel.forward; adds into x in place (the first layer's residual) as it does.
   at::Tensor forward(at::Tensor x, at::Tensor positions, const KVLayers& cache, at::Tensor slot_mapping,
                      at::Tensor block_tables, at::Tensor context_lens, int64_t block_size) const {
-    TORCH_CHECK(cache.layers.size() == layers_.size(), "LlamaDecoder: one cache layer per decoder layer");
+    TORCH_CHECK(cache.layers.size() == layers_.size(), "FusedDecoder: one cache layer per decoder layer");
     TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(0) == context_lens.size(0) &&
                     x.scalar_type() == final_norm_.scalar_type(),
-                "LlamaDecoder: x [sequences, hidden], contiguous, in the norms' dtype");
+                "FusedDecoder: x [sequences, hidden], contiguous, in the norms' dtype");
     const StepInputs step{positions, slot_mapping, block_tables, context_lens, block_size};
     at::Tensor residual = x;
     for (size_t i = 0; i < layers_.size(); ++i) {
@@ -120,8 +121,8 @@ class LlamaDecoder {
   }
 
  private:
-  // LlamaAttention.forward with CppPagedAttention's decode: q and k (through Qwen3's q/k norms where the layer
-  // has them) rotated in place, k and v written to their slots, each sequence's query over its cache, then o_proj.
+  // LlamaAttention.forward with CppPagedAttention's decode: q and k (through their norms where the layer has
+  // them) rotated in place, k and v written to their slots, each sequence's query over its cache, then o_proj.
   at::Tensor attention(const DecoderLayer& w, const CacheLayer& c, const at::Tensor& h,
                        const StepInputs& step) const {
     const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;

@@ -7,7 +7,7 @@ on AMX-INT8 (`layers/quantization.py` `amx_int8_mm`).
 At one sequence a decode step of SmolLM2-135M in GGUF makes about 300 operator calls, each of a few
 microseconds to tens; through the modules, each also costs Python's module call, views and pybind's
 argument conversion, a sizeable share of a small model's step (measured: docs/quantization.md and
-docs/benchmarks.md). `LlamaDecoder` (csrc/fused_decode.h) makes the same operator calls in the same order on
+docs/benchmarks.md). `FusedDecoder` (csrc/fused_decode.h) makes the same operator calls in the same order on
 the same tensors, so its hidden states equal the modules' bitwise (tests/model/test_fused_decode.py); the
 modules stay the reference and the path of every other step: prompt chunks, draft verification, early exits,
 and models or modes it does not cover. `benchmarks/fused_decode.py` times both.
@@ -36,7 +36,7 @@ FUSED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class FusedDecode:
-    """Calls `LlamaDecoder.forward` for the pure decode steps of one model (`applies`)."""
+    """Calls `FusedDecoder.forward` for the pure decode steps of one model (`applies`)."""
 
     def __init__(self, decoder, dtype: torch.dtype):
         self.decoder = decoder
@@ -77,7 +77,7 @@ def build(model: CausalLM) -> FusedDecode | None:
     norms = [n for layer in layers for n in _norms(layer)]
     if len({n.eps for n in norms} | {final_norm.eps}) != 1 or {type(n) for n in norms} != {type(final_norm)}:
         return None
-    decoder = ops.LlamaDecoder([_layer(ops, layer, attn.rotary) for layer in layers], final_norm.weight,
+    decoder = ops.FusedDecoder([_layer(ops, layer, attn.rotary) for layer in layers], final_norm.weight,
                                final_norm.eps, attn.num_heads, attn.num_kv_heads, attn.head_dim,
                                layers[0].mlp.act_code, attn.rotary.cos, attn.rotary.sin, final_norm.offset != 0.0)
     return FusedDecode(decoder, final_norm.weight.dtype)

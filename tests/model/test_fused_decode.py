@@ -1,4 +1,4 @@
-"""The fused decode (models/fused_decode.py): a pure decode step through the C++ `LlamaDecoder` gives the
+"""The fused decode (models/fused_decode.py): a pure decode step through the C++ `FusedDecoder` gives the
 hidden states and logits of the same step through the modules, bitwise, on SmolLM2's GGUF computed on its
 own blocks and on SmolLM2 in bf16 (oneDNN's packed copies); and it stands aside for every step and model it
 does not cover."""

@@ -35,8 +35,10 @@ install: $(STAMP)
 
 # A worker per core (at most 4), a test file per worker at a time (module fixtures start once): 1.65x on 2
 # cores, where one process kept 1.1 cores busy (much of a step is Python). TEST_WORKERS=0: one process.
+# --max-worker-restart=0: a worker that dies (OOM-killed, a crash) ends the run naming its test; with
+# loadfile, xdist's replacement worker could wait forever instead (pytest-xdist issue #784; seen here).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
+	$(BIN)/python -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile --max-worker-restart=0 --durations=15 tests
 
 # The checks `make test` leaves out to stay within 20 minutes on a 2-core machine: more settings, same assertions.
 test-exhaustive: $(STAMP)

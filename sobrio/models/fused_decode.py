@@ -103,16 +103,19 @@ def _projections(layer) -> tuple[torch.nn.Module, ...]:
     return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
 
 
-def _norms(layer) -> tuple[torch.nn.Module, ...]:
-    """The layer's norms: before its attention and before its MLP; after each, in a four-norm layer; Qwen3's
-    and Gemma 3's q/k norms where it has them."""
-    attn = layer.self_attn
+def _block_norms(layer) -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module | None, torch.nn.Module | None]:
+    """(before the attention, before the MLP, after the attention, after the MLP): the last two a four-norm
+    layer's only."""
     if type(layer) is SandwichDecoderLayer:
         attn_in, attn_out, mlp_in, mlp_out = (getattr(layer, name) for name in layer.names)
-        norms = (attn_in, mlp_in, attn_out, mlp_out)
-    else:
-        norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    return norms + ((attn.q_norm, attn.k_norm) if attn.q_norm is not None else ())
+        return attn_in, mlp_in, attn_out, mlp_out
+    return layer.input_layernorm, layer.post_attention_layernorm, None, None
+
+
+def _norms(layer) -> tuple[torch.nn.Module, ...]:
+    """All the layer's norms: `_block_norms`, and Qwen3's and Gemma 3's q/k norms where it has them."""
+    attn = layer.self_attn
+    return tuple(n for n in (*_block_norms(layer), attn.q_norm, attn.k_norm) if n is not None)
 
 
 def _kind(linear: torch.nn.Module) -> str | None:
@@ -132,12 +135,11 @@ def _layer(ops, layer, rotary):
     """The C++ DecoderLayer of one layer; `rotary`: the model's (the first layer's), which a layer with tables
     of its own (Gemma 3's local layers) does not share."""
     attn = layer.self_attn
-    norms = _norms(layer)
-    qk_norms = (norms[-2].weight, norms[-1].weight) if attn.q_norm is not None else (None, None)
-    out_norms = (norms[2].weight, norms[3].weight) if type(layer) is SandwichDecoderLayer else (None, None)
+    attn_in, mlp_in, attn_out, mlp_out = _block_norms(layer)
+    optional = [None if norm is None else norm.weight for norm in (attn.q_norm, attn.k_norm, attn_out, mlp_out)]
     tables = (None, None) if attn.rotary is rotary else (attn.rotary.cos, attn.rotary.sin)
-    return ops.DecoderLayer(norms[0].weight, norms[1].weight, *[_weight(ops, p) for p in _projections(layer)],
-                            attn.attn.scale, attn.attn.sliding_window or 0, *qk_norms, *out_norms, *tables,
+    return ops.DecoderLayer(attn_in.weight, mlp_in.weight, *[_weight(ops, p) for p in _projections(layer)],
+                            attn.attn.scale, attn.attn.sliding_window or 0, *optional, *tables,
                             attn.attn.softcap or 0.0)
 
 

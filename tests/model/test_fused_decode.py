@@ -1,7 +1,7 @@
 """The fused decode (models/fused_decode.py): a pure decode step through the C++ `FusedDecoder` gives the
 hidden states and logits of the same step through the modules, bitwise, on SmolLM2's GGUF computed on its
-own blocks and on SmolLM2 in bf16 (oneDNN's packed copies); and it stands aside for every step and model it
-does not cover."""
+own blocks, on SmolLM2 in bf16 (oneDNN's packed copies) and in int8 on AMX, and on tiny checkpoints of the
+Llama-like and Gemma families; and it stands aside for every step and model it does not cover."""
 
 import pytest
 import torch
@@ -64,6 +64,13 @@ def run_both_ways(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[
     return pairs, counting.calls
 
 
+def assert_bitwise_equal(pairs: list) -> None:
+    """Each step's fused hidden states and logits equal the modules', bit for bit."""
+    for hidden, reference_hidden, logits, reference_logits in pairs:
+        assert torch.equal(hidden, reference_hidden)
+        assert torch.equal(logits, reference_logits)
+
+
 @needs_vnni
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_fused_decode_equals_the_modules(kv_cache_dtype: str) -> None:
@@ -72,9 +79,7 @@ def test_fused_decode_equals_the_modules(kv_cache_dtype: str) -> None:
     pairs, calls = run_both_ways(llm, PROMPTS, max_tokens=12)
     assert len(pairs) >= 10 and calls == len(pairs)  # every decode step went through the C++ decoder
     assert any(h.shape[0] == len(PROMPTS) for h, *_ in pairs)  # batched steps among them
-    for hidden, reference_hidden, logits, reference_logits in pairs:
-        assert torch.equal(hidden, reference_hidden)
-        assert torch.equal(logits, reference_logits)
+    assert_bitwise_equal(pairs)
 
 
 @needs_vnni
@@ -88,8 +93,7 @@ def test_fused_decode_equals_the_modules_past_the_dense_row_count() -> None:
               **engine_kwargs(dtype="bfloat16", max_num_seqs=batch))
     pairs, calls = run_both_ways(llm, [[300 + i, 7 + i, 900] for i in range(batch)], max_tokens=3)
     assert calls == len(pairs) >= 2 and any(h.shape[0] == batch for h, *_ in pairs)
-    for hidden, reference_hidden, logits, reference_logits in pairs:
-        assert torch.equal(hidden, reference_hidden) and torch.equal(logits, reference_logits)
+    assert_bitwise_equal(pairs)
 
 
 @needs_vnni
@@ -136,8 +140,7 @@ def test_fused_decode_honours_the_sliding_window(tmp_path) -> None:
     assert [a.sliding_window for a in llm.engine.runner.model.attention_layers()] == [WINDOW, WINDOW]
     pairs, calls = run_both_ways(llm, [prompt(3 * WINDOW), prompt(5, seed=2)], max_tokens=2 * WINDOW)
     assert calls == len(pairs) >= 2 * WINDOW - 1
-    for hidden, reference_hidden, logits, reference_logits in pairs:
-        assert torch.equal(hidden, reference_hidden) and torch.equal(logits, reference_logits)
+    assert_bitwise_equal(pairs)
 
 
 @needs_blocked
@@ -149,8 +152,7 @@ def test_bf16_fused_decode_equals_the_modules(kv_cache_dtype: str) -> None:
     pairs, calls = run_both_ways(llm, PROMPTS, max_tokens=12)
     assert len(pairs) >= 10 and calls == len(pairs)
     assert any(h.shape[0] == len(PROMPTS) for h, *_ in pairs)
-    for hidden, reference_hidden, logits, reference_logits in pairs:
-        assert torch.equal(hidden, reference_hidden) and torch.equal(logits, reference_logits)
+    assert_bitwise_equal(pairs)
 
 
 @needs_blocked
@@ -162,8 +164,7 @@ def test_bf16_fused_decode_past_the_few_row_kernel() -> None:
     assert blocked_max_rows(llm.engine.runner.model.model.layers[0].mlp.down_proj.blocks) < batch
     pairs, calls = run_both_ways(llm, [[300 + i, 7 + i, 900] for i in range(batch)], max_tokens=3)
     assert calls == len(pairs) >= 2 and any(h.shape[0] == batch for h, *_ in pairs)
-    for hidden, reference_hidden, logits, reference_logits in pairs:
-        assert torch.equal(hidden, reference_hidden) and torch.equal(logits, reference_logits)
+    assert_bitwise_equal(pairs)
 
 
 @pytest.mark.parametrize("family, quantization", [
@@ -176,7 +177,7 @@ def test_bf16_fused_decode_past_the_few_row_kernel() -> None:
     pytest.param("gemma3-window", None, marks=needs_blocked),
     pytest.param("gemma3-window", "int4", marks=needs_vnni),
 ])
-def test_fused_decode_equals_the_modules_across_llama_families(tmp_path, family: str, quantization: str | None) -> None:
+def test_fused_decode_equals_the_modules_across_families(tmp_path, family: str, quantization: str | None) -> None:
     """q/k/v biases (Qwen2), a sliding window on some layers or all (Qwen2, Mistral, Gemma), llama3's and yarn's
     rope scaling, per-head q/k norms (Qwen3, Gemma 3), four norms a layer and Gemma's (1 + weight) (Gemma 2
     and 3), a rotary base per layer type (Gemma 3), an attention softcap (Gemma 2): decoding past the window,
@@ -190,8 +191,7 @@ def test_fused_decode_equals_the_modules_across_llama_families(tmp_path, family:
     llm = LLM(str(folder), quantization=quantization, **engine_kwargs(dtype="bfloat16", max_model_len=256))
     pairs, calls = run_both_ways(llm, [prompt(3 * WINDOW), prompt(5, seed=2)], max_tokens=2 * WINDOW)
     assert calls == len(pairs) >= 2 * WINDOW - 1
-    for hidden, reference_hidden, logits, reference_logits in pairs:
-        assert torch.equal(hidden, reference_hidden) and torch.equal(logits, reference_logits)
+    assert_bitwise_equal(pairs)
 
 
 @pytest.mark.skipif(not amx_int8_available(), reason="int8's layers take the AMX-INT8 kernel only where it runs")
@@ -201,5 +201,4 @@ def test_int8_fused_decode_on_amx_equals_the_modules() -> None:
     llm = LLM(str(resolve_model("smollm2-135m").path), quantization="int8", **engine_kwargs(dtype="bfloat16"))
     pairs, calls = run_both_ways(llm, PROMPTS, max_tokens=12)
     assert len(pairs) >= 10 and calls == len(pairs)
-    for hidden, reference_hidden, logits, reference_logits in pairs:
-        assert torch.equal(hidden, reference_hidden) and torch.equal(logits, reference_logits)
+    assert_bitwise_equal(pairs)

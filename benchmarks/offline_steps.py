@@ -3,9 +3,9 @@ workload (48 requests of 128 random prompt tokens and 64 output, EOS ignored, 16
 model step timed (`ModelRunner.run`) and grouped into pure decode steps and steps with prompt rows, with each
 group's rate in GOP/s of the decoder layers (2 x a dense layer's weights a row, `StepFlops`; the LM head and
 attention left out, so it reads low; wrong for mixtures of experts) and the first steps' minor page faults
-(docs/memory.md, "A step's buffers"). The run starts once the KV cache's pages are mapped (its lowest-priority
-thread, `memory.populate_in_background`), as a served benchmark's does after its quiet gap; `--no-kv-wait` times
-from the start, with that thread's page faults taken from the run (its cost: docs/memory.md).
+(docs/memory.md, "A step's buffers"). The run starts once the KV cache's pages are mapped and the weights are in
+huge pages (the start's lowest-priority threads, `ModelRunner.settle`), as a served benchmark's does after its
+quiet gap; `--no-kv-wait` times from the start, with those threads' work taken from the run (docs/memory.md).
 
     .venv/bin/python benchmarks/offline_steps.py MODEL [--quantization int8] [--num-prompts 48]
         [--input-len 128] [--output-len 64] [--max-num-seqs 16] [--no-kv-wait]
@@ -35,19 +35,18 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64, help="output tokens a request (default: %(default)s)")
     parser.add_argument("--max-num-seqs", type=int, default=16, help="requests in flight (default: %(default)s)")
     parser.add_argument("--kv-cache-memory", type=int, default=2 * 10**9, help="KV cache bytes (default: %(default)s)")
-    parser.add_argument("--no-kv-wait", action="store_true", help="start before the KV cache's pages are mapped")
+    parser.add_argument("--no-kv-wait", action="store_true", help="time from the start")
     args = parser.parse_args()
     llm = LLM(args.model, quantization=args.quantization, max_num_seqs=args.max_num_seqs,
               kv_cache_memory=args.kv_cache_memory)
     rng = random.Random(0)
     prompts = [[rng.randrange(200, 20000) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
     llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-    populating = llm.engine.core.executor.runner.kv_cache.populating
-    if populating is not None and not args.no_kv_wait:
+    if not args.no_kv_wait:
         waited = time.perf_counter()
-        populating.join(timeout=300)
-        state = "still mapping, timing anyway" if populating.is_alive() else "mapped"
-        print(f"waited {time.perf_counter() - waited:.1f} s for the KV cache's pages ({state})")
+        state = "done" if llm.engine.core.executor.runner.settle(timeout=300) else "not done, timing anyway"
+        print(f"waited {time.perf_counter() - waited:.1f} s for the KV cache's pages and the weights' huge pages "
+              f"({state})")
 
     steps: list[tuple[int, int, float, int]] = []  # (rows, sampled rows, seconds, minor page faults)
     run = model_runner.ModelRunner.run

@@ -1,5 +1,5 @@
-"""The process's resident memory as the kernel counts it, handing freed heap memory back to it, and zeroed
-memory that costs nothing until written.
+"""The process's resident memory as the kernel counts it, handing freed heap memory back to it, zeroed
+memory that costs nothing until written, and a model's weights moved to huge pages once it serves.
 
 Loading frees many transient tensors (each read from the checkpoint, the packing's checks); glibc keeps the
 small ones' memory in its heap (its mmap threshold rises to 32 MB after the first large free), where it
@@ -10,17 +10,27 @@ import contextlib
 import ctypes
 import ctypes.util
 import functools
+import logging
 import math
 import mmap
 import os
 import threading
+import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
 
+logger = logging.getLogger(__name__)
+
 POPULATE_CHUNK = 32 << 20  # bytes a madvise call maps: the process's mmap lock is never held long
 MADV_POPULATE_WRITE = 23  # Linux 5.14: fault a range in now, as a write would, without changing its contents
+MADV_COLLAPSE = 25  # Linux 6.1: back a range with transparent huge pages now, its contents copied
+HUGE_PAGE = 2 << 20  # a transparent huge page on x86-64 and most arm64 kernels
+SPAN_GAP = 64 << 10  # regions this close count as one span
+COLLAPSE_TRIES = 8  # calls that must all fail before the collapse stops (a kernel without it, THP off)
+THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
 HEAP_KEPT = 1 << 30  # free bytes at the heap's top that glibc keeps for reuse once `reuse_step_buffers` runs
 
@@ -113,3 +123,79 @@ def _populate(spans: list[tuple[int, int]], keep: list) -> None:
             size = min(POPULATE_CHUNK, end - chunk)
             if libc.madvise(ctypes.c_void_p(chunk), ctypes.c_size_t(size), MADV_POPULATE_WRITE) != 0:
                 return  # an older kernel: first writes map the pages
+
+
+def memory_spans(regions: Iterable[tuple[int, int]], gap: int = SPAN_GAP) -> list[tuple[int, int]]:
+    """(address, bytes) regions as sorted address ranges [start, end), those `gap` bytes apart or closer merged
+    (allocator headers and page rounding lie between a model's tensors)."""
+    spans: list[list[int]] = []
+    for start, end in sorted({(address, address + nbytes) for address, nbytes in regions if nbytes > 0}):
+        if spans and start - spans[-1][1] <= gap:
+            spans[-1][1] = max(spans[-1][1], end)
+        else:
+            spans.append([start, end])
+    return [(start, end) for start, end in spans]
+
+
+def huge_pages_allowed() -> bool:
+    """False where the administrator turned transparent huge pages off (`never`), the user did
+    (SOBRIO_DISABLE_HUGE_PAGES=1), or the kernel has none."""
+    if os.environ.get("SOBRIO_DISABLE_HUGE_PAGES") == "1":
+        return False
+    try:
+        with open(THP_SETTING) as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
+def huge_pages_in_background(regions: Iterable[tuple[int, int]], name: str,
+                             after: threading.Thread | None = None) -> threading.Thread | None:
+    """Move the memory of `regions` ((address, bytes): a model's weights) into transparent huge pages, on a
+    thread of its own at the lowest priority, once `after` (the KV cache's mapping) ends. A decode step streams
+    every weight, and in 4 KB pages each 4 KB of it costs a page-table walk too: a Llama-3.2-1B bf16 step at
+    batch 1 took 1.14x as long on a 2-core VM (docs/memory.md, "Weights in huge pages"). Huge pages from the
+    start would slow the load there (a fresh 2 MB page cost ~8x its share of 4 KB ones), so the weights load in
+    4 KB pages and the kernel copies them over (`MADV_COLLAPSE`) while the server idles; the contents do not
+    change, so steps run meanwhile. Only 2 MB pages wholly inside the weights' spans: nothing else becomes
+    resident. None where huge pages are not allowed (`huge_pages_allowed`)."""
+    if not huge_pages_allowed() or _libc() is None:
+        return None
+    spans = memory_spans(regions)
+    thread = threading.Thread(target=_collapse, args=(spans, name, after), name="sobrio-huge-pages", daemon=True)
+    thread.start()
+    return thread
+
+
+def _collapse(spans: list[tuple[int, int]], name: str, after: threading.Thread | None) -> None:
+    """The weights' memory stays alive for their model's life; if a model is dropped meanwhile, a call on
+    freed memory fails or copies what is there, harmless either way."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # Linux: this thread only
+    if after is not None:
+        after.join()
+    started = time.perf_counter()
+    done = to_huge_pages(spans)
+    if done is None:
+        logger.info("weights of %s stay in 4 KB pages: this kernel does not move them to huge pages", name)
+    else:
+        logger.info("weights of %s in huge pages: %.2f of %.2f GB in %.1f s", name, done / 1e9,
+                    sum(end - start for start, end in spans) / 1e9, time.perf_counter() - started)
+
+
+def to_huge_pages(spans: list[tuple[int, int]]) -> int | None:
+    """Back the 2 MB pages that lie wholly inside `spans` with transparent huge pages (`MADV_COLLAPSE`, the
+    contents copied); the bytes moved, or None where the kernel refuses (before 6.1, THP off)."""
+    libc = _libc()
+    if libc is None or not huge_pages_allowed():
+        return None
+    done = failed = 0
+    for start, end in spans:
+        for page in range(-(-start // HUGE_PAGE) * HUGE_PAGE, end - HUGE_PAGE + 1, HUGE_PAGE):
+            if libc.madvise(ctypes.c_void_p(page), ctypes.c_size_t(HUGE_PAGE), MADV_COLLAPSE) == 0:
+                done += 1
+            else:
+                failed += 1
+                if failed >= COLLAPSE_TRIES and done == 0:
+                    return None
+    return done * HUGE_PAGE

@@ -21,6 +21,8 @@ from sobrio.layers.cpu_ops import amx_int8_available, cpu_ops
 from sobrio.layers.linear import BlockedEmbedding, Linear
 from sobrio.layers.quantization import QuantizedLinear
 from sobrio.layers.rotary import RotaryEmbedding
+from sobrio.memory import memory_spans, to_huge_pages
+from sobrio.models.weights import tensor_memory
 
 INT8_ZERO_POINT = torch.zeros((), dtype=torch.long)
 BLOCK_SIZE = 16  # CacheConfig's default: KV blocks; also the meta model's (unused) positions
@@ -91,15 +93,11 @@ def peak_int8_ops(n: int = 2048) -> tuple[float, str]:
 
 
 def memory_bandwidth(gib: float = 1.0) -> float:
+    """Reads of a buffer in huge pages where the kernel allows them, as the engine's weights are once it
+    serves (`memory.huge_pages_in_background`): in 4 KB pages each page costs a page-table walk too."""
     x = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
+    to_huge_pages(memory_spans([tensor_memory(x)]))
     return x.numel() * 4 / _best_time(lambda: x.sum())
-
-
-def _tensor_bytes(t: torch.Tensor) -> tuple[int, int]:
-    """(identity, bytes) of a tensor's storage; oneDNN's opaque tensors by their elements."""
-    if t.is_mkldnn:
-        return id(t), t.numel() * t.element_size()
-    return t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
 
 
 def _tensors_read(module: torch.nn.Module) -> list[torch.Tensor]:
@@ -126,7 +124,7 @@ def step_read_bytes(model: torch.nn.Module) -> int:
         if module in skipped:
             continue
         for t in _tensors_read(module):
-            key, nbytes = _tensor_bytes(t)
+            key, nbytes = tensor_memory(t)
             if key not in seen:
                 seen.add(key)
                 total += nbytes
@@ -232,6 +230,8 @@ def cmd_bench_roofline(args) -> int:
     peaks = machine_peaks()
     llm = LLM(args.model, **_engine_kwargs(args))
     runner = llm.engine.runner
+    if not runner.settle(timeout=300):  # the KV cache's pages and the weights' huge pages, as a server's
+        print("the start's background work is not done after 300 s: timing anyway", flush=True)
     describe_model(args, runner)
     read, weights = step_read_bytes(runner.model), matmul_weights(runner.model)
     peak_name = compute_peak(args.quantization, runner.dtype)

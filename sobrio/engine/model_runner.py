@@ -6,6 +6,7 @@ holds no reference to it.
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -20,10 +21,11 @@ from sobrio.errors import ConfigError, InvalidRequestError
 from sobrio.kv.cache import KV_CACHE_DTYPES, KVCache, KVCacheSpec, kv_budget
 from sobrio.layers.attention import AttentionMetadata
 from sobrio.loader.load import LoadedModelFiles, quantization_cache
-from sobrio.memory import reuse_step_buffers
+from sobrio.memory import huge_pages_in_background, reuse_step_buffers
 from sobrio.models.llama import DecoderModel
 from sobrio.models.registry import build_model
 from sobrio.models.sizing import kv_cache_spec, resolve_dtype
+from sobrio.models.weights import held_tensors, tensor_memory
 from sobrio.speculative.eagle import EagleDraft, EagleFiles
 from sobrio.timing import log_step
 from sobrio.types.scheduler_output import SchedulerOutput
@@ -98,6 +100,18 @@ class ModelRunner:
         reuse_step_buffers()
         with log_step(logger, "warming up %s", files.source.name):
             self.warm_up()
+        models = [m for m in (self.model, self.draft_model) if m is not None]
+        self.huge_pages = huge_pages_in_background(  # after the KV cache's pages: the start does not wait
+            (tensor_memory(t) for m in models for t in held_tensors(m)), files.source.name, self.kv_cache.populating)
+
+    def settle(self, timeout: float) -> bool:
+        """Wait up to `timeout` s for the work the start left to the background (the KV cache's pages, the
+        weights' huge pages); True once it is done. Benchmarks wait, as a served one's quiet gap does."""
+        deadline = time.monotonic() + timeout
+        for thread in (self.kv_cache.populating, self.huge_pages):
+            if thread is not None:
+                thread.join(max(0.0, deadline - time.monotonic()))
+        return not any(t is not None and t.is_alive() for t in (self.kv_cache.populating, self.huge_pages))
 
     def _plan_kv(self, files: LoadedModelFiles, draft: LoadedModelFiles | None,
                  eagle: EagleFiles | None) -> KVCacheSpec | None:

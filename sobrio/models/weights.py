@@ -7,7 +7,7 @@ module's quantized form (`concat(shards).linear(bias)`) once the float parameter
 """
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
@@ -196,17 +196,27 @@ class PackedLinear(Linear):
         self.shard_offsets = list(zip(starts, out_sizes))
 
 
+def held_tensors(module: torch.nn.Module) -> Iterator[torch.Tensor]:
+    """The tensors a module and its children hold, as parameters, buffers or attributes (views included)."""
+    for sub in module.modules():
+        yield from sub.parameters(recurse=False)
+        yield from sub.buffers(recurse=False)
+        yield from (v for v in vars(sub).values() if isinstance(v, torch.Tensor))
+
+
+def tensor_memory(t: torch.Tensor) -> tuple[int, int]:
+    """(address, bytes) of the memory a tensor lives in: its storage's, or oneDNN's opaque packed copy's (its
+    elements' bytes)."""
+    if t.is_mkldnn:
+        return torch.ops.mkldnn.data_ptr(t), t.numel() * t.element_size()
+    return t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+
+
 def resident_bytes(module: torch.nn.Module) -> int:
     """Bytes of the distinct tensors a module and its children hold, as parameters, buffers or attributes
     (oneDNN's opaque packed weights counted by their elements, once with the views of their memory)."""
-    seen: set[int] = set()
-    total = 0
-    for sub in module.modules():
-        tensors = [*sub.parameters(recurse=False), *sub.buffers(recurse=False),
-                   *(v for v in vars(sub).values() if isinstance(v, torch.Tensor))]
-        for t in tensors:
-            key = torch.ops.mkldnn.data_ptr(t) if t.is_mkldnn else t.untyped_storage().data_ptr()
-            if key not in seen:
-                seen.add(key)
-                total += t.numel() * t.element_size() if t.is_mkldnn else t.untyped_storage().nbytes()
-    return total
+    memory: dict[int, int] = {}
+    for t in held_tensors(module):
+        address, nbytes = tensor_memory(t)
+        memory.setdefault(address, nbytes)
+    return sum(memory.values())

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from sobrio.layers.linear import BlockedPacker, Linear, blocked_view, one_copy_l
 from sobrio.loader.hf import iter_safetensors_weights, safetensors_elements
 from sobrio.models.weights import resident_bytes
 
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 needs_blocked = pytest.mark.skipif(not one_copy_layout(),
                                    reason="oneDNN's packed layout here is not the one the few-row kernel reads")
 
@@ -252,3 +254,34 @@ def test_quantizing_frees_each_float_weight_as_it_goes(checkpoint, monkeypatch):
     files = load_model_files(str(checkpoint), tokenizer=False)
     build_model(files.config, 256, files.iter_weights(), torch.bfloat16, "auto", quantization="int8-weight-only")
     assert len(done) == 4 * 4 + 1  # qkv, o, gate_up, down per layer; the untied head
+
+
+HUGE_PAGES_PROBE = textwrap.dedent("""
+    import json, sys
+    from sobrio import LLM
+    from sobrio.memory import proc_bytes
+    from sobrio.models.weights import resident_bytes
+    llm = LLM(sys.argv[1], tokenizer="smollm2-135m", dtype="bfloat16", kv_cache_memory=32 << 20,
+              max_model_len=256)
+    runner = llm.engine.runner
+    before = proc_bytes("/proc/self/status", "RssAnon")  # the KV cache's pages are shared memory
+    settled = runner.settle(timeout=90)
+    print(json.dumps({"settled": settled, "background": runner.huge_pages is not None, "weights": resident_bytes(
+        runner.model), "huge": proc_bytes("/proc/self/smaps_rollup", "AnonHugePages"),
+        "grew": proc_bytes("/proc/self/status", "RssAnon") - before}))
+""")
+
+
+@pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(), reason="a kernel with transparent huge pages")
+def test_a_loaded_models_weights_move_to_huge_pages_in_the_background(checkpoint):
+    """Once the start's background work is done, the weights lie in 2 MB pages (a decode step streams them:
+    docs/memory.md, "Weights in huge pages"), and nothing else became resident."""
+    out = subprocess.run([sys.executable, "-c", HUGE_PAGES_PROBE, str(checkpoint)], capture_output=True, text=True,
+                         timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["settled"] and got["background"], got
+    if "does not move them to huge pages" in out.stderr:
+        pytest.skip("this kernel does not collapse (MADV_COLLAPSE: Linux 6.1)")
+    assert got["huge"] >= 0.5 * got["weights"], got  # 85% here: tensors under 2 MB, apart, keep their pages
+    assert got["grew"] <= 8 << 20, got

@@ -40,3 +40,53 @@ def test_numpy_memory_is_not_advised_as_huge_pages_unless_the_user_asks():
     assert not advised("sobrio") and not advised("numpy")
     if THP.exists() and "[never]" not in THP.read_text():  # numpy advises only where the kernel has THP
         assert advised("sobrio", NUMPY_MADVISE_HUGEPAGE="1")
+
+
+COLLAPSE_PROBE = """
+import hashlib, mmap, os, sys
+from sobrio.memory import memory_spans, to_huge_pages
+size = 16 << 20
+region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
+region.write(os.urandom(size))
+address = __import__("ctypes").addressof(__import__("ctypes").c_char.from_buffer(region))
+before = hashlib.sha256(region).hexdigest()
+moved = to_huge_pages(memory_spans([(address + 4096, size - 8192)]))
+huge = 0
+for line in open("/proc/self/smaps"):
+    if "-" in line.split()[0] and not line.startswith("VmFlags"):
+        start, end = (int(x, 16) for x in line.split()[0].split("-"))
+        inside = start <= address < end
+    elif line.startswith("AnonHugePages") and inside:
+        huge = int(line.split()[1]) << 10
+print(moved, huge, hashlib.sha256(region).hexdigest() == before)
+"""
+
+
+def collapse(**env: str) -> tuple[str, int, bool]:
+    environ = {k: v for k, v in os.environ.items() if k != "SOBRIO_DISABLE_HUGE_PAGES"} | env
+    out = subprocess.run([sys.executable, "-c", COLLAPSE_PROBE], capture_output=True, text=True, timeout=120,
+                         env=environ)
+    assert out.returncode == 0, out.stderr[-2000:]
+    moved, huge, same = out.stdout.split()
+    return moved, int(huge), same == "True"
+
+
+@pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(), reason="a kernel with transparent huge pages")
+def test_a_span_moves_to_huge_pages_with_its_contents_and_nothing_around_it():
+    """16 MB less a 4 KB page at each end: the 2 MB pages wholly inside it, 14 or 16 MB by its alignment, and
+    never the partial ones at its ends (memory beside a model's weights must not become resident)."""
+    moved, huge, same = collapse()
+    if moved == "None":
+        pytest.skip("this kernel does not collapse (MADV_COLLAPSE: Linux 6.1)")
+    assert same
+    assert int(moved) == huge and huge in (12 << 20, 14 << 20), (moved, huge)
+    moved, huge, same = collapse(SOBRIO_DISABLE_HUGE_PAGES="1")
+    assert (moved, huge, same) == ("None", 0, True)
+
+
+def test_regions_merge_into_spans_across_small_gaps_only():
+    from sobrio.memory import SPAN_GAP as GAP
+    from sobrio.memory import memory_spans
+
+    regions = [(1200 + GAP, 50), (0, 1000), (1251 + 2 * GAP, 10), (900, 300), (10_000_000, 0)]
+    assert memory_spans(regions) == [(0, 1250 + GAP), (1251 + 2 * GAP, 1261 + 2 * GAP)]

@@ -16,7 +16,7 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -31,6 +31,7 @@ HUGE_PAGE = 2 << 20  # a transparent huge page on x86-64 and most arm64 kernels
 SPAN_GAP = 64 << 10  # regions this close count as one span
 COLLAPSE_TRIES = 8  # calls that must all fail before the collapse stops (a kernel without it, THP off)
 THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
+QUIET_POLL_S = 0.05  # how often a collapse waiting for a quiet moment looks again
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
 HEAP_KEPT = 1 << 30  # free bytes at the heap's top that glibc keeps for reuse once `reuse_step_buffers` runs
 
@@ -149,25 +150,28 @@ def huge_pages_allowed() -> bool:
         return False
 
 
-def huge_pages_in_background(regions: Iterable[tuple[int, int]], name: str,
-                             after: threading.Thread | None = None) -> threading.Thread | None:
+def huge_pages_in_background(regions: Iterable[tuple[int, int]], name: str, after: threading.Thread | None = None,
+                             quiet: Callable[[], bool] | None = None) -> threading.Thread | None:
     """Move the memory of `regions` ((address, bytes): a model's weights) into transparent huge pages, on a
     thread of its own at the lowest priority, once `after` (the KV cache's mapping) ends. A decode step streams
     every weight, and in 4 KB pages each 4 KB of it costs a page-table walk too: a Llama-3.2-1B bf16 step at
     batch 1 took 1.14x as long on a 2-core VM (docs/memory.md, "Weights in huge pages"). Huge pages from the
     start would slow the load there (a fresh 2 MB page cost ~8x its share of 4 KB ones), so the weights load in
-    4 KB pages and the kernel copies them over (`MADV_COLLAPSE`) while the server idles; the contents do not
-    change, so steps run meanwhile. Only 2 MB pages wholly inside the weights' spans: nothing else becomes
-    resident. None where huge pages are not allowed (`huge_pages_allowed`)."""
+    4 KB pages and the kernel copies them over (`MADV_COLLAPSE`, ~3 ms a 2 MB page there) whenever `quiet()`
+    says no step runs; the contents do not change, so a step may start meanwhile. Only 2 MB pages wholly inside
+    the weights' spans: nothing else becomes resident. None where huge pages are not allowed
+    (`huge_pages_allowed`)."""
     if not huge_pages_allowed() or _libc() is None:
         return None
     spans = memory_spans(regions)
-    thread = threading.Thread(target=_collapse, args=(spans, name, after), name="sobrio-huge-pages", daemon=True)
+    thread = threading.Thread(target=_collapse, args=(spans, name, after, quiet), name="sobrio-huge-pages",
+                              daemon=True)
     thread.start()
     return thread
 
 
-def _collapse(spans: list[tuple[int, int]], name: str, after: threading.Thread | None) -> None:
+def _collapse(spans: list[tuple[int, int]], name: str, after: threading.Thread | None,
+              quiet: Callable[[], bool] | None) -> None:
     """The weights' memory stays alive for their model's life; if a model is dropped meanwhile, a call on
     freed memory fails or copies what is there, harmless either way."""
     with contextlib.suppress(OSError, AttributeError):
@@ -175,7 +179,7 @@ def _collapse(spans: list[tuple[int, int]], name: str, after: threading.Thread |
     if after is not None:
         after.join()
     started = time.perf_counter()
-    done = to_huge_pages(spans)
+    done = to_huge_pages(spans, quiet)
     if done is None:
         logger.info("weights of %s stay in 4 KB pages: this kernel does not move them to huge pages", name)
     else:
@@ -183,15 +187,18 @@ def _collapse(spans: list[tuple[int, int]], name: str, after: threading.Thread |
                     sum(end - start for start, end in spans) / 1e9, time.perf_counter() - started)
 
 
-def to_huge_pages(spans: list[tuple[int, int]]) -> int | None:
+def to_huge_pages(spans: list[tuple[int, int]], quiet: Callable[[], bool] | None = None) -> int | None:
     """Back the 2 MB pages that lie wholly inside `spans` with transparent huge pages (`MADV_COLLAPSE`, the
-    contents copied); the bytes moved, or None where the kernel refuses (before 6.1, THP off)."""
+    contents copied), each once `quiet()` says so; the bytes moved, or None where the kernel refuses (before
+    6.1, THP off)."""
     libc = _libc()
     if libc is None or not huge_pages_allowed():
         return None
     done = failed = 0
     for start, end in spans:
         for page in range(-(-start // HUGE_PAGE) * HUGE_PAGE, end - HUGE_PAGE + 1, HUGE_PAGE):
+            while quiet is not None and not quiet():
+                time.sleep(QUIET_POLL_S)
             if libc.madvise(ctypes.c_void_p(page), ctypes.c_size_t(HUGE_PAGE), MADV_COLLAPSE) == 0:
                 done += 1
             else:

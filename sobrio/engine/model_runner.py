@@ -52,6 +52,27 @@ class StepInputs:
     adapters: list = field(default_factory=list)  # each request's LoRARequest or None (--enable-lora only)
 
 
+class StepActivity:
+    """Whether a model step ran lately. The start's background work on the weights waits for a quiet moment:
+    on a 2-core host a thread that takes a core from one of a step's compute threads stalls both at the next
+    barrier (docs/memory.md, "A step's buffers")."""
+
+    QUIET_S = 0.1  # no step for this long: the engine is idle (decode steps follow each other within ms)
+
+    def __init__(self):
+        self.running, self.last_end = 0, 0.0
+
+    def __enter__(self) -> None:
+        self.running += 1
+
+    def __exit__(self, *exc) -> None:
+        self.running -= 1
+        self.last_end = time.monotonic()
+
+    def quiet(self) -> bool:
+        return self.running == 0 and time.monotonic() - self.last_end > self.QUIET_S
+
+
 class ModelRunner:
     def __init__(self, config: SobrioConfig, files: LoadedModelFiles, draft: LoadedModelFiles | None = None,
                  tp: TPRank | None = None):
@@ -67,6 +88,7 @@ class ModelRunner:
         if threads:
             torch.set_num_threads(threads)
         self.config = config
+        self.activity = StepActivity()
         self.hf_config = files.config
         self.dtype = resolve_dtype(model.dtype)
         self.block_size = cache.block_size
@@ -101,8 +123,9 @@ class ModelRunner:
         with log_step(logger, "warming up %s", files.source.name):
             self.warm_up()
         models = [m for m in (self.model, self.draft_model) if m is not None]
-        self.huge_pages = huge_pages_in_background(  # after the KV cache's pages: the start does not wait
-            (tensor_memory(t) for m in models for t in held_tensors(m)), files.source.name, self.kv_cache.populating)
+        self.huge_pages = huge_pages_in_background(  # after the KV cache's pages, between steps only
+            (tensor_memory(t) for m in models for t in held_tensors(m)), files.source.name, self.kv_cache.populating,
+            self.activity.quiet)
 
     def settle(self, timeout: float) -> bool:
         """Wait up to `timeout` s for the work the start left to the background (the KV cache's pages, the
@@ -324,11 +347,15 @@ class ModelRunner:
                 row += num_new
         return logits
 
-    @torch.inference_mode()
     def run(self, step: StepInputs, prompt_logprobs: dict | None = None) -> torch.Tensor:
         """The forward of flat step inputs (what every tensor-parallel rank runs, in the same order: each
         LM-head call is a collective). `prompt_logprobs[request_id] = (first position, [(logprob, rank,
         [(token id, logprob), ...top n]), ...])`, the LM head on at most 256 rows at a time."""
+        with self.activity:
+            return self._forward(step, prompt_logprobs)
+
+    @torch.inference_mode()
+    def _forward(self, step: StepInputs, prompt_logprobs: dict | None) -> torch.Tensor:
         positions = torch.tensor(step.positions, dtype=torch.long)
         lengths = torch.tensor(step.query_start_loc[1:]) - torch.tensor(step.query_start_loc[:-1])
         meta = self._metadata(step.block_tables, torch.repeat_interleave(torch.arange(len(lengths)), lengths),

@@ -90,3 +90,44 @@ def test_regions_merge_into_spans_across_small_gaps_only():
 
     regions = [(1200 + GAP, 50), (0, 1000), (1251 + 2 * GAP, 10), (900, 300), (10_000_000, 0)]
     assert memory_spans(regions) == [(0, 1250 + GAP), (1251 + 2 * GAP, 1261 + 2 * GAP)]
+
+
+@pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(), reason="a kernel with transparent huge pages")
+def test_each_huge_page_waits_for_a_quiet_moment():
+    """The collapse asks before every 2 MB page whether a model step runs, and waits while one does."""
+    import ctypes
+    import mmap
+
+    from sobrio.memory import HUGE_PAGE, memory_spans, to_huge_pages
+
+    region = mmap.mmap(-1, 4 * HUGE_PAGE, flags=mmap.MAP_PRIVATE)
+    region.write(b"x" * len(region))
+    address = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    answers = iter([False, False, True, False, True, True, True, True])
+    asked = []
+
+    def quiet() -> bool:
+        asked.append(1)
+        return next(answers)
+
+    moved = to_huge_pages(memory_spans([(address, len(region))]), quiet)
+    if moved is None:
+        pytest.skip("this kernel does not collapse (MADV_COLLAPSE: Linux 6.1)")
+    pages = moved // HUGE_PAGE
+    assert pages >= 3 and len(asked) == pages + 3  # a look a page; 2 refusals before the first, 1 before the second
+
+
+def test_a_runner_is_quiet_only_a_while_after_its_last_step(monkeypatch):
+    from sobrio.engine import model_runner
+    from sobrio.engine.model_runner import StepActivity
+
+    now = [100.0]
+    monkeypatch.setattr(model_runner.time, "monotonic", lambda: now[0])
+    activity = StepActivity()
+    assert activity.quiet()
+    with activity:
+        now[0] += 5
+        assert not activity.quiet()  # a long prompt step
+    assert not activity.quiet()
+    now[0] += StepActivity.QUIET_S * 1.5
+    assert activity.quiet()

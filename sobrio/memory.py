@@ -154,13 +154,12 @@ def huge_pages_in_background(regions: Iterable[tuple[int, int]], name: str, afte
                              quiet: Callable[[], bool] | None = None) -> threading.Thread | None:
     """Move the memory of `regions` ((address, bytes): a model's weights) into transparent huge pages, on a
     thread of its own at the lowest priority, once `after` (the KV cache's mapping) ends. A decode step streams
-    every weight, and in 4 KB pages each 4 KB of it costs a page-table walk too: a Llama-3.2-1B bf16 step at
-    batch 1 took 1.14x as long on a 2-core VM (docs/memory.md, "Weights in huge pages"). Huge pages from the
-    start would slow the load there (a fresh 2 MB page cost ~8x its share of 4 KB ones), so the weights load in
-    4 KB pages and the kernel copies them over (`MADV_COLLAPSE`, ~3 ms a 2 MB page there) whenever `quiet()`
-    says no step runs; the contents do not change, so a step may start meanwhile. Only 2 MB pages wholly inside
-    the weights' spans: nothing else becomes resident. None where huge pages are not allowed
-    (`huge_pages_allowed`)."""
+    every weight, and in 4 KB pages each 4 KB of it costs a page-table walk too. Huge pages from the start
+    would slow the load where fresh 2 MB pages are dear (a VM's), so the weights load in 4 KB pages and the
+    kernel copies them over (`MADV_COLLAPSE`) whenever `quiet()` says no step runs; the contents do not change,
+    so a step may start meanwhile. Only 2 MB pages wholly inside the weights' spans: nothing else becomes
+    resident. None where huge pages are not allowed (`huge_pages_allowed`). Figures: docs/memory.md, "Weights
+    in huge pages"."""
     if not huge_pages_allowed() or _libc() is None:
         return None
     spans = memory_spans(regions)

@@ -157,9 +157,9 @@ def huge_pages_in_background(regions: Iterable[tuple[int, int]], name: str, afte
     every weight, and in 4 KB pages each 4 KB of it costs a page-table walk too. Huge pages from the start
     would slow the load where fresh 2 MB pages are dear (a VM's), so the weights load in 4 KB pages and the
     kernel copies them over (`MADV_COLLAPSE`) whenever `quiet()` says no step runs; the contents do not change,
-    so a step may start meanwhile. Only 2 MB pages wholly inside the weights' spans: nothing else becomes
-    resident. None where huge pages are not allowed (`huge_pages_allowed`). Figures: docs/memory.md, "Weights
-    in huge pages"."""
+    so a step may start meanwhile. Only 2 MB pages wholly inside the weights' spans: nothing but the small
+    gaps between tensors (`SPAN_GAP`) can become resident. None where huge pages are not allowed
+    (`huge_pages_allowed`). Figures: docs/memory.md, "Weights in huge pages"."""
     if not huge_pages_allowed() or _libc() is None:
         return None
     spans = memory_spans(regions)

@@ -36,6 +36,7 @@ for SEED in "$@"; do
     start "$NAME" "$PORT"
     wait_for "http://127.0.0.1:$PORT/v1/models" 900
     echo "$NAME ready in $(($(date +%s) - T0)) s"
+    case "$NAME" in sobrio*) settled "results/at-size-$NAME-serve.log" ;; esac
     sleep 5
     URL=http://127.0.0.1:$PORT
     for W in inflight16 inflight32 ttft1000 ttft4000; do

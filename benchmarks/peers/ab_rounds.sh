@@ -43,6 +43,7 @@ for NAME in "${NAMES[@]}"; do  # one at a time, so no start competes with anothe
   start "$NAME" "$(port "$NAME")"
   wait_for "http://127.0.0.1:$(port "$NAME")/v1/models" 900
   echo "$NAME ready in $(($(date +%s) - T0)) s"
+  case "$NAME" in sobrio*) settled "results/rounds-$NAME-serve.log" ;; esac  # before the next start competes
 done
 .venv/bin/python - "${NAMES[@]}" -- "${PIDS[@]}" <<'PY'
 import sys, time, psutil  # each server's CPU seconds over a quiet minute, its whole process tree

@@ -8,6 +8,12 @@ wait_for() {
   echo "no answer from $1" >&2
   return 1
 }
+# settled LOG [SECONDS]: until a sobrio server's log says where its weights ended (huge pages or 4 KB pages, the
+# start's last background work: docs/memory.md, "Weights in huge pages"), so a run measures the steady server
+settled() {
+  for _ in $(seq "${2:-120}"); do grep -q "weights of .* \(in huge pages\|stay in 4 KB pages\)" "$1" && return 0; sleep 1; done
+  echo "no word on the weights' pages in $1 after ${2:-120} s: timing anyway" >&2
+}
 # port_free URL: a server left on the port would answer for the one started next (and hold its prompts in its
 # prefix cache): stop here instead
 port_free() { if curl -s -o /dev/null "$1"; then echo "something already answers on $1: stop it first" >&2; exit 1; fi; }

@@ -126,6 +126,9 @@ class ModelRunner:
         self.huge_pages = huge_pages_in_background(  # after the KV cache's pages, between steps only
             (tensor_memory(t) for m in models for t in held_tensors(m)), files.source.name, self.kv_cache.populating,
             self.activity.quiet)
+        if self.huge_pages is None:
+            logger.info("weights of %s stay in 4 KB pages (huge pages off: SOBRIO_DISABLE_HUGE_PAGES or THP never)",
+                        files.source.name)
 
     def settle(self, timeout: float) -> bool:
         """Wait up to `timeout` s for the work the start left to the background (the KV cache's pages, the

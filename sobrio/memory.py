@@ -161,6 +161,8 @@ def huge_pages_in_background(regions: Iterable[tuple[int, int]], name: str, afte
     gaps between tensors (`SPAN_GAP`) can become resident. None where huge pages are not allowed
     (`huge_pages_allowed`). Figures: docs/memory.md, "Weights in huge pages"."""
     if not huge_pages_allowed() or _libc() is None:
+        logger.info("weights of %s stay in 4 KB pages (%s)", name, "no glibc" if _libc() is None else
+                    "huge pages off: SOBRIO_DISABLE_HUGE_PAGES or THP never")
         return None
     spans = memory_spans(regions)
     thread = threading.Thread(target=_collapse, args=(spans, name, after, quiet), name="sobrio-huge-pages",

@@ -126,18 +126,15 @@ class ModelRunner:
         self.huge_pages = huge_pages_in_background(  # after the KV cache's pages, between steps only
             (tensor_memory(t) for m in models for t in held_tensors(m)), files.source.name, self.kv_cache.populating,
             self.activity.quiet)
-        if self.huge_pages is None:
-            logger.info("weights of %s stay in 4 KB pages (huge pages off: SOBRIO_DISABLE_HUGE_PAGES or THP never)",
-                        files.source.name)
 
     def settle(self, timeout: float) -> bool:
         """Wait up to `timeout` s for the work the start left to the background (the KV cache's pages, the
         weights' huge pages); True once it is done. Benchmarks wait, as a served one's quiet gap does."""
         deadline = time.monotonic() + timeout
-        for thread in (self.kv_cache.populating, self.huge_pages):
-            if thread is not None:
-                thread.join(max(0.0, deadline - time.monotonic()))
-        return not any(t is not None and t.is_alive() for t in (self.kv_cache.populating, self.huge_pages))
+        threads = [t for t in (self.kv_cache.populating, self.huge_pages) if t is not None]
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in threads)
 
     def _plan_kv(self, files: LoadedModelFiles, draft: LoadedModelFiles | None,
                  eagle: EagleFiles | None) -> KVCacheSpec | None:

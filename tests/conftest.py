@@ -60,6 +60,17 @@ def _takes_session_server(path: str) -> bool:
     return not own and re.search(r"def \w+\([^)]*\bserver\b", source) is not None
 
 
+def _thp_setting() -> str:
+    from sobrio.memory import THP_SETTING
+
+    path = pathlib.Path(THP_SETTING)
+    return path.read_text() if path.exists() else "[never]"
+
+
+# Tests of transparent huge pages: skipped where the kernel has none or the administrator turned them off.
+with_thp = pytest.mark.skipif("[never]" in _thp_setting(), reason="a kernel with transparent huge pages")
+
+
 def engine_kwargs(**overrides) -> dict:
     """Small KV cache and fp32: fast to allocate, exact against the reference."""
     kwargs = dict(dtype="float32", kv_cache_memory=256 << 20, max_model_len=1024)

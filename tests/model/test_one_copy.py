@@ -3,10 +3,10 @@ the few-row kernel reads too, where this CPU's layout allows), loads streamed te
 the file mapped, and its process's resident memory after load stays within weights + KV + 10% + a little."""
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,8 +16,8 @@ from sobrio.layers.cpu_ops import cpu_ops
 from sobrio.layers.linear import BlockedPacker, Linear, blocked_view, one_copy_layout, pack_weight
 from sobrio.loader.hf import iter_safetensors_weights, safetensors_elements
 from sobrio.models.weights import resident_bytes
+from tests.conftest import with_thp
 
-THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 needs_blocked = pytest.mark.skipif(not one_copy_layout(),
                                    reason="oneDNN's packed layout here is not the one the few-row kernel reads")
 
@@ -272,12 +272,13 @@ HUGE_PAGES_PROBE = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(), reason="a kernel with transparent huge pages")
+@with_thp
 def test_a_loaded_models_weights_move_to_huge_pages_in_the_background(checkpoint):
     """Once the start's background work is done, the weights lie in 2 MB pages (a decode step streams them:
     docs/memory.md, "Weights in huge pages"), and nothing else became resident."""
+    environ = {k: v for k, v in os.environ.items() if k != "SOBRIO_DISABLE_HUGE_PAGES"}  # the default start
     out = subprocess.run([sys.executable, "-c", HUGE_PAGES_PROBE, str(checkpoint)], capture_output=True, text=True,
-                         timeout=180)
+                         timeout=180, env=environ)
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["settled"] and got["background"], got

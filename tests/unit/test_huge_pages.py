@@ -8,6 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from sobrio.memory import THP_SETTING
+from tests.conftest import with_thp
+
 PROBE = """
 import sys
 first = sys.argv[1]
@@ -25,7 +28,7 @@ for line in open("/proc/self/smaps"):
         advised = "hg" in line.split()
 print(advised)
 """
-THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+THP = Path(THP_SETTING)
 
 
 def advised(first: str, **env: str) -> bool:
@@ -43,12 +46,12 @@ def test_numpy_memory_is_not_advised_as_huge_pages_unless_the_user_asks():
 
 
 COLLAPSE_PROBE = """
-import hashlib, mmap, os, sys
+import ctypes, hashlib, mmap, os
 from sobrio.memory import memory_spans, to_huge_pages
 size = 16 << 20
 region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
 region.write(os.urandom(size))
-address = __import__("ctypes").addressof(__import__("ctypes").c_char.from_buffer(region))
+address = ctypes.addressof(ctypes.c_char.from_buffer(region))
 before = hashlib.sha256(region).hexdigest()
 moved = to_huge_pages(memory_spans([(address + 4096, size - 8192)]))
 huge = 0
@@ -71,9 +74,9 @@ def collapse(**env: str) -> tuple[str, int, bool]:
     return moved, int(huge), same == "True"
 
 
-@pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(), reason="a kernel with transparent huge pages")
+@with_thp
 def test_a_span_moves_to_huge_pages_with_its_contents_and_nothing_around_it():
-    """16 MB less a 4 KB page at each end: the 2 MB pages wholly inside it, 14 or 16 MB by its alignment, and
+    """16 MB less a 4 KB page at each end: the 2 MB pages wholly inside it, 12 or 14 MB by its alignment, and
     never the partial ones at its ends (memory beside a model's weights must not become resident)."""
     moved, huge, same = collapse()
     if moved == "None":
@@ -92,9 +95,10 @@ def test_regions_merge_into_spans_across_small_gaps_only():
     assert memory_spans(regions) == [(0, 1250 + GAP), (1251 + 2 * GAP, 1261 + 2 * GAP)]
 
 
-@pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(), reason="a kernel with transparent huge pages")
-def test_each_huge_page_waits_for_a_quiet_moment():
+@with_thp
+def test_each_huge_page_waits_for_a_quiet_moment(monkeypatch):
     """The collapse asks before every 2 MB page whether a model step runs, and waits while one does."""
+    monkeypatch.delenv("SOBRIO_DISABLE_HUGE_PAGES", raising=False)
     import ctypes
     import mmap
 

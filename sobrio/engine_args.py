@@ -31,6 +31,9 @@ ENVIRONMENT = """environment variables:
                       grouped_linear, not vnni_linear (and so no fused decode)
   SOBRIO_DISABLE_FUSED_DECODE
                       1: a decode step runs through the modules, not one C++ call (models/fused_decode.py)
+  SOBRIO_DISABLE_HUGE_PAGES
+                      1: the weights stay in 4 KB pages, not moved to transparent huge pages once the
+                      engine idles after its start (docs/memory.md, "Weights in huge pages")
   XDG_CACHE_HOME      the C++ operators' fallback folder when the environment is read-only (default: ~/.cache)
   CXX                 the compiler that builds the C++ operators (default: c++)
   OMP_WAIT_POLICY, GOMP_SPINCOUNT

@@ -90,7 +90,8 @@ def test_serve_has_every_server_and_engine_flag_each_with_its_default_in_help():
     help_text = parser.format_help()
     assert "port to listen on (checked before any model loads) (default: 8000)" in " ".join(help_text.split())
     epilog = help_text.split("\nenvironment variables:\n")[1]  # the environment variables sobrio reads
-    for variable in ("SOBRIO_CACHE", "SOBRIO_DISABLE_CPP", "XDG_CACHE_HOME", "CXX", "GOMP_SPINCOUNT"):
+    for variable in ("SOBRIO_CACHE", "SOBRIO_DISABLE_CPP", "SOBRIO_DISABLE_HUGE_PAGES", "XDG_CACHE_HOME", "CXX",
+                     "GOMP_SPINCOUNT"):
         assert variable in epilog
     args = parser.parse_args([])
     assert config_from_args(args, ServerConfig) == ServerConfig()

@@ -6,9 +6,11 @@ small ones' memory in its heap (its mmap threshold rises to 32 MB after the firs
 still counts as resident until `malloc_trim` returns it: 30 MB after loading a 100 MB test model.
 """
 
+import collections
 import contextlib
 import ctypes
 import ctypes.util
+import errno
 import functools
 import logging
 import math
@@ -29,7 +31,8 @@ MADV_POPULATE_WRITE = 23  # Linux 5.14: fault a range in now, as a write would, 
 MADV_COLLAPSE = 25  # Linux 6.1: back a range with transparent huge pages now, its contents copied
 HUGE_PAGE = 2 << 20  # a transparent huge page on x86-64 and most arm64 kernels
 SPAN_GAP = 64 << 10  # regions this close count as one span
-COLLAPSE_TRIES = 8  # calls that must all fail before the collapse stops (a kernel without it, THP off)
+COLLAPSE_TRIES = 8  # pages that must all fail before the collapse stops (a kernel without it, THP off)
+COLLAPSE_RETRIES = 3  # more tries of a page the kernel refused for now (EAGAIN)
 THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 QUIET_POLL_S = 0.05  # how often a collapse waiting for a quiet moment looks again
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
@@ -71,7 +74,7 @@ def process_resident() -> int:
 def _libc():
     name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name) if name else None
+        libc = ctypes.CDLL(name, use_errno=True) if name else None
     except OSError:
         return None
     return libc if libc is not None and hasattr(libc, "malloc_trim") else None
@@ -195,15 +198,32 @@ def to_huge_pages(spans: list[tuple[int, int]], quiet: Callable[[], bool] | None
     libc = _libc()
     if libc is None or not huge_pages_allowed():
         return None
-    done = failed = 0
+    done, refused = 0, collections.Counter()
     for start, end in spans:
         for page in range(-(-start // HUGE_PAGE) * HUGE_PAGE, end - HUGE_PAGE + 1, HUGE_PAGE):
-            while quiet is not None and not quiet():
-                time.sleep(QUIET_POLL_S)
-            if libc.madvise(ctypes.c_void_p(page), ctypes.c_size_t(HUGE_PAGE), MADV_COLLAPSE) == 0:
+            error = _collapse_page(libc, page, quiet)
+            if error == 0:
                 done += 1
-            else:
-                failed += 1
-                if failed >= COLLAPSE_TRIES and done == 0:
-                    return None
+                continue
+            refused[errno.errorcode.get(error, str(error))] += 1
+            if refused.total() >= COLLAPSE_TRIES and done == 0:
+                return None
+    if refused:
+        logger.info("%d of %d huge pages refused by the kernel: %s", refused.total(), done + refused.total(),
+                    ", ".join(f"{name} {count}" for name, count in refused.most_common()))
     return done * HUGE_PAGE
+
+
+def _collapse_page(libc, page: int, quiet: Callable[[], bool] | None) -> int:
+    """One 2 MB page moved once `quiet()` says so: 0, or the errno of the last try. A transient refusal
+    (EAGAIN: a page locked or being migrated meanwhile) is tried again, up to COLLAPSE_RETRIES times."""
+    for _ in range(COLLAPSE_RETRIES + 1):
+        while quiet is not None and not quiet():
+            time.sleep(QUIET_POLL_S)
+        if libc.madvise(ctypes.c_void_p(page), ctypes.c_size_t(HUGE_PAGE), MADV_COLLAPSE) == 0:
+            return 0
+        error = ctypes.get_errno()
+        if error != errno.EAGAIN:
+            return error
+        time.sleep(QUIET_POLL_S)
+    return error

@@ -257,7 +257,8 @@ def test_quantizing_frees_each_float_weight_as_it_goes(checkpoint, monkeypatch):
 
 
 HUGE_PAGES_PROBE = textwrap.dedent("""
-    import json, sys
+    import json, logging, sys
+    logging.basicConfig(level=logging.INFO)  # the core's lines on the weights' pages, to stderr
     from sobrio import LLM
     from sobrio.memory import proc_bytes
     from sobrio.models.weights import resident_bytes
@@ -284,5 +285,8 @@ def test_a_loaded_models_weights_move_to_huge_pages_in_the_background(checkpoint
     assert got["settled"] and got["background"], got
     if "does not move them to huge pages" in out.stderr:
         pytest.skip("this kernel does not collapse (MADV_COLLAPSE: Linux 6.1)")
-    assert got["huge"] >= 0.5 * got["weights"], got  # 85% here: tensors under 2 MB, apart, keep their pages
+    if "ENOMEM" in out.stderr:  # no free 2 MB of memory then (other processes' memory, no swap): the kernel's call
+        pytest.skip("the kernel had no free huge pages to give (ENOMEM): " + out.stderr[-300:])
+    log = [line for line in out.stderr.splitlines() if "huge pages" in line]  # what the kernel refused, if any
+    assert got["huge"] >= 0.5 * got["weights"], (got, log)  # 85% here: tensors under 2 MB, apart, keep theirs
     assert got["grew"] <= 8 << 20, got

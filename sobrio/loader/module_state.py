@@ -2,11 +2,12 @@
 writes for each module `--quantization` made, and reads to rebuild it without quantizing again.
 
 A module is its class, its buffers and its plain attributes (numbers, strings, dtypes, tensors, and the
-dataclasses that hold a packed weight: `VnniCodes`, `Int4Weight`, `GroupedCodes`, `Outliers`). Tensors are
+dataclasses that hold a packed weight: `VnniCodes`, `Int4Weight`, `GroupedCodes`, `Outliers`); a `ModuleList`
+of such modules (a mixture of experts' quantized experts, layers/moe.py) is its items in order. Tensors are
 kept exactly as the kernels read them (the packed layouts of this CPU), once each: a tensor two modules
 share (the tied LM head reads the embedding's codes) is written once and comes back shared. Only the
-classes listed in `MODULES` are taken; anything else (oneDNN's opaque packed weight, a module with children)
-is `Unsupported`, and the caller quantizes as before.
+classes listed in `MODULES` (and lists of them) are taken; anything else (oneDNN's opaque packed weight, a
+module with children) is `Unsupported`, and the caller quantizes as before.
 """
 
 import dataclasses
@@ -51,8 +52,17 @@ class TensorTable:
         return sum(t.nbytes for t in self.tensors.values())
 
 
+def is_quantized_list(module: torch.nn.Module) -> bool:
+    """A non-empty ModuleList of quantized modules only (`FusedExperts.quantize`'s experts)."""
+    return (type(module) is torch.nn.ModuleList and len(module) > 0
+            and all(MODULES.get(type(m).__name__) is type(m) for m in module))
+
+
 def encode_module(module: torch.nn.Module, table: TensorTable) -> dict:
-    """{"class", "buffers", "attributes"} of one quantized module, its tensors added to `table`."""
+    """{"class", "buffers", "attributes"} of one quantized module ({"class": "ModuleList", "items"} of a list
+    of them), its tensors added to `table`."""
+    if is_quantized_list(module):
+        return {"class": "ModuleList", "items": [encode_module(m, table) for m in module]}
     cls = type(module).__name__
     if MODULES.get(cls) is not type(module) or module._modules or module._parameters:
         raise Unsupported(f"{type(module).__qualname__} (children or parameters, or not a known quantized module)")
@@ -64,6 +74,8 @@ def encode_module(module: torch.nn.Module, table: TensorTable) -> dict:
 def decode_module(state: dict, tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
     """The module `encode_module` described, over `tensors` (by name; shared ones stay shared). Built without
     its constructor, which would quantize or pack again: its state is set as the constructor left it."""
+    if state["class"] == "ModuleList":
+        return torch.nn.ModuleList(decode_module(item, tensors) for item in state["items"])
     cls = MODULES.get(state["class"])
     if cls is None:
         raise Unsupported(f"module class {state['class']!r}")

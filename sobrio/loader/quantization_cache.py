@@ -2,16 +2,16 @@
 at load, kept on disk, so that the next start reads it instead of calibrating and quantizing again.
 
 After `CausalLM.quantize`, every module it made is written (loader/module_state.py: the packed tensors the
-kernels read, in this CPU's layout) with every float parameter left (the norms, which SmoothQuant and AWQ
-rescale), as one safetensors file named by `cache_key`, which changes with anything that could change those
-bytes: the checkpoint's files (path, size and modification time of each file of its folder), the method,
-the dtype, the calibration tokens when given, the source of the code that quantizes and packs (every file
-of sobrio/layers, sobrio/models and sobrio/csrc, and the calibration text) and what decides the kernels and
-their layouts (the CPU's flags, which C++ kernels were built, PyTorch's version, SOBRIO_DISABLE_VNNI and
-SOBRIO_DISABLE_CPP). The next start with the same key builds the model's modules, puts the cached ones in place
-of its Linears and embedding before they are cast (so their float memory is never touched) and reads the
-file with plain reads, tensor by tensor, into the tensors it keeps: one copy, nothing mapped after load, the
-checkpoint's weights not read at all.
+kernels read, in this CPU's layout; a mixture of experts' experts as lists of them) with every float parameter
+left (the norms, which SmoothQuant and AWQ rescale), as one safetensors file named by `cache_key`, which
+changes with anything that could change those bytes: the checkpoint's files (path, size and modification time
+of each file of its folder), the method, the dtype, the calibration tokens when given, the source of the code
+that quantizes and packs (every file of sobrio/layers, sobrio/models and sobrio/csrc, and the calibration text)
+and what decides the kernels and their layouts (the CPU's flags, which C++ kernels were built, PyTorch's
+version, SOBRIO_DISABLE_VNNI and SOBRIO_DISABLE_CPP). The next start with the same key builds the model's
+modules, puts the cached ones in place of its Linears, embedding and experts' stacks before they are cast (so
+their float memory is never touched) and reads the file with plain reads, tensor by tensor, into the tensors it
+keeps: one copy, nothing mapped after load, the checkpoint's weights not read at all.
 
 The file is written to a temporary name and renamed into place, so an interrupted write leaves no entry;
 one that is cut short, unreadable or made for another key is skipped with one log line and written anew.
@@ -31,12 +31,19 @@ from pathlib import Path
 import torch
 
 from sobrio.loader.hf import read_safetensors, safetensors_metadata, write_safetensors
-from sobrio.loader.module_state import MODULES, TensorTable, Unsupported, decode_module, encode_module
+from sobrio.loader.module_state import (
+    MODULES,
+    TensorTable,
+    Unsupported,
+    decode_module,
+    encode_module,
+    is_quantized_list,
+)
 from sobrio.loader.resolve import cache_dir
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 1  # the layout of the file's manifest; a change makes older entries mismatch
+FORMAT = 2  # the layout of the file's manifest; a change makes older entries mismatch
 METADATA_KEY = "sobrio.quantization_cache"
 SOURCES = ("layers", "models", "csrc")  # sobrio's folders whose code decides the quantized bytes
 CALIBRATION_FILE = "calibration_as_you_like_it.txt"
@@ -54,8 +61,10 @@ def cache_folder(setting: str) -> Path | None:
 
 @dataclass
 class CachedModel:
-    """A cache entry: its manifest (`modules`: encoded by name; `dropped`: float modules set to None;
-    `parameters`: name -> tensor) and, once `load`ed, its tensors."""
+    """A cache entry: its manifest (`modules`: encoded by name; `added`: those of them the float model did not
+    have, set on their parent: the untied-by-quantizing `quantized_lm_head`, a mixture of experts' lists of
+    quantized experts; `dropped`: float modules set to None; `dropped_parameters`: float parameters set to None,
+    an experts' stacks; `parameters`: name -> tensor) and, once `load`ed, its tensors."""
 
     path: Path
     manifest: dict
@@ -73,18 +82,22 @@ class CachedModel:
         """A ValueError unless the entry fits this freshly built model: every module it replaces exists, and
         the parameters it holds are the ones left once those are replaced. Nothing is changed."""
         names = dict(model.named_modules())
-        missing = [n for n in self.manifest["modules"] if n not in names and n != "quantized_lm_head"]
+        added = set(self.manifest["added"])
+        missing = [n for n in self.manifest["modules"]
+                   if (n not in added and n not in names) or (n in added and n.rpartition(".")[0] not in names)]
         replaced = tuple(f"{n}." for n in [*self.manifest["modules"], *self.manifest["dropped"]])
-        left = sorted(n for n, _ in model.named_parameters() if not n.startswith(replaced))
+        dropped = set(self.manifest["dropped_parameters"])
+        left = sorted(n for n, _ in model.named_parameters() if not n.startswith(replaced) and n not in dropped)
         if missing or left != sorted(self.manifest["parameters"]):
             raise ValueError(f"made for another model (modules {missing[:3]}, parameters "
                              f"{sorted(set(left) ^ set(self.manifest['parameters']))[:3]})")
 
     def strip(self, model: torch.nn.Module) -> None:
-        """Drop the float modules the entry replaces, before the model is cast: their memory, allocated but
-        never written, is then never touched."""
-        for name in [*self.manifest["modules"], *self.manifest["dropped"]]:
-            if name != "quantized_lm_head":
+        """Drop the float modules and parameters the entry replaces, before the model is cast: their memory,
+        allocated but never written, is then never touched."""
+        added = set(self.manifest["added"])
+        for name in [*self.manifest["modules"], *self.manifest["dropped"], *self.manifest["dropped_parameters"]]:
+            if name not in added:
                 parent, _, child = name.rpartition(".")
                 setattr(model.get_submodule(parent), child, None)
 
@@ -130,11 +143,11 @@ class QuantizationCache:
             return None
         return CachedModel(self.path, manifest)
 
-    def write(self, model: torch.nn.Module, names_before: set[str]) -> None:
+    def write(self, model: torch.nn.Module, names_before: set[str], parameters_before: set[str]) -> None:
         """Write the entry for a model `CausalLM.quantize` just made from one whose modules were
-        `names_before`: the quantized modules, the float ones it dropped, every parameter left. A model holding
-        something this format cannot (a mixture of experts' lists of modules, oneDNN's opaque packed weights)
-        is not cached (one log line)."""
+        `names_before` and parameters `parameters_before`: the quantized modules, the float modules and
+        parameters it dropped, every parameter left. A model holding something this format cannot (oneDNN's
+        opaque packed weights) is not cached (one log line)."""
         started = time.perf_counter()
         table = TensorTable()
         try:
@@ -144,8 +157,12 @@ class QuantizationCache:
             return
         dropped = [f"{parent}.{child}".lstrip(".") for parent, module in model.named_modules()
                    for child, value in module._modules.items() if value is None]
+        dropped_parameters = [f"{parent}.{child}".lstrip(".") for parent, module in model.named_modules()
+                              for child, value in module._parameters.items() if value is None]
         parameters = {name: table.name_of(p.detach()) for name, p in model.named_parameters()}
-        manifest = {"format": FORMAT, "key": self.key, "modules": modules, "dropped": dropped,
+        manifest = {"format": FORMAT, "key": self.key, "modules": modules,
+                    "added": [name for name in modules if name not in names_before], "dropped": dropped,
+                    "dropped_parameters": [name for name in dropped_parameters if name in parameters_before],
                     "parameters": parameters}
         if not self._room_for(table.nbytes):
             return
@@ -186,13 +203,15 @@ class QuantizationCache:
 
 
 def _quantized(model: torch.nn.Module, names_before: set[str]) -> list[tuple[str, torch.nn.Module]]:
-    """The outermost quantized modules (module_state.MODULES) of a quantized model, by name: each in place of
-    a module the float model had, or the new `quantized_lm_head`; one anywhere else (inside a list of
-    experts) is Unsupported."""
+    """The outermost quantized modules (module_state.MODULES, or a list of them: an experts' quantized
+    matrices) of a quantized model, by name: each in place of a module the float model had, or new on a module
+    it had (the `quantized_lm_head` on the model, the experts' lists on their `FusedExperts`); one anywhere
+    else is Unsupported."""
     found: list[tuple[str, torch.nn.Module]] = []
     for name, module in model.named_modules():
-        if type(module).__name__ in MODULES and not any(name.startswith(f"{n}.") for n, _ in found):
-            if name not in names_before and name != "quantized_lm_head":
+        quantized = type(module).__name__ in MODULES or is_quantized_list(module)
+        if quantized and not any(name.startswith(f"{n}.") for n, _ in found):
+            if name not in names_before and name.rpartition(".")[0] not in names_before:
                 raise Unsupported(f"{name}: a quantized module where the float model had none")
             found.append((name, module))
     return found

@@ -268,9 +268,12 @@ class CausalLM(torch.nn.Module):
                                                        hessian=hessians.pop(qualified, None)))
                 del child
         assert not hessians, f"GPTQ statistics for no Linear: {sorted(hessians)[:3]}"
-        for name, module in list(self.named_modules()):
-            if isinstance(module, FusedExperts):  # each expert as a dense Linear is (layers/moe.py)
-                module.quantize(method, name)
+        experts = [(name, module) for name, module in self.named_modules() if isinstance(module, FusedExperts)]
+        if experts:  # each expert as a dense Linear is (layers/moe.py); minutes at real sizes, so logged
+            with log_step(logger, "quantizing the experts of %d layers (%d matrices) to %s", len(experts),
+                          2 * sum(m.num_experts for _, m in experts), method):
+                for name, module in experts:
+                    module.quantize(method, name)
         if isinstance(self.model.embed_tokens, torch.nn.Embedding):
             self.model.embed_tokens = quantized_embedding(self.model.embed_tokens.weight, method)
         if self.quantized_lm_head is None:

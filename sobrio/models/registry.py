@@ -142,9 +142,10 @@ def build_model(config, max_positions: int, weights, dtype: torch.dtype, attenti
         install_prequantized(model, prequantized, dtype)
     if cached is None and quantization in QUANTIZATION_METHODS:  # a checkpoint's own (awq, gptq, gguf) is in place
         names_before = {name for name, _ in model.named_modules()}
+        parameters_before = {name for name, _ in model.named_parameters()}
         model.quantize(quantization, calibration_ids)
         if quantization_cache is not None:
-            quantization_cache.write(model, names_before)
+            quantization_cache.write(model, names_before, parameters_before)
     model.prepack()
     if pack_on_load is not None:
         pack_on_load.settle(model)

@@ -119,3 +119,28 @@ def test_the_flag_names_a_folder_or_turns_the_cache_off(tmp_path, monkeypatch):
     assert cache_folder("auto") == tmp_path / "quantized"  # the default: under sobrio's cache
     monkeypatch.setenv("SOBRIO_QUANTIZATION_CACHE", "off")
     assert cache_folder("auto") is None
+
+
+@pytest.mark.parametrize("model_type, method", [("qwen3_moe", "int8-weight-only"), ("mixtral", "int4")])
+def test_a_mixture_of_experts_second_start_reads_its_experts_from_the_cache(model_type, method, tmp_path,
+                                                                             monkeypatch):
+    """The experts' quantized matrices (lists of modules on each layer's `FusedExperts`) are in the entry, so a
+    second start of an MoE model quantizes nothing (it did at every start: 110 s for two layers of
+    Mixtral-8x7B's widths in int4), holds no float stack of experts, and gives the same tensors and tokens."""
+    from tests.model.tiny_moe import write_checkpoint as write_moe
+
+    folder = write_moe(model_type, tmp_path / model_type)
+    kwargs = dict(quantization=method, quantization_cache=str(tmp_path / "cache"), dtype="float32",
+                  kv_cache_memory=16 << 20, max_model_len=256)
+    with LLM(str(folder), **kwargs) as first:
+        expected = first.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        expected_state = model_state(first.engine.runner.model)
+    assert len(list((tmp_path / "cache").glob("*.safetensors"))) == 1  # (tiny int8 W8A8 is oneDNN's: not cached)
+    monkeypatch.setattr(CausalLM, "quantize", lambda *a, **k: pytest.fail("quantized again despite the cache"))
+    with LLM(str(folder), **kwargs) as second:
+        model = second.engine.runner.model
+        experts = model.model.layers[0].mlp.experts
+        assert experts.gate_up_proj is None and experts.down_proj is None
+        assert len(experts.quantized_gate_up) == len(experts.quantized_down) == experts.num_experts
+        assert second.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected
+        assert_same_state(model_state(model), expected_state)

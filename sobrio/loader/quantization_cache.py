@@ -62,8 +62,8 @@ def cache_folder(setting: str) -> Path | None:
 @dataclass
 class CachedModel:
     """A cache entry: its manifest (`modules`: encoded by name; `added`: those of them the float model did not
-    have, set on their parent: the untied-by-quantizing `quantized_lm_head`, a mixture of experts' lists of
-    quantized experts; `dropped`: float modules set to None; `dropped_parameters`: float parameters set to None,
+    have, set on their parent: the model's `quantized_lm_head`, a mixture of experts' lists of quantized
+    experts; `dropped`: float modules set to None; `dropped_parameters`: float parameters set to None,
     an experts' stacks; `parameters`: name -> tensor) and, once `load`ed, its tensors."""
 
     path: Path
@@ -79,8 +79,9 @@ class CachedModel:
                     time.perf_counter() - started)
 
     def check(self, model: torch.nn.Module) -> None:
-        """A ValueError unless the entry fits this freshly built model: every module it replaces exists, and
-        the parameters it holds are the ones left once those are replaced. Nothing is changed."""
+        """A ValueError unless the entry fits this freshly built model: every module it replaces exists (the
+        parent of each it adds), and the parameters it holds are the ones left once those and the dropped ones
+        are gone. Nothing is changed."""
         names = dict(model.named_modules())
         added = set(self.manifest["added"])
         missing = [n for n in self.manifest["modules"]

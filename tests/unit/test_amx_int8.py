@@ -171,3 +171,36 @@ def test_a_down_proj_rounds_its_inputs_per_group_of_64():
     assert relative_error(out, grouped_reference(x, q, scale, AMX_ACT_GROUP)) < 4e-3
     dense = x.float() @ dequantize_weight(q, scale, torch.float32).T
     assert relative_error(out, dense) < 0.5 * relative_error(plain(x), dense)
+
+
+def kernel_codes(x: torch.Tensor, group: int = 0) -> torch.Tensor:
+    """The int8 codes the kernel rounds x's rows to, read back through an identity weight: each output is
+    one input's code times its row's (or group's) scale, in float32."""
+    k = x.shape[1]
+    identity = cpu_ops().amx_pack_weight_int8(torch.eye(k, dtype=torch.int8))
+    out = cpu_ops().amx_int8_linear(x, identity, torch.ones(k), k, None, None, None, True, group)
+    _, scale = quantize_per_token(x.reshape(-1, group) if group else x)
+    return (out.view(scale.shape[0], -1) / scale).round().to(torch.int8).view(x.shape)
+
+
+@pytest.mark.parametrize("group", [0, 64])
+def test_the_kernel_rounds_activations_as_python_does_bit_for_bit(group):
+    """The kernel's codes equal `quantize_per_token`'s (x / scale, ties to even) on rows built to land on and
+    around ties: multiplying by the scale's reciprocal instead (a kernel tried on 2026-12-07, not faster here)
+    rounds some of them the other way and fails this."""
+    generator = torch.Generator().manual_seed(group)
+    rows, k = 64, 256
+    scale = torch.rand(rows, 1, generator=generator) * 3 + 0.01
+    halves = torch.randint(-127, 127, (rows, k), generator=generator) + 0.5  # k + 0.5: the ties
+    ulps = torch.randint(-3, 4, (rows, k), generator=generator).float()  # and a few float steps either side
+    x = halves * scale
+    x = x + ulps * x.abs() * 2**-23
+    x[:, 0] = 127 * scale[:, 0]  # each row's largest: its scale is `scale`, so x / scale lies on the ties
+    x[3] = 0  # an all-zero row: a subnormal scale, divided everywhere
+    x[5, 1:] = torch.randn(k - 1, generator=generator)  # a plain row
+    expected, _ = quantize_per_token(x.reshape(-1, group) if group else x)
+    got = kernel_codes(x, group)
+    assert torch.equal(got, expected.view(x.shape))
+    # and the rows do reach ties: some quotients are exactly k + 0.5, rounded to the even side
+    quotients = (x.reshape(-1, group) if group else x) / quantize_per_token(x.reshape(-1, group) if group else x)[1]
+    assert ((quotients - quotients.floor()) == 0.5).sum() > 100

@@ -33,6 +33,8 @@ HUGE_PAGE = 2 << 20  # a transparent huge page on x86-64 and most arm64 kernels
 SPAN_GAP = 64 << 10  # regions this close count as one span
 COLLAPSE_TRIES = 8  # pages that must all fail before the collapse stops (a kernel without it, THP off)
 COLLAPSE_RETRIES = 3  # more tries of a page the kernel refused for now (EAGAIN)
+MEMORY_RETRIES = 3  # later passes over the pages refused for want of a free 2 MB block (ENOMEM)
+MEMORY_RETRY_S = 60.0  # seconds before each such pass: page cache and other processes' memory move meanwhile
 THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 QUIET_POLL_S = 0.05  # how often a collapse waiting for a quiet moment looks again
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
@@ -183,31 +185,56 @@ def _collapse(spans: list[tuple[int, int]], name: str, after: threading.Thread |
     if after is not None:
         after.join()
     started = time.perf_counter()
-    done = to_huge_pages(spans, quiet)
+    short: list[int] = []  # pages refused for want of free memory, tried again later
+    done = to_huge_pages(spans, quiet, short)
     if done is None:
         logger.info("weights of %s stay in 4 KB pages: this kernel does not move them to huge pages", name)
-    else:
-        logger.info("weights of %s in huge pages: %.2f of %.2f GB in %.1f s", name, done / 1e9,
-                    sum(end - start for start, end in spans) / 1e9, time.perf_counter() - started)
+        return
+    logger.info("weights of %s in huge pages: %.2f of %.2f GB in %.1f s", name, done / 1e9,
+                sum(end - start for start, end in spans) / 1e9, time.perf_counter() - started)
+    if short:  # on a thread of its own: `ModelRunner.settle` waits for this one, not for the later passes
+        threading.Thread(target=_retry_short, args=(short, name, quiet), name="sobrio-huge-pages-later",
+                         daemon=True).start()
 
 
-def to_huge_pages(spans: list[tuple[int, int]], quiet: Callable[[], bool] | None = None) -> int | None:
+def _retry_short(short: list[int], name: str, quiet: Callable[[], bool] | None) -> None:
+    """Later passes over the pages refused for want of memory (the thread's priority is its starter's, 19)."""
+    for _ in range(MEMORY_RETRIES):
+        time.sleep(MEMORY_RETRY_S)
+        pages, short = short, []
+        more = _move_pages(pages, quiet, short) or 0
+        logger.info("weights of %s: %d more huge pages on a later try, %d still refused for want of memory", name,
+                    more // HUGE_PAGE, len(short))
+        if not short:
+            return
+
+
+def to_huge_pages(spans: list[tuple[int, int]], quiet: Callable[[], bool] | None = None,
+                  short: list[int] | None = None) -> int | None:
     """Back the 2 MB pages that lie wholly inside `spans` with transparent huge pages (`MADV_COLLAPSE`, the
     contents copied), each once `quiet()` says so; the bytes moved, or None where the kernel refuses (before
-    6.1, THP off)."""
+    6.1, THP off). Pages refused for want of a free 2 MB block (ENOMEM) are added to `short`, for a later try."""
+    pages = [page for start, end in spans for page in range(-(-start // HUGE_PAGE) * HUGE_PAGE,
+                                                              end - HUGE_PAGE + 1, HUGE_PAGE)]
+    return _move_pages(pages, quiet, short)
+
+
+def _move_pages(pages: list[int], quiet: Callable[[], bool] | None, short: list[int] | None) -> int | None:
+    """`to_huge_pages` on a list of 2 MB-aligned page addresses."""
     libc = _libc()
     if libc is None or not huge_pages_allowed():
         return None
     done, refused = 0, collections.Counter()
-    for start, end in spans:
-        for page in range(-(-start // HUGE_PAGE) * HUGE_PAGE, end - HUGE_PAGE + 1, HUGE_PAGE):
-            error = _collapse_page(libc, page, quiet)
-            if error == 0:
-                done += 1
-                continue
-            refused[errno.errorcode.get(error, str(error))] += 1
-            if refused.total() >= COLLAPSE_TRIES and done == 0:
-                return None
+    for page in pages:
+        error = _collapse_page(libc, page, quiet)
+        if error == 0:
+            done += 1
+            continue
+        refused[errno.errorcode.get(error, str(error))] += 1
+        if error == errno.ENOMEM and short is not None:
+            short.append(page)
+        if refused.total() >= COLLAPSE_TRIES and done == 0 and error != errno.ENOMEM:
+            return None
     if refused:
         logger.info("%d of %d huge pages refused by the kernel: %s", refused.total(), done + refused.total(),
                     ", ".join(f"{name} {count}" for name, count in refused.most_common()))

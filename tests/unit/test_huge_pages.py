@@ -135,3 +135,55 @@ def test_a_runner_is_quiet_only_a_while_after_its_last_step(monkeypatch):
     assert not activity.quiet()
     now[0] += StepActivity.QUIET_S * 1.5
     assert activity.quiet()
+
+
+def test_pages_refused_for_want_of_memory_are_tried_again_later(monkeypatch, caplog):
+    """A page the kernel refuses for want of a free 2 MB block (ENOMEM: memory was short at the start) is tried
+    again on later passes, while pages it refuses for other reasons are not; ENOMEM on every page is a short
+    host, not a kernel without the call, so the pass goes on through the span."""
+    import errno
+    import logging
+    import threading
+    import time
+
+    from sobrio import memory
+
+    page = memory.HUGE_PAGE
+    short_twice = {2 * page, 5 * page}  # ENOMEM on the first two tries, then moved
+    tries: dict[int, int] = {}
+
+    def collapse_page(libc, address, quiet):
+        tries[address] = tries.get(address, 0) + 1
+        if address == 7 * page:
+            return errno.EINVAL  # not anonymous memory, say: never tried again
+        return errno.ENOMEM if address in short_twice and tries[address] <= 2 else 0
+
+    monkeypatch.setattr(memory, "_collapse_page", collapse_page)
+    monkeypatch.setattr(memory, "huge_pages_allowed", lambda: True)
+    monkeypatch.setattr(memory, "_libc", lambda: object())
+    monkeypatch.setattr(memory, "MEMORY_RETRY_S", 0.01)
+    def later_passes_done() -> bool:
+        return not any(t.name == "sobrio-huge-pages-later" for t in threading.enumerate())
+
+    with caplog.at_level(logging.INFO, "sobrio.memory"):
+        thread = memory.huge_pages_in_background([(page, 8 * page)], "tiny")  # pages 1 to 8
+        thread.join(10)  # the first pass (what `ModelRunner.settle` waits for) ends before the later ones
+        assert not thread.is_alive()
+        for _ in range(500):
+            if later_passes_done():
+                break
+            time.sleep(0.01)
+    assert later_passes_done()
+    assert tries == {p * page: 3 if p * page in short_twice else 1 for p in range(1, 9)}
+    assert "weights of tiny in huge pages: 0.01 of 0.02 GB" in caplog.text  # 5 of 8 pages at first
+    assert "2 more huge pages on a later try, 0 still refused" in caplog.text
+
+    tries.clear()  # memory never frees up: MEMORY_RETRIES later passes, then the pages stay as they are
+    monkeypatch.setattr(memory, "_collapse_page", lambda libc, address, quiet: (
+        tries.__setitem__(address, tries.get(address, 0) + 1), errno.ENOMEM)[1])
+    memory.huge_pages_in_background([(page, 2 * page)], "short").join(10)
+    for _ in range(500):
+        if later_passes_done():
+            break
+        time.sleep(0.01)
+    assert tries == {page: 1 + memory.MEMORY_RETRIES, 2 * page: 1 + memory.MEMORY_RETRIES}

@@ -84,8 +84,8 @@ class CachedModel:
         are gone. Nothing is changed."""
         names = dict(model.named_modules())
         added = set(self.manifest["added"])
-        missing = [n for n in self.manifest["modules"]
-                   if (n not in added and n not in names) or (n in added and n.rpartition(".")[0] not in names)]
+        # where each module goes: in place of the float model's module of its name, or (added) on its parent
+        missing = [n for n in self.manifest["modules"] if (n.rpartition(".")[0] if n in added else n) not in names]
         replaced = tuple(f"{n}." for n in [*self.manifest["modules"], *self.manifest["dropped"]])
         dropped = set(self.manifest["dropped_parameters"])
         left = sorted(n for n, _ in model.named_parameters() if not n.startswith(replaced) and n not in dropped)
@@ -156,14 +156,11 @@ class QuantizationCache:
         except Unsupported as exc:
             logger.info("quantization cache: not written for this model: %s", exc)
             return
-        dropped = [f"{parent}.{child}".lstrip(".") for parent, module in model.named_modules()
-                   for child, value in module._modules.items() if value is None]
-        dropped_parameters = [f"{parent}.{child}".lstrip(".") for parent, module in model.named_modules()
-                              for child, value in module._parameters.items() if value is None]
         parameters = {name: table.name_of(p.detach()) for name, p in model.named_parameters()}
         manifest = {"format": FORMAT, "key": self.key, "modules": modules,
-                    "added": [name for name in modules if name not in names_before], "dropped": dropped,
-                    "dropped_parameters": [name for name in dropped_parameters if name in parameters_before],
+                    "added": [name for name in modules if name not in names_before],
+                    "dropped": _set_to_none(model, "_modules"),
+                    "dropped_parameters": [n for n in _set_to_none(model, "_parameters") if n in parameters_before],
                     "parameters": parameters}
         if not self._room_for(table.nbytes):
             return
@@ -201,6 +198,12 @@ class QuantizationCache:
                            free / 1e9, probe)
             return False
         return True
+
+
+def _set_to_none(model: torch.nn.Module, registry: str) -> list[str]:
+    """The qualified names of a model's children (`_modules`) or parameters (`_parameters`) that are None."""
+    return [f"{parent}.{child}".lstrip(".") for parent, module in model.named_modules()
+            for child, value in getattr(module, registry).items() if value is None]
 
 
 def _quantized(model: torch.nn.Module, names_before: set[str]) -> list[tuple[str, torch.nn.Module]]:

@@ -166,9 +166,11 @@ class ModelRunner:
             if self.tp is None or files.config is not self.hf_config:  # a draft model is not split
                 cache = quantization_cache(self.config.model_config.quantization_cache, files, quantization,
                                            self.dtype)
+                floats = files.quantization is None and not files.gguf_packed  # a layer's weights read again alone
                 return build_model(files.config, self.max_model_len, files.iter_weights(in_place=True), self.dtype,
                                    self.config.model_config.attention_backend, batch_invariant, quantization,
-                                   quantization_cache=cache)
+                                   quantization_cache=cache,
+                                   reread=(lambda: files.iter_weights(in_place=True)) if floats else None)
             weights = shard_weights(files.iter_weights(), files.config, self.tp.shard)
             model = build_model(self.rank_config, self.max_model_len, weights, self.dtype,
                                 self.config.model_config.attention_backend, batch_invariant, quantization)

@@ -18,7 +18,9 @@ the final norm, but the head is the tied embedding on these models: a scale woul
 
 Calibration: the float model runs once over the first `CALIBRATION_TOKENS` tokens of the shipped
 calibration text (`sobrio/data`, never the held-out text, never a user's prompt), forward pre-hooks on
-the Linears recording each input's per-channel max |x| (SmoothQuant) or keeping the inputs (AWQ).
+the Linears recording each input's per-channel max |x| (SmoothQuant) or keeping the inputs (AWQ). It runs a
+layer at a time (`PromptRun`), each layer's scales folded in once the prompt has gone through it, so that a
+quantizing load can read, calibrate and quantize one layer's float weights at a time (`CausalLM.quantize`).
 
 SmoothQuant (Xiao et al. 2023): s_j = max|X_j|^alpha / max|W_j|^(1 - alpha), alpha `SMOOTH_ALPHA` (0.5, the
 paper's default, measured best among 0.35-0.8). AWQ (Lin et al. 2024): `layers.int4.awq_search_scales`, per
@@ -38,7 +40,6 @@ from sobrio.layers.attention import AttentionMetadata
 from sobrio.layers.int4 import awq_search_scales
 from sobrio.layers.linear import Linear
 from sobrio.layers.rotary import RotaryEmbedding
-from sobrio.timing import log_step
 
 logger = logging.getLogger(__name__)
 
@@ -88,21 +89,43 @@ class _PromptCache:
     read_quantized = write_quantized
 
 
-def run_prompt(model: torch.nn.Module, ids: list[int]) -> None:
-    """The model's forward over `ids` as one prompt, on a KV cache of its own (freed on return) in the
-    model's float dtype (the final norm's: a quantized embedding's weight is codes). A model built for fewer
-    positions than `ids` runs their first ones only: the rotary tables end there (past them the C++
-    rotary refuses the position)."""
-    ids = ids[:min(m.cos.shape[0] for m in model.modules() if isinstance(m, RotaryEmbedding))]
-    attn = model.attention_layers()
-    dtype = model.model.norm.weight.dtype
-    blocks = -(-len(ids) // CALIBRATION_BLOCK)
-    shape = (2, blocks, CALIBRATION_BLOCK, attn[0].num_kv_heads, attn[0].head_dim)
-    cache = _PromptCache([torch.zeros(shape, dtype=dtype) for _ in attn])
-    meta = AttentionMetadata(torch.arange(len(ids)), [0, len(ids)], [len(ids)], torch.arange(blocks)[None],
-                             CALIBRATION_BLOCK, cache)
-    with torch.inference_mode():
-        model(torch.tensor(ids), torch.arange(len(ids)), meta)
+class PromptRun:
+    """One calibration prompt through a model's decoder a layer at a time, on a KV cache of its own in the
+    model's float dtype (the final norm's: a quantized embedding's weight is codes): the model's forward
+    split, so that a layer's float weights need only be in memory while it runs and is quantized
+    (`CausalLM.quantize` on a streamed load). A model built for fewer positions than `ids` runs their first
+    ones only: the rotary tables end there (past them the C++ rotary refuses the position)."""
+
+    def __init__(self, model: torch.nn.Module, ids: list[int]):
+        ids = ids[:min(m.cos.shape[0] for m in model.modules() if isinstance(m, RotaryEmbedding))]
+        attn = model.attention_layers()
+        dtype = model.model.norm.weight.dtype
+        blocks = -(-len(ids) // CALIBRATION_BLOCK)
+        shape = (2, blocks, CALIBRATION_BLOCK, attn[0].num_kv_heads, attn[0].head_dim)
+        cache = _PromptCache([torch.zeros(shape, dtype=dtype) for _ in attn])
+        self.meta = AttentionMetadata(torch.arange(len(ids)), [0, len(ids)], [len(ids)], torch.arange(blocks)[None],
+                                      CALIBRATION_BLOCK, cache)
+        self.model, self.positions, self.num_tokens = model, torch.arange(len(ids)), len(ids)
+        with torch.inference_mode():
+            self.x, self.residual = model.model.embed(torch.tensor(ids)), None
+
+    def layer(self, i: int) -> None:
+        """The prompt through decoder layer i (the layers in order, each once)."""
+        with torch.inference_mode():
+            self.x, self.residual = self.model.model.layers[i](self.positions, self.x, self.residual, self.meta)
+
+    def output(self) -> torch.Tensor:
+        """The final norm of the residual stream, after the last layer: the LM head's input."""
+        with torch.inference_mode():
+            return self.model.model.norm.add_and_norm(self.x, self.residual)[0]
+
+
+def run_prompt(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """The model's forward over `ids` as one prompt (`PromptRun`, every layer); returns the LM head's input."""
+    run = PromptRun(model, ids)
+    for i in range(len(model.model.layers)):
+        run.layer(i)
+    return run.output()
 
 
 @contextmanager
@@ -163,17 +186,20 @@ def smoothable(model: torch.nn.Module) -> Iterator[tuple[str, Linear, Fold]]:
     decoder layer; of a mixture-of-experts layer qkv_proj only (its experts are quantized unsmoothed). The
     norm before the MLP is Gemma 3's `pre_feedforward_layernorm` (its `post_attention_layernorm` normalizes
     attention's output), Llama's `post_attention_layernorm`."""
-    for i, layer in enumerate(model.model.layers):
-        mlp_norm = getattr(layer, "pre_feedforward_layernorm", None) or layer.post_attention_layernorm
-        yield f"layers.{i}.qkv_proj", layer.self_attn.qkv_proj, fold_into_norm(layer.input_layernorm)
-        if not hasattr(layer.mlp, "gate_up_proj"):  # a sparse FFN (layers/moe.py): its norm feeds the router too
-            continue
-        gate_up = layer.mlp.gate_up_proj
-        yield f"layers.{i}.gate_up_proj", gate_up, fold_into_norm(mlp_norm)
-        yield f"layers.{i}.down_proj", layer.mlp.down_proj, fold_into_rows(gate_up, gate_up.shard_offsets[1][0])
+    for i in range(len(model.model.layers)):
+        yield from smoothable_in_layer(model, i)
 
 
-HEAD_INPUT = "lm_head"  # `calibrate`'s key for the LM head's input: the decoder's output
+def smoothable_in_layer(model: torch.nn.Module, i: int) -> Iterator[tuple[str, Linear, Fold]]:
+    """`smoothable`'s entries of decoder layer i."""
+    layer = model.model.layers[i]
+    mlp_norm = getattr(layer, "pre_feedforward_layernorm", None) or layer.post_attention_layernorm
+    yield f"layers.{i}.qkv_proj", layer.self_attn.qkv_proj, fold_into_norm(layer.input_layernorm)
+    if not hasattr(layer.mlp, "gate_up_proj"):  # a sparse FFN (layers/moe.py): its norm feeds the router too
+        return
+    gate_up = layer.mlp.gate_up_proj
+    yield f"layers.{i}.gate_up_proj", gate_up, fold_into_norm(mlp_norm)
+    yield f"layers.{i}.down_proj", layer.mlp.down_proj, fold_into_rows(gate_up, gate_up.shard_offsets[1][0])
 
 
 def all_float(model: torch.nn.Module) -> bool:
@@ -181,36 +207,54 @@ def all_float(model: torch.nn.Module) -> bool:
     return all(isinstance(linear, Linear) for _, linear, _ in smoothable(model))
 
 
-def calibrate(model: torch.nn.Module, ids: list[int], keep: bool) -> dict[str, torch.Tensor]:
-    """Run the float model over the calibration tokens; the smoothable Linears' inputs by name (with `keep`
-    the inputs [T, K], else their per-channel max |x| [K]), and the LM head's input max |x| as `HEAD_INPUT`."""
-    linears = {name: linear for name, linear, _ in smoothable(model)}
-    with log_step(logger, "calibrating on %d tokens of %s", len(ids), data.CALIBRATION):
-        with recorded_inputs(linears, (lambda x: x.clone()) if keep else (lambda x: x.abs().amax(0))) as found:
-            record = lambda _module, _args, out: found.__setitem__(HEAD_INPUT, out.float().abs().amax(0))
-            handle = model.model.register_forward_hook(record)
-            try:
-                run_prompt(model, ids)
-            finally:
-                handle.remove()
-    return found
-
-
-def apply_scales(model: torch.nn.Module, scales_of: Callable[[str, Linear], torch.Tensor]) -> None:
-    """Fold each smoothable Linear's scales (`scales_of(name, linear)`) into it and its input's producer."""
-    for name, linear, fold in smoothable(model):
+def _fold(linears: list[tuple[str, Linear, Fold]], scales_of: Callable[[str, Linear], torch.Tensor]) -> None:
+    """Fold each Linear's scales (`scales_of(name, linear)`) into it and its input's producer."""
+    for name, linear, fold in linears:
         s = scales_of(name, linear)
         fold(s)
         scale_inputs(linear, s)
 
 
+def smooth_layer(model: torch.nn.Module, run: PromptRun, i: int, alpha: float = SMOOTH_ALPHA) -> None:
+    """SmoothQuant on decoder layer i before its W8A8 quantization: `run` (through the float layers before
+    i, unsmoothed) goes through layer i recording its inputs' max |x| per channel, then the scales are folded
+    in (the layer's outputs unchanged up to rounding)."""
+    linears = list(smoothable_in_layer(model, i))
+    with recorded_inputs({name: linear for name, linear, _ in linears}, lambda x: x.abs().amax(0)) as max_abs:
+        run.layer(i)
+    _fold(linears, lambda name, linear: smooth_scales(max_abs[name], linear.weight, alpha))
+
+
+def awq_layer(model: torch.nn.Module, run: PromptRun, i: int, group_size: int) -> None:
+    """AWQ's scales for decoder layer i before its int4 quantization, searched per Linear on the inputs
+    `run` brings it (through the float layers before i, without their scales)."""
+    linears = list(smoothable_in_layer(model, i))
+    with recorded_inputs({name: linear for name, linear, _ in linears}, lambda x: x.clone()) as inputs:
+        run.layer(i)
+    with one_thread():
+        _fold(linears, lambda name, linear: awq_search_scales(linear.weight, inputs.pop(name), group_size))
+
+
 def smooth(model: torch.nn.Module, ids: list[int], alpha: float = SMOOTH_ALPHA) -> torch.Tensor:
-    """SmoothQuant on a float model before its W8A8 quantization (its outputs unchanged up to rounding).
-    Returns the LM head's input max |x| (per channel), which smoothing leaves as it was: its largest channels
-    are rounded apart (layers/quantization.py `Outliers`)."""
-    max_abs = calibrate(model, ids, keep=False)
-    apply_scales(model, lambda name, linear: smooth_scales(max_abs[name], linear.weight, alpha))
-    return max_abs[HEAD_INPUT]
+    """SmoothQuant on a whole float model (`smooth_layer`, layer after layer). Returns the LM head's input max
+    |x| (per channel), which smoothing leaves as it was: its largest channels are rounded apart
+    (layers/quantization.py `Outliers`)."""
+    run = PromptRun(model, ids)
+    for i in range(len(model.model.layers)):
+        smooth_layer(model, run, i, alpha)
+    return head_input_max(run)
+
+
+def head_input_max(run: PromptRun) -> torch.Tensor:
+    """The LM head's calibrated input max |x| per channel, once `run` is through every layer."""
+    return run.output().float().abs().amax(0)
+
+
+def awq(model: torch.nn.Module, ids: list[int], group_size: int) -> None:
+    """AWQ's scales on a whole float model (`awq_layer`, layer after layer)."""
+    run = PromptRun(model, ids)
+    for i in range(len(model.model.layers)):
+        awq_layer(model, run, i, group_size)
 
 
 @contextmanager
@@ -226,25 +270,38 @@ def one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def awq(model: torch.nn.Module, ids: list[int], group_size: int) -> None:
-    """AWQ's scales on a float model before its int4 quantization, searched per Linear on its inputs."""
-    inputs = calibrate(model, ids, keep=True)
-    inputs.pop(HEAD_INPUT)
-    with log_step(logger, "searching AWQ scales for %d layers", len(inputs)), one_thread():
-        apply_scales(model, lambda name, linear: awq_search_scales(linear.weight, inputs.pop(name), group_size))
-
-
-def hessians(model: torch.nn.Module, ids: list[int]) -> dict[str, torch.Tensor]:
-    """GPTQ's input Hessian 2 X^T X / T (fp32 [K, K]) of every decoder layer's Linear, by its name in
-    `model.named_modules()`, from one run of the model as it stands (AWQ's scales folded in) over `ids`."""
-    linears = {name: module for name, module in model.named_modules()
-               if isinstance(module, Linear) and ".layers." in f".{name}"}
-    needed = sum(linear.weight.shape[1] ** 2 * 4 for linear in linears.values())
+def gptq_fits(model: torch.nn.Module) -> bool:
+    """Whether every decoder Linear's Hessian fits in `GPTQ_MAX_BYTES` together (their sum: a model is
+    quantized by GPTQ whole or not at all, whatever order its layers are quantized in); logs why not."""
+    needed = sum(linear.weight.shape[1] ** 2 * 4 for _, linear in decoder_linears(model, "model.layers."))
     if needed > GPTQ_MAX_BYTES:
         logger.warning("int4: GPTQ's statistics would take %.1f GB (more than %.1f): rounding each weight to "
                        "its nearest code instead", needed / 2**30, GPTQ_MAX_BYTES / 2**30)
+    return needed <= GPTQ_MAX_BYTES
+
+
+def decoder_linears(model: torch.nn.Module, prefix: str) -> list[tuple[str, Linear]]:
+    """(name in `model.named_modules()`, Linear) of every float Linear whose name starts with `prefix`
+    (`model.layers.3.`: decoder layer 3's)."""
+    return [(name, module) for name, module in model.named_modules()
+            if isinstance(module, Linear) and name.startswith(prefix)]
+
+
+def layer_hessians(model: torch.nn.Module, run: PromptRun, i: int) -> dict[str, torch.Tensor]:
+    """GPTQ's input Hessian 2 X^T X / T (fp32 [K, K]) of each of decoder layer i's Linears, by name, as `run`
+    (through the layers before i as they stood before quantizing, AWQ's scales folded in) goes through it."""
+    linears = dict(decoder_linears(model, f"model.layers.{i}."))
+    with recorded_inputs(linears, lambda x: 2 * x.T @ x / x.shape[0]) as found:
+        run.layer(i)
+    return found
+
+
+def hessians(model: torch.nn.Module, ids: list[int]) -> dict[str, torch.Tensor]:
+    """`layer_hessians` of every decoder layer, from one run of the model as it stands over `ids` ({} where
+    they would not fit, `gptq_fits`)."""
+    if not gptq_fits(model):
         return {}
-    with log_step(logger, "collecting GPTQ statistics on %d tokens of %s", len(ids), data.CALIBRATION):
-        with recorded_inputs(linears, lambda x: 2 * x.T @ x / x.shape[0]) as found:
-            run_prompt(model, ids)  # one forward, one prompt: each Linear's hook runs once
+    run, found = PromptRun(model, ids), {}
+    for i in range(len(model.model.layers)):
+        found |= layer_hessians(model, run, i)
     return found

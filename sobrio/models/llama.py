@@ -22,6 +22,7 @@ from sobrio.layers.moe import FusedExperts
 from sobrio.layers.norm import RMSNorm
 from sobrio.layers.quantization import INT4_GROUP_SIZE, int8_head_method, quantized_embedding, quantized_linear
 from sobrio.layers.rotary import RotaryEmbedding
+from sobrio.memory import release_freed_memory
 from sobrio.models.weights import PackedLinear
 from sobrio.timing import log_step
 
@@ -248,56 +249,73 @@ class CausalLM(torch.nn.Module):
             self.packed_lm_head = packed if self.lm_head_blocks is not None or not one_copy_layout() else None
             self.amx_lm_head = amx_pack_weight(weight) if self.lm_head_blocks is None else None
 
-    def quantize(self, method: str, calibration_ids: list[int] | None = None) -> None:
+    def quantize(self, method: str, calibration_ids: list[int] | None = None,
+                 fill_layer: Callable[[int], None] | None = None) -> None:
         """Quantized weights (`--quantization`): every Linear replaced by its int8 or int4 form, the
         embedding and the LM head (tied: the embedding's own matrix) by int8 ones, the float weights dropped.
         Modules a checkpoint held quantized are in place already and stay as they are. `int8` and `int4`
         first calibrate on the shipped calibration text (`calibration_ids`: its tokens; by default read
         with the tokenizer in the model's folder): SmoothQuant's or AWQ's scales (layers/smoothing.py), and
         for `int4` GPTQ's input statistics (layers/gptq.py). Call once the weights are loaded and cast,
-        before `prepack` (which then packs nothing)."""
-        head_input, hessians = self._calibrate(method, calibration_ids)
-        linears = [(parent_name, parent, name, child) for parent_name, parent in list(self.named_modules())
-                   for name, child in list(parent.named_children()) if isinstance(child, Linear)]
-        with log_step(logger, "quantizing %d Linears to %s%s", len(linears), method, " by GPTQ" if hessians else ""):
-            while linears:  # popped: each float weight is freed once quantized, so the peak stays near bf16's size
-                parent_name, parent, name, child = linears.pop()
-                qualified = f"{parent_name}.{name}" if parent_name else name
-                setattr(parent, name, quantized_linear(child.weight, child.bias, method, qualified,
-                                                       grouped_inputs=name == "down_proj",
-                                                       hessian=hessians.pop(qualified, None)))
-                del child
-        assert not hessians, f"GPTQ statistics for no Linear: {sorted(hessians)[:3]}"
-        experts = [(name, module) for name, module in self.named_modules() if isinstance(module, FusedExperts)]
-        if experts:  # each expert as a dense Linear is (layers/moe.py); minutes at real sizes, so logged
-            with log_step(logger, "quantizing the experts of %d layers (%d matrices) to %s", len(experts),
-                          2 * sum(m.num_experts for _, m in experts), method):
-                for name, module in experts:
-                    module.quantize(method, name)
+        before `prepack` (which then packs nothing).
+        A decoder layer at a time: calibrated (the calibration prompt through it), quantized, its float
+        weights dropped. `fill_layer(i)`, where given, reads layer i's float weights in just before (a load
+        that streams them, models/registry.py): then only one layer's float weights are ever in memory."""
+        runs = self._calibration_runs(method, calibration_ids)
+        layers = self.model.layers
+        with log_step(logger, "quantizing %d layers to %s%s", len(layers), method,
+                      {2: ", calibrated, by GPTQ", 1: ", calibrated"}.get(len(runs), "")):
+            for i, layer in enumerate(layers):
+                if fill_layer is not None:
+                    fill_layer(i)
+                if runs and method == "int8":
+                    smoothing.smooth_layer(self, runs[0], i)
+                elif runs:
+                    smoothing.awq_layer(self, runs[0], i, INT4_GROUP_SIZE)
+                hessians = smoothing.layer_hessians(self, runs[1], i) if len(runs) > 1 else {}
+                self._quantize_linears(f"model.layers.{i}.", method, hessians)
+                assert not hessians, f"GPTQ statistics for no Linear: {sorted(hessians)[:3]}"
+                for name, module in layer.named_modules(prefix=f"model.layers.{i}"):
+                    if isinstance(module, FusedExperts):
+                        module.quantize(method, name)  # each expert as a dense Linear is (layers/moe.py)
+                release_freed_memory()  # the layer's float weights, which the heap would keep otherwise
+            self._quantize_linears("", method, {})  # any outside the decoder layers
         if isinstance(self.model.embed_tokens, torch.nn.Embedding):
             self.model.embed_tokens = quantized_embedding(self.model.embed_tokens.weight, method)
         if self.quantized_lm_head is None:
+            head_input = smoothing.head_input_max(runs[0]) if runs and method == "int8" else None
             self.quantized_lm_head = self._quantized_head(method, head_input)
             self.lm_head = None
 
-    def _calibrate(self, method: str, ids: list[int] | None) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
-        """Fold SmoothQuant's (`int8`) or AWQ's (`int4`) scales into the float weights, on the calibration
-        text only (never a user's prompt). Returns (`int8`: the LM head's calibrated input max |x|, see
-        `smoothing.smooth`; `int4`: each Linear's input Hessian for GPTQ, by name). Nothing where a
-        checkpoint held some layer quantized, or no tokenizer is found."""
+    def _quantize_linears(self, prefix: str, method: str, hessians: dict[str, torch.Tensor]) -> None:
+        """Replace every float Linear whose name starts with `prefix` by its quantized form (GPTQ with its
+        Hessian where `hessians` has one, popped), each float weight freed once quantized."""
+        for qualified in [name for name, _ in smoothing.decoder_linears(self, prefix)]:  # names: no module held
+            parent_name, _, name = qualified.rpartition(".")
+            parent = self.get_submodule(parent_name)
+            child = getattr(parent, name)
+            setattr(parent, name, quantized_linear(child.weight, child.bias, method, qualified,
+                                                   grouped_inputs=name == "down_proj",
+                                                   hessian=hessians.pop(qualified, None)))
+            del child
+
+    def _calibration_runs(self, method: str, ids: list[int] | None) -> list[smoothing.PromptRun]:
+        """The calibration prompts `quantize` takes through the layers: [] (none: not `int8` or `int4`, some
+        layer held quantized by the checkpoint, or no tokenizer); `int8`: SmoothQuant's; `int4`: AWQ's, and
+        GPTQ's (the whole text) where its statistics fit (`smoothing.gptq_fits`). Never a user's prompt."""
         if method not in ("int8", "int4") or not smoothing.all_float(self):
-            return None, {}
+            return []
         if ids is None:  # an empty list: no calibration, on purpose (an EAGLE head has no text of its own)
             ids = smoothing.calibration_ids(self.config, smoothing.GPTQ_TOKENS)
             if not ids:
                 logger.warning("--quantization %s: no tokenizer in %r to read the calibration text: quantizing "
                                "without calibration", method, getattr(self.config, "name_or_path", ""))
         if not ids:
-            return None, {}
-        if method == "int4":
-            smoothing.awq(self, ids[:smoothing.CALIBRATION_TOKENS], INT4_GROUP_SIZE)
-            return None, smoothing.hessians(self, ids)
-        return smoothing.smooth(self, ids[:smoothing.CALIBRATION_TOKENS]), {}
+            return []
+        runs = [smoothing.PromptRun(self, ids[:smoothing.CALIBRATION_TOKENS])]
+        if method == "int4" and smoothing.gptq_fits(self):
+            runs.append(smoothing.PromptRun(self, ids))
+        return runs
 
     def _quantized_head(self, method: str, head_input: torch.Tensor | None = None) -> torch.nn.Module:
         """int8 in both int8 modes and in int4 (which keeps the int8 embedding as head); tied, the embedding's

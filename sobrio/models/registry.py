@@ -2,6 +2,7 @@
 
 import contextlib
 import logging
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +15,7 @@ from sobrio.models.gemma3 import GemmaForCausalLM
 from sobrio.models.glm4 import Glm4ForCausalLM
 from sobrio.models.llama import ACTIVATIONS, CausalLM, LlamaForCausalLM, layer_window
 from sobrio.models.moe import MoeForCausalLM
-from sobrio.models.weights import Prequantized, PrequantizedWeight
+from sobrio.models.weights import Prequantized, PrequantizedWeight, WeightItem
 
 logger = logging.getLogger(__name__)
 
@@ -111,10 +112,15 @@ def check_config(config, family: Family) -> None:
 
 def build_model(config, max_positions: int, weights, dtype: torch.dtype, attention_backend: str,
                 batch_invariant: bool = False, quantization: str | None = None,
-                calibration_ids: list[int] | None = None, quantization_cache=None) -> CausalLM:
+                calibration_ids: list[int] | None = None, quantization_cache=None,
+                reread: Callable[[], Iterable[WeightItem]] | None = None) -> CausalLM:
     """The model, its weights loaded (and quantized, where `quantization` is a method computed at load). With
     `quantization_cache` (loader/quantization_cache.py `QuantizationCache`) an entry it holds replaces the
-    checkpoint's weights and the quantizing; without one, the quantized model is written to it."""
+    checkpoint's weights and the quantizing; without one, the quantized model is written to it.
+    `reread`: the checkpoint's float weights again, unread (a float checkpoint's `iter_weights(in_place=True)`).
+    Given, a model quantized at load streams its decoder layers: `weights` fills the rest, and each layer is
+    read from a `reread()` of its own just before it is quantized, so the load never holds more than one
+    layer's float weights beside the quantized ones (an 8B model in int8 peaked at its bf16 size)."""
     from sobrio.layers.attention import BatchInvariantAttention, resolve_backend
     from sobrio.layers.linear import one_copy_layout
     from sobrio.models import fused_decode
@@ -133,17 +139,18 @@ def build_model(config, max_positions: int, weights, dtype: torch.dtype, attenti
     # The parameters in the dtype before the checkpoint is copied in, so it goes straight into it: loaded first in
     # float32 and cast after, a bf16 model passed through three times its size.
     model = _in_dtype(model, dtype, unwritten=cached is None).eval().requires_grad_(False)
+    streamed = cached is None and quantization in QUANTIZATION_METHODS and reread is not None
     if cached is not None:
         cached.install(model)
     else:
         packing = quantization not in QUANTIZATION_METHODS and not batch_invariant and one_copy_layout()
         pack_on_load = PackOnLoad(model) if packing else None
-        prequantized = load_weights(model, weights, pack_on_load)
+        prequantized = load_weights(model, weights, pack_on_load, only=_outside_layers if streamed else None)
         install_prequantized(model, prequantized, dtype)
     if cached is None and quantization in QUANTIZATION_METHODS:  # a checkpoint's own (awq, gptq, gguf) is in place
         names_before = {name for name, _ in model.named_modules()}
         parameters_before = {name for name, _ in model.named_parameters()}
-        model.quantize(quantization, calibration_ids)
+        model.quantize(quantization, calibration_ids, (lambda i: _fill_layer(model, reread(), i)) if streamed else None)
         if quantization_cache is not None:
             quantization_cache.write(model, names_before, parameters_before)
     model.prepack()
@@ -152,6 +159,22 @@ def build_model(config, max_positions: int, weights, dtype: torch.dtype, attenti
     model.model.fused_decode = fused_decode.build(model)
     release_freed_memory()  # the load's transient tensors, kept by the heap otherwise
     return model
+
+
+LAYERS = "model.layers."  # the decoder layers' parameter names (DecoderModel under CausalLM's `model.`)
+
+
+def _outside_layers(name: str) -> bool:
+    return not name.startswith(LAYERS)
+
+
+def _fill_layer(model: CausalLM, weights: Iterable[WeightItem], i: int) -> None:
+    """Decoder layer i's float weights from the checkpoint (its other tensors skipped unread)."""
+    from sobrio.models.weights import load_weights
+
+    prefix = f"{LAYERS}{i}."
+    records = load_weights(model, weights, only=lambda name: name.startswith(prefix))
+    assert not records, f"a streamed load is for float checkpoints: {sorted(records)[:3]} held quantized"
 
 
 def _in_dtype(model: CausalLM, dtype: torch.dtype, unwritten: bool) -> CausalLM:

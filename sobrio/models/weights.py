@@ -7,7 +7,7 @@ module's quantized form (`concat(shards).linear(bias)`) once the float parameter
 """
 
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
@@ -69,13 +69,14 @@ Prequantized = dict[str, list[PrequantizedWeight]]  # module name -> its records
 
 
 def load_weights(model: torch.nn.Module, weights: Iterable[WeightItem],
-                 pack_on_load: "PackOnLoad | None" = None) -> Prequantized:
+                 pack_on_load: "PackOnLoad | None" = None, only: Callable[[str], bool] | None = None) -> Prequantized:
     """Copy every float tensor into its parameter and collect the pre-quantized records (a recorded weight
     counts as filled; its float parameter stays as built until the module is replaced); assert that every
     parameter was filled. Returns the records by module name (`model.layers.0.self_attn.qkv_proj`,
     `model.embed_tokens`, `lm_head`). `pack_on_load`: each Linear packed as soon as its weight is in
-    (`models.pack_on_load`)."""
-    params = dict(model.named_parameters())
+    (`models.pack_on_load`). `only`: the parameters (by name) this call fills; the checkpoint's other
+    tensors are skipped unread (a streamed load reads a decoder layer at a time)."""
+    params = {name: p for name, p in model.named_parameters() if only is None or only(name)}
     filled: set[str] = set()
     records: dict[str, dict[int | None, PrequantizedWeight]] = {}
     for name, tensor in weights:

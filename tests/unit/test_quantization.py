@@ -62,6 +62,19 @@ def test_weights_round_to_the_nearest_step_of_their_channel():
     assert ((dequantize_weight(q16, scale16, torch.float32) - w).abs() <= scale16.float()[:, None] / 2 + 1e-5).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weights_quantized_a_few_rows_at_a_time_equal_the_whole_matrix_at_once(dtype, monkeypatch):
+    """`quantize_weight` goes through float32 in chunks of rows (an embedding's whole copy was 1 GB at the
+    peak of a quantizing start): chunks that do not divide the rows give the same codes and scales."""
+    from sobrio.layers import quantization
+
+    w = (torch.randn(70, 100) * torch.linspace(0.01, 10, 70)[:, None]).to(dtype)
+    whole = quantize_weight(w, dtype)
+    monkeypatch.setattr(quantization, "QUANTIZE_CHUNK_BYTES", 3 * 100 * 4)  # 3 rows a chunk: 24 chunks
+    chunked = quantize_weight(w, dtype)
+    assert torch.equal(chunked[0], whole[0]) and torch.equal(chunked[1], whole[1])
+
+
 def test_per_token_activations_keep_each_rows_range():
     x = torch.randn(5, 64) * torch.tensor([1e-3, 1.0, 10.0, 0.0, 100.0])[:, None]
     q, scale = quantize_per_token(x)

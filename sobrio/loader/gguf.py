@@ -242,8 +242,8 @@ def iter_gguf_weights(gguf_path: Path, config, packed: bool = False) -> Iterator
 
     reader = GGUFReader(str(gguf_path))
     for tensor in reader.tensors:
-        experts = expert_weights(tensor, _dequantized)
-        if experts is not None:  # a mixture of experts' stacked matrices: float (loader/gguf_moe.py)
+        experts = expert_weights(tensor, _dequantized, packed)
+        if experts is not None:  # a mixture of experts' stacked matrices, one per expert (loader/gguf_moe.py)
             yield from experts
             continue
         name = _hf_name(tensor.name, config.model_type)

@@ -8,10 +8,12 @@ llama.cpp stores a layer's experts as one 3-D tensor per matrix, `blk.N.ffn_{gat
 `qwen3moe` graph), as Qwen3-MoE's released checkpoints do (`norm_topk_prob`); a file that says
 `expert_weights_norm` is taken at its word.
 
-The experts are dequantized at load, also under `--quantization gguf`: no packed kernel takes a stacked
-expert tensor yet (each expert's matrix would need its own codes), so they are float in memory, as
-`--quantization int8/int4` can then quantize them. The router (`ffn_gate_inp`) is dequantized too, as
-`--quantization int8/int4` keeps it float (loader/gguf.py).
+Under `--quantization gguf` each expert's matrix keeps its blocks (a slice of the stacked tensor, decoded as a
+dense weight's are, loader/gguf_blocks.py) and runs the kernels a dense quantized Linear runs, as
+`--quantization int8/int4` quantizes them (`FusedExperts`' per-expert modules): dequantized, a Qwen3-30B-A3B
+file's experts would take ~60 GB in float32. Without the flag, or in a block type without a packed kernel,
+they are dequantized. The router (`ffn_gate_inp`) is dequantized always, as `--quantization int8/int4` keeps
+it float (loader/gguf.py).
 """
 
 import re
@@ -71,11 +73,18 @@ def expert_shapes(tensor) -> list[tuple[str, tuple[int, int]]] | None:
     return [(f"model.layers.{layer}.mlp.experts.{e}.{part}.weight", (rows, cols)) for e in range(experts)]
 
 
-def expert_weights(tensor, dequantize) -> Iterator[tuple[str, torch.Tensor]] | None:
+def expert_weights(tensor, dequantize, packed: bool = False) -> Iterator[tuple[str, object]] | None:
     """An expert tensor's matrices as (Hugging Face name, float32 [out, in]), one per expert, or None for a
-    tensor that is no expert stack. `dequantize(tensor)` gives its values as a numpy array."""
+    tensor that is no expert stack. `dequantize(tensor)` gives its values as a numpy array. `packed`
+    (`--quantization gguf`): each matrix as its packed codes instead, where its block type has a kernel."""
+    from sobrio.loader.gguf_blocks import PACKED_TYPES, decode_blocks
+
     shapes = expert_shapes(tensor)
     if shapes is None:
         return None
+    if packed and tensor.tensor_type.name in PACKED_TYPES:  # data: [E, rows, bytes a row], an expert a slice
+        in_features = shapes[0][1][1]
+        return ((name, decode_blocks(tensor.data[e], tensor.tensor_type.name, in_features))
+                for e, (name, _) in enumerate(shapes))
     values = np.asarray(dequantize(tensor), dtype=np.float32).reshape(len(shapes), *shapes[0][1])
     return ((name, torch.from_numpy(values[e].copy())) for e, (name, _) in enumerate(shapes))

@@ -9,13 +9,14 @@ import torch
 
 from sobrio.config.model import QUANTIZATION_METHODS
 from sobrio.errors import InvalidRequestError
+from sobrio.layers.moe import FusedExperts
 from sobrio.layers.rotary import check_rope
 from sobrio.memory import release_freed_memory
 from sobrio.models.gemma3 import GemmaForCausalLM
 from sobrio.models.glm4 import Glm4ForCausalLM
 from sobrio.models.llama import ACTIVATIONS, CausalLM, LlamaForCausalLM, layer_window
 from sobrio.models.moe import MoeForCausalLM
-from sobrio.models.weights import Prequantized, PrequantizedWeight, WeightItem
+from sobrio.models.weights import EXPERT_RECORD, Prequantized, PrequantizedWeight, WeightItem
 
 logger = logging.getLogger(__name__)
 
@@ -221,10 +222,15 @@ def _parameters_not_initialized():
 
 def install_prequantized(model: CausalLM, prequantized: Prequantized, dtype: torch.dtype) -> None:
     """Replace each module a checkpoint holds quantized by the module its records build: a Linear keeps its
-    float bias (cast already); the embedding's record also serves as the tied LM head."""
+    float bias (cast already); the embedding's record also serves as the tied LM head; a layer's routed
+    experts (`FusedExperts`) get a module per expert matrix, as `--quantization int8/int4` gives them."""
+    experts: dict[str, dict[str, torch.nn.Module]] = {}
     for name, records in prequantized.items():
         record = records[0] if len(records) == 1 else records[0].concat(records)
-        if name == "model.embed_tokens":
+        if EXPERT_RECORD in name:
+            module, _, key = name.partition(EXPERT_RECORD)
+            experts.setdefault(module, {})[key] = record.linear(None)
+        elif name == "model.embed_tokens":
             model.model.embed_tokens = _embedding(record, dtype)
             if model.config.tie_word_embeddings:  # not `lm_head is None`: an untied head's record may come first
                 model.quantized_lm_head = record.linear(None)
@@ -234,6 +240,20 @@ def install_prequantized(model: CausalLM, prequantized: Prequantized, dtype: tor
             parent_name, _, child = name.rpartition(".")
             bias = model.get_submodule(name).bias
             setattr(model.get_submodule(parent_name), child, record.linear(None if bias is None else bias.detach()))
+    for name, modules in experts.items():
+        _install_experts(model.get_submodule(name), modules, name)
+
+
+def _install_experts(experts: FusedExperts, modules: dict[str, torch.nn.Module], name: str) -> None:
+    """Every expert's gate/up and down modules in place of the float stacks (dropped): all of them, or a
+    NotImplementedError naming what is missing (a file with some experts quantized and others not)."""
+    keys = [f"{e}.{stacked}" for e in range(experts.num_experts) for stacked in ("gate_up_proj", "down_proj")]
+    if missing := [key for key in keys if key not in modules]:
+        raise NotImplementedError(f"{name}: experts {missing[:3]} are float beside quantized ones; load the file "
+                                  f"without --quantization gguf")
+    experts.quantized_gate_up = torch.nn.ModuleList(modules[f"{e}.gate_up_proj"] for e in range(experts.num_experts))
+    experts.quantized_down = torch.nn.ModuleList(modules[f"{e}.down_proj"] for e in range(experts.num_experts))
+    experts.gate_up_proj = experts.down_proj = None
 
 
 def _embedding(record: PrequantizedWeight, dtype: torch.dtype) -> torch.nn.Module:

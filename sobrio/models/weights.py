@@ -65,6 +65,7 @@ class DeferredTensor(Protocol):
 
 
 WeightItem = tuple[str, torch.Tensor | DeferredTensor | PrequantizedWeight]
+EXPERT_RECORD = "#"  # `experts#3.gate_up_proj`: a routed expert's records in `load_weights`' result
 Prequantized = dict[str, list[PrequantizedWeight]]  # module name -> its records, a fused module's in shard order
 
 
@@ -83,7 +84,7 @@ def load_weights(model: torch.nn.Module, weights: Iterable[WeightItem],
         if name == "lm_head.weight" and "lm_head.weight" not in params:
             continue  # tied embeddings: the file may still carry a copy
         name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's sparse FFN
-        if (key := _load_expert(model, params, name, tensor)) is not None:
+        if (key := _load_expert(model, params, name, tensor, records)) is not None:
             filled.add(key)
             continue
         target, shard = _packed_target(name)
@@ -106,9 +107,12 @@ def load_weights(model: torch.nn.Module, weights: Iterable[WeightItem],
 
 
 def _load_expert(model: torch.nn.Module, params: dict[str, torch.nn.Parameter], name: str,
-                 tensor: torch.Tensor | DeferredTensor | PrequantizedWeight) -> str | None:
+                 tensor: torch.Tensor | DeferredTensor | PrequantizedWeight,
+                 records: dict[str, dict[int | None, PrequantizedWeight]]) -> str | None:
     """Copy one routed expert's matrix into its row of the layer's stacked weights (layers/moe.py
-    `FusedExperts`); returns the filled key (`param#expert.shard`), or None for a name that is no expert's."""
+    `FusedExperts`), or put its pre-quantized record (a GGUF's blocks) into `records` under
+    `experts#expert.stacked` (`install_prequantized` makes it the expert's module); returns the filled key
+    (`param#expert.shard`), or None for a name that is no expert's."""
     match = _EXPERT_NAME.fullmatch(name)
     if match is None:
         return None
@@ -116,13 +120,15 @@ def _load_expert(model: torch.nn.Module, params: dict[str, torch.nn.Parameter], 
     target, expert = f"{match.group(1)}.{stacked}", int(match.group(2))
     if target not in params:
         return None
-    if not isinstance(tensor, (torch.Tensor, DeferredTensor)):
-        raise NotImplementedError(f"{name}: experts held quantized by the checkpoint are not supported (load a "
-                                  f"float checkpoint, with --quantization int8 or int4 if wanted)")
     rows = params[target][expert]
     if shard is not None:
         start, size = model.get_submodule(match.group(1)).shard_offsets[shard]
         rows = rows[start:start + size]
+    if not isinstance(tensor, (torch.Tensor, DeferredTensor)):
+        got, expected = (tensor.out_features, tensor.in_features), tuple(rows.shape)
+        assert got == expected, f"{name}: quantized weight {got}, expected {expected}"
+        records.setdefault(f"{match.group(1)}{EXPERT_RECORD}{expert}.{stacked}", {})[shard] = tensor
+        return f"{target}#{expert}.{shard}"
     assert rows.shape == tensor.shape, f"{name}: {tuple(tensor.shape)} vs {tuple(rows.shape)}"
     _fill(rows, tensor)
     return f"{target}#{expert}.{shard}"
@@ -172,8 +178,11 @@ def _check_record(model: torch.nn.Module, name: str, param: torch.nn.Parameter, 
 def _in_shard_order(model: torch.nn.Module, module_name: str,
                     shards: dict[int | None, PrequantizedWeight]) -> list[PrequantizedWeight]:
     """A fused module's records in shard order; all of its shards must be quantized (or none)."""
-    offsets = getattr(model.get_submodule(module_name), "shard_offsets", None)
-    expected = [None] if offsets is None else list(range(len(offsets)))
+    if EXPERT_RECORD in module_name:  # an expert's gate and up (shards 0 and 1), or its down
+        expected = [0, 1] if module_name.endswith("gate_up_proj") else [None]
+    else:
+        offsets = getattr(model.get_submodule(module_name), "shard_offsets", None)
+        expected = [None] if offsets is None else list(range(len(offsets)))
     assert sorted(shards, key=str) == sorted(expected, key=str), \
         f"{module_name}: shards {sorted(shards, key=str)} quantized, {expected} expected (a fused layer is " \
         f"quantized whole or not at all)"

@@ -129,24 +129,28 @@ def test_batch_invariant_bf16_same_tokens_alone_and_batched(checkpoints):
     assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
 
 
-def test_q8_0_gguf_keeps_dense_blocks_packed_and_experts_float(checkpoints, tmp_path, monkeypatch):
-    """A Q8_0 GGUF under `--quantization gguf`: attention and the (untied) head keep their blocks (the packed
-    kernels), the experts and the router are dequantized at load (no kernel takes a stacked expert tensor; the
-    router stays float as under int8), and the log-probabilities stay those of the same file wholly
-    dequantized (measured: top-1 agreement 1.00, largest top-5 difference under 0.001 nats, VNNI kernel).
+@pytest.mark.parametrize("blocks", ["Q8_0", "Q4_0"])
+def test_a_gguf_keeps_its_blocks_packed_experts_included(checkpoints, blocks, tmp_path, monkeypatch):
+    """A Q8_0 or Q4_0 GGUF under `--quantization gguf`: attention, the (untied) head and every expert's matrices keep
+    their blocks (the packed kernels; the experts dequantized made a Qwen3-30B-A3B file ~60 GB), the router is
+    dequantized (it stays float as under int8), and the log-probabilities stay those of the same file wholly
+    dequantized (measured in Q8_0: top-1 agreement 1.00, largest top-5 difference under 0.001 nats, VNNI kernel).
     Before, a head stored ahead of the embedding was replaced by the embedding's codes: agreement 0."""
     from sobrio import data
     from sobrio.layers.vnni import VnniLinear, usable
 
     monkeypatch.setenv("SOBRIO_CACHE", str(tmp_path / "cache"))
-    path = write_gguf(Path(checkpoints["qwen3_moe"]), tmp_path / "q8.gguf", q8_0=True)
+    path = write_gguf(Path(checkpoints["qwen3_moe"]), tmp_path / f"{blocks}.gguf", blocks)
     text = data.read_text(data.HELDOUT)[:300]
     expected, _ = text_logprobs(LLM(str(path), **engine_kwargs()), text)
     llm = LLM(str(path), quantization="gguf", **engine_kwargs())
     layer = llm.engine.runner.model.model.layers[0]
     assert not isinstance(layer.self_attn.qkv_proj, torch.nn.Linear)  # the blocks, not floats
     assert not usable(32) or isinstance(layer.self_attn.qkv_proj, VnniLinear)
-    assert layer.mlp.experts.gate_up_proj.dtype == torch.float32 and type(layer.mlp.gate) is torch.nn.Linear
+    experts = layer.mlp.experts
+    assert experts.gate_up_proj is None and experts.down_proj is None and type(layer.mlp.gate) is torch.nn.Linear
+    assert len(experts.quantized_gate_up) == len(experts.quantized_down) == experts.num_experts
+    assert not usable(32) or all(isinstance(m, VnniLinear) for m in [*experts.quantized_gate_up, *experts.quantized_down])
     got, _ = text_logprobs(llm, text)
     agree = sum(max(a, key=a.get) == max(b, key=b.get) for a, b in zip(expected, got)) / len(got)
     largest = max(abs(a[t] - b[t]) for a, b in zip(expected, got) for t in a.keys() & b.keys())

@@ -125,10 +125,10 @@ def gguf_tensors(folder: Path, arch: str, config) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_gguf(folder: Path, path: Path, q8_0: bool = False) -> Path:
+def write_gguf(folder: Path, path: Path, blocks: str | None = None) -> Path:
     """The checkpoint in `folder` as a GGUF with llama.cpp's names and metadata (Mixtral as `llama` with
     experts, Qwen3-MoE as `qwen3moe`) and the byte tokenizer, written with the `gguf` package: float32, or
-    with `q8_0` every matrix (and expert stack) in Q8_0 blocks."""
+    with `blocks` ("Q8_0", "Q4_0") every matrix (and expert stack) in that block type."""
     import gguf
     from transformers import AutoConfig
 
@@ -154,8 +154,8 @@ def write_gguf(folder: Path, path: Path, q8_0: bool = False) -> Path:
     _add_tokenizer(writer)
     for name, tensor in gguf_tensors(folder, arch, config).items():
         values = tensor.float().numpy()
-        if q8_0 and values.ndim >= 2:
-            qtype = gguf.GGMLQuantizationType.Q8_0
+        if blocks and values.ndim >= 2:
+            qtype = gguf.GGMLQuantizationType[blocks]
             writer.add_tensor(name, gguf.quantize(values, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, values)

@@ -25,7 +25,7 @@ quantizing load can read, calibrate and quantize one layer's float weights at a 
 SmoothQuant (Xiao et al. 2023): s_j = max|X_j|^alpha / max|W_j|^(1 - alpha), alpha `SMOOTH_ALPHA` (0.5, the
 paper's default, measured best among 0.35-0.8). AWQ (Lin et al. 2024): `layers.int4.awq_search_scales`, per
 Linear, on its recorded inputs. Then GPTQ (layers/gptq.py) rounds each int4 Linear under its inputs'
-Hessian (`hessians`, the whole text). What W8A8 loses per layer kind and what smoothing gives back, by
+Hessian (`layer_hessians`, the whole text). What W8A8 loses per layer kind and what smoothing gives back, by
 alpha: docs/quantization.md.
 """
 
@@ -45,7 +45,10 @@ logger = logging.getLogger(__name__)
 
 CALIBRATION_TOKENS = 512  # a few hundred tokens settle the statistics; one prompt, no sliding window past it
 GPTQ_TOKENS = 4096  # the whole calibration text (~2,000 tokens): GPTQ's Hessians want more rows than K
-GPTQ_MAX_BYTES = 4 << 30  # every Linear's Hessian is held until quantized: SmolLM2 0.4 GB; past this, none
+# GPTQ runs where every Linear's Hessians together stay under this (SmolLM2 0.4 GB, Llama-3.2-1B 4.8): they were
+# all held until quantized; a layer's alone are now, but GPTQ's time grows with them (~1 min a layer at 7B
+# widths), so from about 1B up int4 stays AWQ's scales on least-squares grids as before
+GPTQ_MAX_BYTES = 4 << 30
 SMOOTH_ALPHA = 0.5  # SmoothQuant's migration strength: the best of the grid above, on SmolLM2
 MIN_SCALE = 1e-5  # a channel no calibration token used keeps a usable scale
 CALIBRATION_BLOCK = 16
@@ -273,14 +276,14 @@ def one_thread() -> Iterator[None]:
 def gptq_fits(model: torch.nn.Module) -> bool:
     """Whether every decoder Linear's Hessian fits in `GPTQ_MAX_BYTES` together (their sum: a model is
     quantized by GPTQ whole or not at all, whatever order its layers are quantized in); logs why not."""
-    needed = sum(linear.weight.shape[1] ** 2 * 4 for _, linear in decoder_linears(model, "model.layers."))
+    needed = sum(linear.weight.shape[1] ** 2 * 4 for _, linear in float_linears(model, "model.layers."))
     if needed > GPTQ_MAX_BYTES:
         logger.warning("int4: GPTQ's statistics would take %.1f GB (more than %.1f): rounding each weight to "
                        "its nearest code instead", needed / 2**30, GPTQ_MAX_BYTES / 2**30)
     return needed <= GPTQ_MAX_BYTES
 
 
-def decoder_linears(model: torch.nn.Module, prefix: str) -> list[tuple[str, Linear]]:
+def float_linears(model: torch.nn.Module, prefix: str) -> list[tuple[str, Linear]]:
     """(name in `model.named_modules()`, Linear) of every float Linear whose name starts with `prefix`
     (`model.layers.3.`: decoder layer 3's)."""
     return [(name, module) for name, module in model.named_modules()
@@ -290,18 +293,7 @@ def decoder_linears(model: torch.nn.Module, prefix: str) -> list[tuple[str, Line
 def layer_hessians(model: torch.nn.Module, run: PromptRun, i: int) -> dict[str, torch.Tensor]:
     """GPTQ's input Hessian 2 X^T X / T (fp32 [K, K]) of each of decoder layer i's Linears, by name, as `run`
     (through the layers before i as they stood before quantizing, AWQ's scales folded in) goes through it."""
-    linears = dict(decoder_linears(model, f"model.layers.{i}."))
+    linears = dict(float_linears(model, f"model.layers.{i}."))
     with recorded_inputs(linears, lambda x: 2 * x.T @ x / x.shape[0]) as found:
         run.layer(i)
-    return found
-
-
-def hessians(model: torch.nn.Module, ids: list[int]) -> dict[str, torch.Tensor]:
-    """`layer_hessians` of every decoder layer, from one run of the model as it stands over `ids` ({} where
-    they would not fit, `gptq_fits`)."""
-    if not gptq_fits(model):
-        return {}
-    run, found = PromptRun(model, ids), {}
-    for i in range(len(model.model.layers)):
-        found |= layer_hessians(model, run, i)
     return found

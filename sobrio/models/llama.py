@@ -290,7 +290,7 @@ class CausalLM(torch.nn.Module):
     def _quantize_linears(self, prefix: str, method: str, hessians: dict[str, torch.Tensor]) -> None:
         """Replace every float Linear whose name starts with `prefix` by its quantized form (GPTQ with its
         Hessian where `hessians` has one, popped), each float weight freed once quantized."""
-        for qualified in [name for name, _ in smoothing.decoder_linears(self, prefix)]:  # names: no module held
+        for qualified in [name for name, _ in smoothing.float_linears(self, prefix)]:  # names: no module held
             parent_name, _, name = qualified.rpartition(".")
             parent = self.get_submodule(parent_name)
             child = getattr(parent, name)

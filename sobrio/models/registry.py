@@ -146,8 +146,9 @@ def build_model(config, max_positions: int, weights, dtype: torch.dtype, attenti
     else:
         packing = quantization not in QUANTIZATION_METHODS and not batch_invariant and one_copy_layout()
         pack_on_load = PackOnLoad(model) if packing else None
-        prequantized = load_weights(model, weights, pack_on_load, only=_outside_layers if streamed else None)
-        install_prequantized(model, prequantized, dtype)
+        installer = PrequantizedInstaller(model, dtype)
+        installer.install_all(load_weights(model, weights, pack_on_load, _outside_layers if streamed else None,
+                                           installer))  # records incomplete there are refused by name there
     if cached is None and quantization in QUANTIZATION_METHODS:  # a checkpoint's own (awq, gptq, gguf) is in place
         names_before = {name for name, _ in model.named_modules()}
         parameters_before = {name for name, _ in model.named_parameters()}
@@ -220,18 +221,25 @@ def _parameters_not_initialized():
             setattr(torch.nn.init, name, function)
 
 
-def install_prequantized(model: CausalLM, prequantized: Prequantized, dtype: torch.dtype) -> None:
-    """Replace each module a checkpoint holds quantized by the module its records build: a Linear keeps its
-    float bias (cast already); the embedding's record also serves as the tied LM head; a layer's routed
-    experts (`FusedExperts`) get a module per expert matrix, as `--quantization int8/int4` gives them."""
-    experts: dict[str, dict[str, torch.nn.Module]] = {}
-    for name, records in prequantized.items():
+class PrequantizedInstaller:
+    """Replaces each module a checkpoint holds quantized by the module its records build, as `load_weights`
+    hands them over (`install`: the records of a module once all are read, so a GGUF's decoded blocks do not
+    all wait for the end): a Linear keeps its float bias (cast already); the embedding's record also serves as
+    the tied LM head; a layer's routed experts (`FusedExperts`) get a module per expert matrix, as
+    `--quantization int8/int4` gives them, once all are in (`install_all`)."""
+
+    def __init__(self, model: CausalLM, dtype: torch.dtype):
+        self.model, self.dtype = model, dtype
+        self.experts: dict[str, dict[str, torch.nn.Module]] = {}
+
+    def __call__(self, name: str, records: list[PrequantizedWeight]) -> None:
+        model = self.model
         record = records[0] if len(records) == 1 else records[0].concat(records)
         if EXPERT_RECORD in name:
             module, _, key = name.partition(EXPERT_RECORD)
-            experts.setdefault(module, {})[key] = record.linear(None)
+            self.experts.setdefault(module, {})[key] = record.linear(None)
         elif name == "model.embed_tokens":
-            model.model.embed_tokens = _embedding(record, dtype)
+            model.model.embed_tokens = _embedding(record, self.dtype)
             if model.config.tie_word_embeddings:  # not `lm_head is None`: an untied head's record may come first
                 model.quantized_lm_head = record.linear(None)
         elif name == "lm_head":
@@ -240,8 +248,14 @@ def install_prequantized(model: CausalLM, prequantized: Prequantized, dtype: tor
             parent_name, _, child = name.rpartition(".")
             bias = model.get_submodule(name).bias
             setattr(model.get_submodule(parent_name), child, record.linear(None if bias is None else bias.detach()))
-    for name, modules in experts.items():
-        _install_experts(model.get_submodule(name), modules, name)
+
+    def install_all(self, prequantized: Prequantized) -> None:
+        """The records not handed over yet, then every layer's experts."""
+        for name in list(prequantized):
+            self(name, prequantized.pop(name))
+        for name, modules in self.experts.items():
+            _install_experts(self.model.get_submodule(name), modules, name)
+        self.experts = {}
 
 
 def _install_experts(experts: FusedExperts, modules: dict[str, torch.nn.Module], name: str) -> None:

@@ -70,13 +70,17 @@ Prequantized = dict[str, list[PrequantizedWeight]]  # module name -> its records
 
 
 def load_weights(model: torch.nn.Module, weights: Iterable[WeightItem],
-                 pack_on_load: "PackOnLoad | None" = None, only: Callable[[str], bool] | None = None) -> Prequantized:
+                 pack_on_load: "PackOnLoad | None" = None, only: Callable[[str], bool] | None = None,
+                 install: Callable[[str, list[PrequantizedWeight]], None] | None = None) -> Prequantized:
     """Copy every float tensor into its parameter and collect the pre-quantized records (a recorded weight
     counts as filled; its float parameter stays as built until the module is replaced); assert that every
     parameter was filled. Returns the records by module name (`model.layers.0.self_attn.qkv_proj`,
     `model.embed_tokens`, `lm_head`). `pack_on_load`: each Linear packed as soon as its weight is in
     (`models.pack_on_load`). `only`: the parameters (by name) this call fills; the checkpoint's other
-    tensors are skipped unread (a streamed load reads a decoder layer at a time)."""
+    tensors are skipped unread (a streamed load reads a decoder layer at a time). `install(module, records)`:
+    each module's records handed over as soon as all its shards are read (and not returned), so that a GGUF's
+    decoded blocks become their modules one by one instead of all being held first (4.5 GB at the peak of
+    two layers of Qwen3-30B-A3B's widths in Q4_0, a 1 GB file)."""
     params = {name: p for name, p in model.named_parameters() if only is None or only(name)}
     filled: set[str] = set()
     records: dict[str, dict[int | None, PrequantizedWeight]] = {}
@@ -86,6 +90,7 @@ def load_weights(model: torch.nn.Module, weights: Iterable[WeightItem],
         name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's sparse FFN
         if (key := _load_expert(model, params, name, tensor, records)) is not None:
             filled.add(key)
+            _hand_over(model, records, _module_of_record(records, key, name), install)
             continue
         target, shard = _packed_target(name)
         param = params.get(target)
@@ -99,6 +104,7 @@ def load_weights(model: torch.nn.Module, weights: Iterable[WeightItem],
         else:
             _check_record(model, name, param, target, shard, tensor)
             records.setdefault(target.rsplit(".", 1)[0], {})[shard] = tensor
+            _hand_over(model, records, target.rsplit(".", 1)[0], install)
         filled.add(f"{target}#{shard}")
     missing = [n for n in params if not any(f.startswith(n + "#") for f in filled)]
     missing += _missing_experts(model, filled)
@@ -111,7 +117,7 @@ def _load_expert(model: torch.nn.Module, params: dict[str, torch.nn.Parameter], 
                  records: dict[str, dict[int | None, PrequantizedWeight]]) -> str | None:
     """Copy one routed expert's matrix into its row of the layer's stacked weights (layers/moe.py
     `FusedExperts`), or put its pre-quantized record (a GGUF's blocks) into `records` under
-    `experts#expert.stacked` (`install_prequantized` makes it the expert's module); returns the filled key
+    `experts#expert.stacked` (`registry.PrequantizedInstaller` makes it the expert's module); returns the filled key
     (`param#expert.shard`), or None for a name that is no expert's."""
     match = _EXPERT_NAME.fullmatch(name)
     if match is None:
@@ -175,14 +181,34 @@ def _check_record(model: torch.nn.Module, name: str, param: torch.nn.Parameter, 
     assert got == expected, f"{name}: quantized weight {got}, expected {expected}"
 
 
+def _module_of_record(records: dict[str, dict], key: str, name: str) -> str | None:
+    """The `records` entry an expert's tensor went to (None: it was float)."""
+    match = _EXPERT_NAME.fullmatch(name)
+    stacked = _EXPERT_SHARDS[match.group(3)][0]
+    module = f"{match.group(1)}{EXPERT_RECORD}{match.group(2)}.{stacked}"
+    return module if module in records else None
+
+
+def _hand_over(model: torch.nn.Module, records: dict[str, dict[int | None, PrequantizedWeight]], module: str | None,
+               install: Callable[[str, list[PrequantizedWeight]], None] | None) -> None:
+    """`install` the module's records once all its shards are in, and forget them."""
+    if install is None or module is None or sorted(records[module], key=str) != _expected_shards(model, module):
+        return
+    install(module, _in_shard_order(model, module, records.pop(module)))
+
+
+def _expected_shards(model: torch.nn.Module, module_name: str) -> list[int | None]:
+    """A module's shards, sorted as `sorted(..., key=str)` sorts them: [None], or 0 .. n - 1 of a fused one."""
+    if EXPERT_RECORD in module_name:  # an expert's gate and up (shards 0 and 1), or its down
+        return [0, 1] if module_name.endswith("gate_up_proj") else [None]
+    offsets = getattr(model.get_submodule(module_name), "shard_offsets", None)
+    return [None] if offsets is None else sorted(range(len(offsets)), key=str)
+
+
 def _in_shard_order(model: torch.nn.Module, module_name: str,
                     shards: dict[int | None, PrequantizedWeight]) -> list[PrequantizedWeight]:
     """A fused module's records in shard order; all of its shards must be quantized (or none)."""
-    if EXPERT_RECORD in module_name:  # an expert's gate and up (shards 0 and 1), or its down
-        expected = [0, 1] if module_name.endswith("gate_up_proj") else [None]
-    else:
-        offsets = getattr(model.get_submodule(module_name), "shard_offsets", None)
-        expected = [None] if offsets is None else list(range(len(offsets)))
+    expected = sorted(_expected_shards(model, module_name), key=lambda s: -1 if s is None else s)
     assert sorted(shards, key=str) == sorted(expected, key=str), \
         f"{module_name}: shards {sorted(shards, key=str)} quantized, {expected} expected (a fused layer is " \
         f"quantized whole or not at all)"

@@ -150,7 +150,8 @@ def test_a_gguf_keeps_its_blocks_packed_experts_included(checkpoints, blocks, tm
     experts = layer.mlp.experts
     assert experts.gate_up_proj is None and experts.down_proj is None and type(layer.mlp.gate) is torch.nn.Linear
     assert len(experts.quantized_gate_up) == len(experts.quantized_down) == experts.num_experts
-    assert not usable(32) or all(isinstance(m, VnniLinear) for m in [*experts.quantized_gate_up, *experts.quantized_down])
+    modules = [*experts.quantized_gate_up, *experts.quantized_down]
+    assert not usable(32) or all(isinstance(m, VnniLinear) for m in modules)
     got, _ = text_logprobs(llm, text)
     agree = sum(max(a, key=a.get) == max(b, key=b.get) for a, b in zip(expected, got)) / len(got)
     largest = max(abs(a[t] - b[t]) for a, b in zip(expected, got) for t in a.keys() & b.keys())

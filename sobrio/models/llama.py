@@ -279,6 +279,7 @@ class CausalLM(torch.nn.Module):
                     if isinstance(module, FusedExperts):
                         module.quantize(method, name)  # each expert as a dense Linear is (layers/moe.py)
                 release_freed_memory()  # the layer's float weights, which the heap would keep otherwise
+                logger.info("quantized layer %d of %d", i + 1, len(layers))  # minutes at 8B: never silent
             self._quantize_linears("", method, {})  # any outside the decoder layers
         if isinstance(self.model.embed_tokens, torch.nn.Embedding):
             self.model.embed_tokens = quantized_embedding(self.model.embed_tokens.weight, method)

@@ -88,9 +88,8 @@ def load_weights(model: torch.nn.Module, weights: Iterable[WeightItem],
         if name == "lm_head.weight" and "lm_head.weight" not in params:
             continue  # tied embeddings: the file may still carry a copy
         name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's sparse FFN
-        if (key := _load_expert(model, params, name, tensor, records)) is not None:
+        if (key := _load_expert(model, params, name, tensor, records, install)) is not None:
             filled.add(key)
-            _hand_over(model, records, _module_of_record(records, key, name), install)
             continue
         target, shard = _packed_target(name)
         param = params.get(target)
@@ -114,11 +113,12 @@ def load_weights(model: torch.nn.Module, weights: Iterable[WeightItem],
 
 def _load_expert(model: torch.nn.Module, params: dict[str, torch.nn.Parameter], name: str,
                  tensor: torch.Tensor | DeferredTensor | PrequantizedWeight,
-                 records: dict[str, dict[int | None, PrequantizedWeight]]) -> str | None:
+                 records: dict[str, dict[int | None, PrequantizedWeight]],
+                 install: Callable[[str, list[PrequantizedWeight]], None] | None) -> str | None:
     """Copy one routed expert's matrix into its row of the layer's stacked weights (layers/moe.py
     `FusedExperts`), or put its pre-quantized record (a GGUF's blocks) into `records` under
-    `experts#expert.stacked` (`registry.PrequantizedInstaller` makes it the expert's module); returns the filled key
-    (`param#expert.shard`), or None for a name that is no expert's."""
+    `experts#expert.stacked` (handed to `install` once complete: `registry.PrequantizedInstaller` makes it the
+    expert's module); returns the filled key (`param#expert.shard`), or None for a name that is no expert's."""
     match = _EXPERT_NAME.fullmatch(name)
     if match is None:
         return None
@@ -133,7 +133,9 @@ def _load_expert(model: torch.nn.Module, params: dict[str, torch.nn.Parameter], 
     if not isinstance(tensor, (torch.Tensor, DeferredTensor)):
         got, expected = (tensor.out_features, tensor.in_features), tuple(rows.shape)
         assert got == expected, f"{name}: quantized weight {got}, expected {expected}"
-        records.setdefault(f"{match.group(1)}{EXPERT_RECORD}{expert}.{stacked}", {})[shard] = tensor
+        module = f"{match.group(1)}{EXPERT_RECORD}{expert}.{stacked}"
+        records.setdefault(module, {})[shard] = tensor
+        _hand_over(model, records, module, install)
         return f"{target}#{expert}.{shard}"
     assert rows.shape == tensor.shape, f"{name}: {tuple(tensor.shape)} vs {tuple(rows.shape)}"
     _fill(rows, tensor)
@@ -181,18 +183,10 @@ def _check_record(model: torch.nn.Module, name: str, param: torch.nn.Parameter, 
     assert got == expected, f"{name}: quantized weight {got}, expected {expected}"
 
 
-def _module_of_record(records: dict[str, dict], key: str, name: str) -> str | None:
-    """The `records` entry an expert's tensor went to (None: it was float)."""
-    match = _EXPERT_NAME.fullmatch(name)
-    stacked = _EXPERT_SHARDS[match.group(3)][0]
-    module = f"{match.group(1)}{EXPERT_RECORD}{match.group(2)}.{stacked}"
-    return module if module in records else None
-
-
-def _hand_over(model: torch.nn.Module, records: dict[str, dict[int | None, PrequantizedWeight]], module: str | None,
+def _hand_over(model: torch.nn.Module, records: dict[str, dict[int | None, PrequantizedWeight]], module: str,
                install: Callable[[str, list[PrequantizedWeight]], None] | None) -> None:
     """`install` the module's records once all its shards are in, and forget them."""
-    if install is None or module is None or sorted(records[module], key=str) != _expected_shards(model, module):
+    if install is None or sorted(records[module], key=str) != _expected_shards(model, module):
         return
     install(module, _in_shard_order(model, module, records.pop(module)))
 

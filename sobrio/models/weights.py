@@ -185,8 +185,11 @@ def _check_record(model: torch.nn.Module, name: str, param: torch.nn.Parameter, 
 
 def _hand_over(model: torch.nn.Module, records: dict[str, dict[int | None, PrequantizedWeight]], module: str,
                install: Callable[[str, list[PrequantizedWeight]], None] | None) -> None:
-    """`install` the module's records once all its shards are in, and forget them."""
+    """`install` the module's records once all its shards are in, and forget them; a module with a float bias
+    waits for the end (its bias may come later in the file, and the record's module takes it)."""
     if install is None or sorted(records[module], key=str) != _expected_shards(model, module):
+        return
+    if EXPERT_RECORD not in module and getattr(model.get_submodule(module), "bias", None) is not None:
         return
     install(module, _in_shard_order(model, module, records.pop(module)))
 

@@ -154,7 +154,7 @@ def recorded_inputs(linears: dict[str, Linear],
 def smooth_scales(max_abs_x: torch.Tensor, weight: torch.Tensor, alpha: float = SMOOTH_ALPHA) -> torch.Tensor:
     """SmoothQuant's s [K] (fp32): moves part of the activations' range per channel into the weights',
     so that neither has a channel far above the rest."""
-    max_abs_w = weight.detach().float().abs().amax(0).clamp_min(MIN_SCALE)
+    max_abs_w = weight.detach().abs().amax(0).float().clamp_min(MIN_SCALE)  # exact in the weight's dtype
     s = max_abs_x.clamp_min(MIN_SCALE).pow(alpha) / max_abs_w.pow(1 - alpha)
     return s.clamp_min(MIN_SCALE)
 
@@ -171,7 +171,7 @@ def fold_into_rows(linear: Linear, first: int) -> Fold:
     """1 / s into a Linear's output rows first .. first + len(s) (up_proj's, inside gate_up_proj)."""
     def fold(s: torch.Tensor) -> None:
         rows = linear.weight.data[first:first + len(s)]
-        rows.copy_((rows.float() / s[:, None]).to(rows.dtype))
+        rows.copy_(rows.to(torch.float32, copy=True).div_(s[:, None]))  # one float32 copy at a time
         if linear.bias is not None:
             bias = linear.bias.data[first:first + len(s)]
             bias.copy_((bias.float() / s).to(bias.dtype))
@@ -181,7 +181,7 @@ def fold_into_rows(linear: Linear, first: int) -> Fold:
 def scale_inputs(linear: Linear, s: torch.Tensor) -> None:
     """W * s along the input channels: the Linear's side of the fold."""
     w = linear.weight.data
-    w.copy_((w.float() * s).to(w.dtype))
+    w.copy_(w.to(torch.float32, copy=True).mul_(s))  # one float32 copy at a time (a layer's peak at load)
 
 
 def smoothable(model: torch.nn.Module) -> Iterator[tuple[str, Linear, Fold]]:

@@ -250,7 +250,7 @@ class CausalLM(torch.nn.Module):
             self.amx_lm_head = amx_pack_weight(weight) if self.lm_head_blocks is None else None
 
     def quantize(self, method: str, calibration_ids: list[int] | None = None,
-                 fill_layer: Callable[[int], None] | None = None) -> None:
+                 fill: Callable[[str], None] | None = None) -> None:
         """Quantized weights (`--quantization`): every Linear replaced by its int8 or int4 form, the
         embedding and the LM head (tied: the embedding's own matrix) by int8 ones, the float weights dropped.
         Modules a checkpoint held quantized are in place already and stay as they are. `int8` and `int4`
@@ -259,15 +259,20 @@ class CausalLM(torch.nn.Module):
         for `int4` GPTQ's input statistics (layers/gptq.py). Call once the weights are loaded and cast,
         before `prepack` (which then packs nothing).
         A decoder layer at a time: calibrated (the calibration prompt through it), quantized, its float
-        weights dropped. `fill_layer(i)`, where given, reads layer i's float weights in just before (a load
-        that streams them, models/registry.py): then only one layer's float weights are ever in memory."""
+        weights dropped. `fill(prefix)`, where given, reads the float weights of a layer (`model.layers.3.`)
+        or of the untied head (`lm_head.`) just before they are quantized (a load that streams them,
+        models/registry.py): then only one layer's float weights are ever in memory. An untied embedding and
+        head are quantized first (the embedding once the calibration prompts are embedded): the head's float
+        copy and its quantized forms together were the peak of an 8B start when they came last."""
         runs = self._calibration_runs(method, calibration_ids)
         layers = self.model.layers
+        if not self.config.tie_word_embeddings:
+            self._quantize_embedding_and_head(method, fill, None)
         with log_step(logger, "quantizing %d layers to %s%s", len(layers), method,
                       {2: ", calibrated, by GPTQ", 1: ", calibrated"}.get(len(runs), "")):
             for i, layer in enumerate(layers):
-                if fill_layer is not None:
-                    fill_layer(i)
+                if fill is not None:
+                    fill(f"model.layers.{i}.")
                 if runs and method == "int8":
                     smoothing.smooth_layer(self, runs[0], i)
                 elif runs:
@@ -281,12 +286,22 @@ class CausalLM(torch.nn.Module):
                 release_freed_memory()  # the layer's float weights, which the heap would keep otherwise
                 logger.info("quantized layer %d of %d", i + 1, len(layers))  # minutes at 8B: never silent
             self._quantize_linears("", method, {})  # any outside the decoder layers
+        # tied: the embedding's matrix is the head, whose int8 form rounds apart the channels calibrated largest
+        self._quantize_embedding_and_head(method, fill, runs[0] if runs and method == "int8" else None)
+
+    def _quantize_embedding_and_head(self, method: str, fill: Callable[[str], None] | None,
+                                     run: "smoothing.PromptRun | None") -> None:
+        """The embedding and the LM head in their int8 forms, where still float; `run`: the calibration
+        prompt through every layer, for the tied head's input channels (`smoothing.head_input_max`)."""
         if isinstance(self.model.embed_tokens, torch.nn.Embedding):
             self.model.embed_tokens = quantized_embedding(self.model.embed_tokens.weight, method)
         if self.quantized_lm_head is None:
-            head_input = smoothing.head_input_max(runs[0]) if runs and method == "int8" else None
+            if fill is not None and self.lm_head is not None:
+                fill("lm_head.")
+            head_input = None if run is None else smoothing.head_input_max(run)
             self.quantized_lm_head = self._quantized_head(method, head_input)
             self.lm_head = None
+        release_freed_memory()
 
     def _quantize_linears(self, prefix: str, method: str, hessians: dict[str, torch.Tensor]) -> None:
         """Replace every float Linear whose name starts with `prefix` by its quantized form (GPTQ with its

@@ -119,9 +119,10 @@ def build_model(config, max_positions: int, weights, dtype: torch.dtype, attenti
     `quantization_cache` (loader/quantization_cache.py `QuantizationCache`) an entry it holds replaces the
     checkpoint's weights and the quantizing; without one, the quantized model is written to it.
     `reread`: the checkpoint's float weights again, unread (a float checkpoint's `iter_weights(in_place=True)`).
-    Given, a model quantized at load streams its decoder layers: `weights` fills the rest, and each layer is
-    read from a `reread()` of its own just before it is quantized, so the load never holds more than one
-    layer's float weights beside the quantized ones (an 8B model in int8 peaked at its bf16 size)."""
+    Given, a model quantized at load streams its decoder layers and untied LM head: `weights` fills the rest,
+    and each of those is read from a `reread()` of its own just before it is quantized, so the load never holds
+    more than one layer's float weights beside the quantized ones (an 8B model in int8 peaked at its bf16
+    size)."""
     from sobrio.layers.attention import BatchInvariantAttention, resolve_backend
     from sobrio.layers.linear import one_copy_layout
     from sobrio.models import fused_decode
@@ -147,12 +148,13 @@ def build_model(config, max_positions: int, weights, dtype: torch.dtype, attenti
         packing = quantization not in QUANTIZATION_METHODS and not batch_invariant and one_copy_layout()
         pack_on_load = PackOnLoad(model) if packing else None
         installer = PrequantizedInstaller(model, dtype)
-        installer.install_all(load_weights(model, weights, pack_on_load, _outside_layers if streamed else None,
+        installer.install_all(load_weights(model, weights, pack_on_load, _read_first if streamed else None,
                                            installer))  # records incomplete there are refused by name there
     if cached is None and quantization in QUANTIZATION_METHODS:  # a checkpoint's own (awq, gptq, gguf) is in place
         names_before = {name for name, _ in model.named_modules()}
         parameters_before = {name for name, _ in model.named_parameters()}
-        model.quantize(quantization, calibration_ids, (lambda i: _fill_layer(model, reread(), i)) if streamed else None)
+        fill = (lambda prefix: _fill(model, reread(), prefix)) if streamed else None
+        model.quantize(quantization, calibration_ids, fill)
         if quantization_cache is not None:
             quantization_cache.write(model, names_before, parameters_before)
     model.prepack()
@@ -163,18 +165,18 @@ def build_model(config, max_positions: int, weights, dtype: torch.dtype, attenti
     return model
 
 
-LAYERS = "model.layers."  # the decoder layers' parameter names (DecoderModel under CausalLM's `model.`)
+STREAMED = ("model.layers.", "lm_head.")  # what a streamed load reads later, a part at a time (`CausalLM.quantize`)
 
 
-def _outside_layers(name: str) -> bool:
-    return not name.startswith(LAYERS)
+def _read_first(name: str) -> bool:
+    return not name.startswith(STREAMED)
 
 
-def _fill_layer(model: CausalLM, weights: Iterable[WeightItem], i: int) -> None:
-    """Decoder layer i's float weights from the checkpoint (its other tensors skipped unread)."""
+def _fill(model: CausalLM, weights: Iterable[WeightItem], prefix: str) -> None:
+    """The float weights of the parameters named `prefix`... from the checkpoint (its other tensors skipped
+    unread): a decoder layer's (`model.layers.3.`), or the untied LM head's (`lm_head.`)."""
     from sobrio.models.weights import load_weights
 
-    prefix = f"{LAYERS}{i}."
     records = load_weights(model, weights, only=lambda name: name.startswith(prefix))
     assert not records, f"a streamed load is for float checkpoints: {sorted(records)[:3]} held quantized"
 

@@ -49,19 +49,21 @@ def test_a_streamed_load_quantizes_to_the_same_tensors(family, method, dtype, tm
     else:
         folder = write_checkpoint(tmp_path / family, family, {"sliding_window": 16} if family == "gemma2" else {})
     expected = plain_state(build(folder, method, dtype, streamed=False))
-    filled: list[int] = []
-    fill = registry._fill_layer
+    filled: list[str] = []
+    fill = registry._fill
 
-    def one_layer_at_a_time(model, weights, i):
+    def one_layer_at_a_time(model, weights, prefix):
+        i = int(prefix.split(".")[2]) if prefix.startswith("model.layers.") else 0  # the untied head: first
         for name, module in model.named_modules():  # the layers before i are quantized, none after is read
             if isinstance(module, Linear) and (layer := re.match(r"model\.layers\.(\d+)\.", name)):
-                assert int(layer.group(1)) >= i, f"{name} still float when layer {i} is read"
-        fill(model, weights, i)
-        filled.append(i)
+                assert int(layer.group(1)) >= i, f"{name} still float when {prefix} is read"
+        fill(model, weights, prefix)
+        filled.append(prefix)
 
-    monkeypatch.setattr(registry, "_fill_layer", one_layer_at_a_time)
+    monkeypatch.setattr(registry, "_fill", one_layer_at_a_time)
     model = build(folder, method, dtype, streamed=True)
-    assert filled == list(range(len(model.model.layers)))
+    head = [] if model.config.tie_word_embeddings else ["lm_head."]
+    assert filled == head + [f"model.layers.{i}." for i in range(len(model.model.layers))]
     assert_same_state(plain_state(model), expected)
 
 

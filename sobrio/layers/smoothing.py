@@ -108,7 +108,7 @@ class PromptRun:
         cache = _PromptCache([torch.zeros(shape, dtype=dtype) for _ in attn])
         self.meta = AttentionMetadata(torch.arange(len(ids)), [0, len(ids)], [len(ids)], torch.arange(blocks)[None],
                                       CALIBRATION_BLOCK, cache)
-        self.model, self.positions, self.num_tokens = model, torch.arange(len(ids)), len(ids)
+        self.model, self.positions = model, torch.arange(len(ids))
         with torch.inference_mode():
             self.x, self.residual = model.model.embed(torch.tensor(ids)), None
 
@@ -121,14 +121,6 @@ class PromptRun:
         """The final norm of the residual stream, after the last layer: the LM head's input."""
         with torch.inference_mode():
             return self.model.model.norm.add_and_norm(self.x, self.residual)[0]
-
-
-def run_prompt(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
-    """The model's forward over `ids` as one prompt (`PromptRun`, every layer); returns the LM head's input."""
-    run = PromptRun(model, ids)
-    for i in range(len(model.model.layers)):
-        run.layer(i)
-    return run.output()
 
 
 @contextmanager
@@ -238,26 +230,11 @@ def awq_layer(model: torch.nn.Module, run: PromptRun, i: int, group_size: int) -
         _fold(linears, lambda name, linear: awq_search_scales(linear.weight, inputs.pop(name), group_size))
 
 
-def smooth(model: torch.nn.Module, ids: list[int], alpha: float = SMOOTH_ALPHA) -> torch.Tensor:
-    """SmoothQuant on a whole float model (`smooth_layer`, layer after layer). Returns the LM head's input max
-    |x| (per channel), which smoothing leaves as it was: its largest channels are rounded apart
-    (layers/quantization.py `Outliers`)."""
-    run = PromptRun(model, ids)
-    for i in range(len(model.model.layers)):
-        smooth_layer(model, run, i, alpha)
-    return head_input_max(run)
-
-
 def head_input_max(run: PromptRun) -> torch.Tensor:
-    """The LM head's calibrated input max |x| per channel, once `run` is through every layer."""
+    """The LM head's calibrated input max |x| per channel, once `run` is through every layer: smoothing leaves
+    the head's input as it was, and a tied head rounds its largest channels apart (layers/quantization.py
+    `Outliers`)."""
     return run.output().float().abs().amax(0)
-
-
-def awq(model: torch.nn.Module, ids: list[int], group_size: int) -> None:
-    """AWQ's scales on a whole float model (`awq_layer`, layer after layer)."""
-    run = PromptRun(model, ids)
-    for i in range(len(model.model.layers)):
-        awq_layer(model, run, i, group_size)
 
 
 @contextmanager

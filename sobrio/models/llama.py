@@ -264,20 +264,20 @@ class CausalLM(torch.nn.Module):
         models/registry.py): then only one layer's float weights are ever in memory. An untied embedding and
         head are quantized first (the embedding once the calibration prompts are embedded): the head's float
         copy and its quantized forms together were the peak of an 8B start when they came last."""
-        runs = self._calibration_runs(method, calibration_ids)
+        scales_run, gptq_run = self._calibration_runs(method, calibration_ids)
         layers = self.model.layers
         if not self.config.tie_word_embeddings:
             self._quantize_embedding_and_head(method, fill, None)
         with log_step(logger, "quantizing %d layers to %s%s", len(layers), method,
-                      {2: ", calibrated, by GPTQ", 1: ", calibrated"}.get(len(runs), "")):
+                      ", calibrated, by GPTQ" if gptq_run else ", calibrated" if scales_run else ""):
             for i, layer in enumerate(layers):
                 if fill is not None:
                     fill(f"model.layers.{i}.")
-                if runs and method == "int8":
-                    smoothing.smooth_layer(self, runs[0], i)
-                elif runs:
-                    smoothing.awq_layer(self, runs[0], i, INT4_GROUP_SIZE)
-                hessians = smoothing.layer_hessians(self, runs[1], i) if len(runs) > 1 else {}
+                if scales_run and method == "int8":
+                    smoothing.smooth_layer(self, scales_run, i)
+                elif scales_run:
+                    smoothing.awq_layer(self, scales_run, i, INT4_GROUP_SIZE)
+                hessians = smoothing.layer_hessians(self, gptq_run, i) if gptq_run else {}
                 self._quantize_linears(f"model.layers.{i}.", method, hessians)
                 assert not hessians, f"GPTQ statistics for no Linear: {sorted(hessians)[:3]}"
                 for name, module in layer.named_modules(prefix=f"model.layers.{i}"):
@@ -287,7 +287,7 @@ class CausalLM(torch.nn.Module):
                 logger.info("quantized layer %d of %d", i + 1, len(layers))  # minutes at 8B: never silent
             self._quantize_linears("", method, {})  # any outside the decoder layers
         # tied: the embedding's matrix is the head, whose int8 form rounds apart the channels calibrated largest
-        self._quantize_embedding_and_head(method, fill, runs[0] if runs and method == "int8" else None)
+        self._quantize_embedding_and_head(method, fill, scales_run if method == "int8" else None)
 
     def _quantize_embedding_and_head(self, method: str, fill: Callable[[str], None] | None,
                                      run: "smoothing.PromptRun | None") -> None:
@@ -315,23 +315,23 @@ class CausalLM(torch.nn.Module):
                                                    hessian=hessians.pop(qualified, None)))
             del child
 
-    def _calibration_runs(self, method: str, ids: list[int] | None) -> list[smoothing.PromptRun]:
-        """The calibration prompts `quantize` takes through the layers: [] (none: not `int8` or `int4`, some
-        layer held quantized by the checkpoint, or no tokenizer); `int8`: SmoothQuant's; `int4`: AWQ's, and
-        GPTQ's (the whole text) where its statistics fit (`smoothing.gptq_fits`). Never a user's prompt."""
+    def _calibration_runs(self, method: str, ids: list[int] | None
+                          ) -> tuple[smoothing.PromptRun | None, smoothing.PromptRun | None]:
+        """The calibration prompts `quantize` takes through the layers, (scales, GPTQ): the first SmoothQuant's
+        (`int8`) or AWQ's (`int4`), the second (the whole text) GPTQ's where its statistics fit
+        (`smoothing.gptq_fits`); None where there is none (not `int8` or `int4`, some layer held quantized by
+        the checkpoint, or no tokenizer). Never a user's prompt."""
         if method not in ("int8", "int4") or not smoothing.all_float(self):
-            return []
+            return None, None
         if ids is None:  # an empty list: no calibration, on purpose (an EAGLE head has no text of its own)
             ids = smoothing.calibration_ids(self.config, smoothing.GPTQ_TOKENS)
             if not ids:
                 logger.warning("--quantization %s: no tokenizer in %r to read the calibration text: quantizing "
                                "without calibration", method, getattr(self.config, "name_or_path", ""))
         if not ids:
-            return []
-        runs = [smoothing.PromptRun(self, ids[:smoothing.CALIBRATION_TOKENS])]
-        if method == "int4" and smoothing.gptq_fits(self):
-            runs.append(smoothing.PromptRun(self, ids))
-        return runs
+            return None, None
+        scales = smoothing.PromptRun(self, ids[:smoothing.CALIBRATION_TOKENS])
+        return scales, smoothing.PromptRun(self, ids) if method == "int4" and smoothing.gptq_fits(self) else None
 
     def _quantized_head(self, method: str, head_input: torch.Tensor | None = None) -> torch.nn.Module:
         """int8 in both int8 modes and in int4 (which keeps the int8 embedding as head); tied, the embedding's

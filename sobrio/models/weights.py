@@ -187,7 +187,7 @@ def _hand_over(model: torch.nn.Module, records: dict[str, dict[int | None, Prequ
                install: Callable[[str, list[PrequantizedWeight]], None] | None) -> None:
     """`install` the module's records once all its shards are in, and forget them; a module with a float bias
     waits for the end (its bias may come later in the file, and the record's module takes it)."""
-    if install is None or sorted(records[module], key=str) != _expected_shards(model, module):
+    if install is None or set(records[module]) != set(_expected_shards(model, module)):
         return
     if EXPERT_RECORD not in module and getattr(model.get_submodule(module), "bias", None) is not None:
         return
@@ -195,17 +195,17 @@ def _hand_over(model: torch.nn.Module, records: dict[str, dict[int | None, Prequ
 
 
 def _expected_shards(model: torch.nn.Module, module_name: str) -> list[int | None]:
-    """A module's shards, sorted as `sorted(..., key=str)` sorts them: [None], or 0 .. n - 1 of a fused one."""
+    """A module's shards in order: [None], or 0 .. n - 1 of a fused one."""
     if EXPERT_RECORD in module_name:  # an expert's gate and up (shards 0 and 1), or its down
         return [0, 1] if module_name.endswith("gate_up_proj") else [None]
     offsets = getattr(model.get_submodule(module_name), "shard_offsets", None)
-    return [None] if offsets is None else sorted(range(len(offsets)), key=str)
+    return [None] if offsets is None else list(range(len(offsets)))
 
 
 def _in_shard_order(model: torch.nn.Module, module_name: str,
                     shards: dict[int | None, PrequantizedWeight]) -> list[PrequantizedWeight]:
     """A fused module's records in shard order; all of its shards must be quantized (or none)."""
-    expected = sorted(_expected_shards(model, module_name), key=lambda s: -1 if s is None else s)
+    expected = _expected_shards(model, module_name)
     assert sorted(shards, key=str) == sorted(expected, key=str), \
         f"{module_name}: shards {sorted(shards, key=str)} quantized, {expected} expected (a fused layer is " \
         f"quantized whole or not at all)"

@@ -43,13 +43,25 @@ def randomized(model: torch.nn.Module) -> torch.nn.Module:
     return model.float().eval().requires_grad_(False)
 
 
+def through_every_layer(model: torch.nn.Module, ids: list[int], fold_layer=None) -> smoothing.PromptRun:
+    """The prompt through the model's layers in order, `fold_layer(model, run, i)` folding each layer's
+    scales in as it goes (as `CausalLM.quantize` does), or not."""
+    run = smoothing.PromptRun(model, ids)
+    for i in range(len(model.model.layers)):
+        if fold_layer is None:
+            run.layer(i)
+        else:
+            fold_layer(model, run, i)
+    return run
+
+
 def hidden_states(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
-    return smoothing.run_prompt(model, ids).clone()
+    return through_every_layer(model, ids).output().clone()
 
 
 IDS = torch.randint(0, VOCAB, (TOKENS,), generator=torch.Generator().manual_seed(1)).tolist()
-FOLDS = {"smoothquant": lambda model: smoothing.smooth(model, IDS),
-         "awq": lambda model: smoothing.awq(model, IDS, 32)}
+FOLDS = {"smoothquant": lambda model: through_every_layer(model, IDS, smoothing.smooth_layer),
+         "awq": lambda model: through_every_layer(model, IDS, lambda m, run, i: smoothing.awq_layer(m, run, i, 32))}
 
 
 @pytest.mark.parametrize("fold", FOLDS)

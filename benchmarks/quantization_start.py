@@ -59,8 +59,8 @@ def one_start(model: str, kwargs: dict) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model")
-    parser.add_argument("--quantization", default="int8", help="int8, int8-weight-only, int4, or none (bf16: a warm "
-                        "start without quantizing, for comparison)")
+    parser.add_argument("--quantization", default="int8", help="int8, int8-weight-only, int4, gguf (a .gguf "
+                        "model), or none (bf16: a warm start without quantizing, for comparison)")
     parser.add_argument("--starts", type=int, default=2)
     parser.add_argument("--cache-dir", default=None, help="the quantization cache (default: a new empty folder)")
     parser.add_argument("--cache", choices=("on", "off"), default="on")

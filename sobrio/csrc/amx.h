@@ -25,11 +25,17 @@ struct alignas(64) TileConfig {
 };
 
 // The calling thread's 8 tiles, each 16 rows of 64 bytes (release them with _tile_release() when done).
-inline void configure_tiles() {
+// `x_rows` below 16 (a matmul of that many rows): the tiles of sums and of x (0-5) take that many rows, so a
+// tile product reads and writes only x's own rows and x needs no zero padding; the weight tiles (6-7) keep 16.
+inline void configure_tiles(int x_rows = 16) {
   TileConfig config;
-  for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
+  for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = t < 6 ? x_rows : 16;
   _tile_loadconfig(&config);
 }
+
+// Rows x's buffer needs for the tiles: below 16 rows (`configure_tiles(M)`) none beyond its own, else whole
+// blocks of `block` rows.
+inline int64_t padded_x_rows(int64_t M, int64_t block) { return M < 16 ? M : (M + block - 1) / block * block; }
 
 // Tiles 0-3, the four 16x16 sums of a 32x32 block (rows 0-15 | 16-31) x (columns 0-15 | 16-31), to zero.
 inline void zero_tiles() {

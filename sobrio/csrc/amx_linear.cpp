@@ -37,6 +37,7 @@ constexpr int64_t kTileRows = 16, kTileK = 32, kBlockN = 32;
 // Tiles (amx.h): tmm0-3 the 32x32 float block of y, tmm4-5 two 16-row slices of x, tmm6-7 the weight tiles of
 // the block's two 16-column halves.
 using sobrio_amx::configure_tiles;
+using sobrio_amx::padded_x_rows;
 using sobrio_amx::request_amx;
 using sobrio_amx::store_tiles;
 using sobrio_amx::zero_tiles;
@@ -262,7 +263,7 @@ template <typename T, typename TOut>
 void amx_int8_grouped_kernel(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w_scale,
                              const c10::optional<at::Tensor>& bias, int64_t group_k, at::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), N = y.size(1), groups = K / group_k;
-  const int64_t rows_padded = (M + 2 * kTileRows - 1) / (2 * kTileRows) * (2 * kTileRows);
+  const int64_t rows_padded = padded_x_rows(M, 2 * kTileRows);
   auto xq = at::empty({rows_padded, K}, x.options().dtype(at::kChar));
   auto xs = at::zeros({rows_padded, groups}, x.options().dtype(at::kFloat));  // padding rows: scale 0
   const T* xp = x.data_ptr<T>();
@@ -277,7 +278,7 @@ void amx_int8_grouped_kernel(const at::Tensor& x, const at::Tensor& packed, cons
   const Int8Operands<T, TOut> op(packed, w_scale, bias, y, K);
   const int8_t* wp = op.wp;
   at::parallel_for(0, op.blocks, op.grain, [&](int64_t begin, int64_t end) {
-    configure_tiles();
+    configure_tiles(static_cast<int>(std::min(M, kTileRows)));
     alignas(64) int32_t acc[2 * 2 * kTileRows * kBlockN];
     alignas(64) float facc[2 * kTileRows * kBlockN];
     for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass)
@@ -299,7 +300,7 @@ void amx_int8_kernel(const at::Tensor& x, const at::Tensor& packed, const at::Te
                      const c10::optional<at::Tensor>& bias, const Outlier& outlier, int64_t group_k, at::Tensor& y) {
   if (group_k) return amx_int8_grouped_kernel<T, TOut>(x, packed, w_scale, bias, group_k, y);
   const int64_t M = x.size(0), K = x.size(1), N = y.size(1);
-  const int64_t rows_padded = (M + 2 * kTileRows - 1) / (2 * kTileRows) * (2 * kTileRows);
+  const int64_t rows_padded = padded_x_rows(M, 2 * kTileRows);
   const bool split = outlier.index != nullptr;
   auto xq = at::empty({rows_padded, K + (split ? kOutlierChannels : 0)}, x.options().dtype(at::kChar));
   auto xs = at::empty({2, rows_padded}, x.options().dtype(at::kFloat));
@@ -318,7 +319,7 @@ void amx_int8_kernel(const at::Tensor& x, const at::Tensor& packed, const at::Te
   const Int8Operands<T, TOut> op(packed, w_scale, bias, y, K);
   const int8_t* wp = op.wp;
   at::parallel_for(0, op.blocks, op.grain, [&](int64_t begin, int64_t end) {
-    configure_tiles();
+    configure_tiles(static_cast<int>(std::min(M, kTileRows)));
     alignas(64) int32_t acc[2 * kTileRows * kBlockN], acc2[split ? 2 * kTileRows * kBlockN : 1];
     for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass)
       for (int64_t nb = begin; nb < end; ++nb) {
@@ -374,9 +375,9 @@ at::Tensor amx_linear(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<
   auto y = at::empty({M, N}, x.options());
 #if defined(SOBRIO_AMX)
   if (M == 0) return y;
-  // Whole 16-row tiles of x (a last block of 16 rows or fewer reads no second tile): a decode batch of 16, 32,
-  // 48 or 64 is read in place, others are padded with zeros.
-  const int64_t rows_padded = (M + kTileRows - 1) / kTileRows * kTileRows;
+  // Whole 16-row tiles of x (a last block of 16 rows or fewer reads no second tile): fewer than 16 rows, or a
+  // decode batch of 16, 32, 48 or 64, is read in place, others are padded with zeros.
+  const int64_t rows_padded = padded_x_rows(M, kTileRows);
   at::Tensor xpad = x.is_contiguous() && rows_padded == M ? x : at::zeros({rows_padded, K}, x.options());
   if (!xpad.is_same(x)) xpad.narrow(0, 0, M).copy_(x);
   const auto* xp = xpad.data_ptr<c10::BFloat16>();
@@ -387,7 +388,7 @@ at::Tensor amx_linear(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<
   // Blocks of 32 columns over the threads; split only past ~256 KB of weight a thread (as the GEMV).
   const int64_t blocks = N / kBlockN, grain = std::max<int64_t>(1, (256 << 10) / (kBlockN * K * 2));
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-    configure_tiles();
+    configure_tiles(static_cast<int>(std::min(M, kTileRows)));
     alignas(64) float acc[2 * kTileRows * kBlockN];
     for (int64_t nb = begin; nb < end; ++nb) {
       const c10::BFloat16* w = wp + nb * kBlockN * K;

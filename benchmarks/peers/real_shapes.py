@@ -32,6 +32,14 @@ SHAPES = {  # name -> transformers config fields (the published models' config.j
                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
                         tie_word_embeddings=False, rope_theta=500000.0, max_position_embeddings=131072,
                         rms_norm_eps=1e-5),
+    "qwen3-4b": dict(model_type="qwen3", hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                     tie_word_embeddings=True, rope_theta=1000000.0, max_position_embeddings=40960, rms_norm_eps=1e-6),
+    "gemma2-2b": dict(model_type="gemma2", hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                      num_attention_heads=8, num_key_value_heads=4, head_dim=256, vocab_size=256000,
+                      tie_word_embeddings=True, rope_theta=10000.0, max_position_embeddings=8192, rms_norm_eps=1e-6,
+                      sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                      query_pre_attn_scalar=256, hidden_activation="gelu_pytorch_tanh"),
 }
 SHARD_BYTES = 2 << 30
 DEFAULT_OUT = Path("/tmp/sobrio-shapes")

@@ -378,8 +378,11 @@ at::Tensor amx_linear(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<
   // Whole 16-row tiles of x (a last block of 16 rows or fewer reads no second tile): fewer than 16 rows, or a
   // decode batch of 16, 32, 48 or 64, is read in place, others are padded with zeros.
   const int64_t rows_padded = padded_x_rows(M, kTileRows);
-  at::Tensor xpad = x.is_contiguous() && rows_padded == M ? x : at::zeros({rows_padded, K}, x.options());
-  if (!xpad.is_same(x)) xpad.narrow(0, 0, M).copy_(x);
+  at::Tensor xpad = x.is_contiguous() && rows_padded == M ? x : at::empty({rows_padded, K}, x.options());
+  if (!xpad.is_same(x)) {  // x's rows copied, only the padding rows zeroed (not the whole buffer first)
+    xpad.narrow(0, 0, M).copy_(x);
+    xpad.narrow(0, M, rows_padded - M).zero_();
+  }
   const auto* xp = xpad.data_ptr<c10::BFloat16>();
   const auto* wp = packed.data_ptr<c10::BFloat16>();
   at::Tensor bc = bias.has_value() ? bias->contiguous() : at::Tensor();

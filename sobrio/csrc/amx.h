@@ -1,6 +1,7 @@
 // What every AMX kernel here needs before its first tile instruction: the process's permission to use the
-// tile state, and each thread's tile configuration (all 8 tiles 16 rows of 64 bytes, which every kernel here
-// uses: an A tile of 16 rows x 32 bf16, a B tile of 16 pairs x 16 columns, a C tile of 16 x 16 float).
+// tile state, and each thread's tile configuration (8 tiles of 64-byte rows, as every kernel here uses them: an A
+// tile of 16 rows x 32 bf16, a B tile of 16 pairs x 16 columns, a C tile of 16 x 16 float; A and C fewer rows
+// for a matmul of fewer rows).
 #pragma once
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)

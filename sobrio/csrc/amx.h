@@ -26,11 +26,12 @@ struct alignas(64) TileConfig {
 };
 
 // The calling thread's 8 tiles, each 16 rows of 64 bytes (release them with _tile_release() when done).
-// `x_rows` below 16 (a matmul of that many rows): the tiles of sums and of x (0-5) take that many rows, so a
-// tile product reads and writes only x's own rows and x needs no zero padding; the weight tiles (6-7) keep 16.
+// `x_rows` below 16 (a matmul of that many rows): the tiles of sums and of x (0-4) take that many rows, so a
+// tile product reads and writes only x's own rows and x needs no zero padding; tiles 5-7 keep 16 (the
+// weight's; tile 5, x's second slice past 16 rows, is a weight tile below them).
 inline void configure_tiles(int x_rows = 16) {
   TileConfig config;
-  for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = t < 6 ? x_rows : 16;
+  for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = t < 5 ? x_rows : 16;
   _tile_loadconfig(&config);
 }
 

@@ -140,6 +140,32 @@ void block_product_s8(const int8_t* xp, const int8_t* w0, const int8_t* w1, int6
   store_tiles(acc, kBlockN, both);
 }
 
+// Two blocks of 32 columns against x of 16 rows or fewer: four 16-column halves, one after another from `w`,
+// each x tile loaded once for their four products (tiles 0-3; weight tiles 5-7) instead of once a block, which
+// at 16 rows made a decode step's int8 matmuls ~5% faster (docs/benchmarks.md). The sums in `acc` [32][32]:
+// rows 0-15 the first block's, 16-31 the second's. The last iterations fetch the next pair's first tiles, as
+// `accumulate_tiles` does.
+void pair_product_s8(const int8_t* xp, const int8_t* w, int64_t K, int32_t* acc) {
+  const int64_t tile_bytes = kTileRows * kTileK8, k_tiles = K / kTileK8, half = kTileRows * K;
+  const int8_t* next = w + 4 * half;
+  zero_tiles();
+  for (int64_t kt = 0; kt < k_tiles; ++kt) {
+    const int64_t ahead = kt + kPrefetchTiles;
+    for (int64_t h = 0; h < 4; ++h)
+      prefetch_tile(ahead < k_tiles ? w + h * half + ahead * tile_bytes : next + h * half + (ahead - k_tiles) * tile_bytes);
+    _tile_loadd(4, xp + kt * kTileK8, K);
+    _tile_loadd(5, w + kt * tile_bytes, 64);
+    _tile_dpbssd(0, 4, 5);
+    _tile_loadd(6, w + half + kt * tile_bytes, 64);
+    _tile_dpbssd(1, 4, 6);
+    _tile_loadd(7, w + 2 * half + kt * tile_bytes, 64);
+    _tile_dpbssd(2, 4, 7);
+    _tile_loadd(5, w + 3 * half + kt * tile_bytes, 64);
+    _tile_dpbssd(3, 4, 5);
+  }
+  store_tiles(acc, kBlockN, true);
+}
+
 // facc [rows][32] (+)= a group's int32 sums times their row's scale for that group (`first`: = instead of +=).
 inline void add_group_sums(const int32_t* acc, const float* x_scale, int64_t groups, int64_t g, int64_t rows,
                            bool first, float* facc) {
@@ -325,6 +351,18 @@ void amx_int8_kernel(const at::Tensor& x, const at::Tensor& packed, const at::Te
       for (int64_t nb = begin; nb < end; ++nb) {
         const int8_t* w0 = wp + (2 * nb) * kTileRows * K;
         const int8_t* o0 = split ? outlier.packed + (2 * nb) * kTileRows * kOutlierChannels : nullptr;
+        if (M <= kTileRows && nb + 1 < end) {  // a decode batch: two blocks at a time
+          pair_product_s8(qp, w0, K, acc);
+          for (int64_t b = 0; b < 2; ++b) {
+            if (split)
+              block_product_s8(qo, o0 + 2 * b * kTileRows * kOutlierChannels,
+                               o0 + (2 * b + 1) * kTileRows * kOutlierChannels, kOutlierChannels, M, true, acc2);
+            store_block_s8(acc + b * kTileRows * kBlockN, sp, split ? acc2 : nullptr, sp2, op.wsp, op.b, op.yp, M, N,
+                           (nb + b) * kBlockN);
+          }
+          ++nb;
+          continue;
+        }
         for (int64_t m = m0; m < std::min(M, m0 + kRowsPerPass); m += 2 * kTileRows) {
           const int64_t rows = std::min<int64_t>(2 * kTileRows, M - m);
           block_product_s8(qp + m * K, w0, w0 + kTileRows * K, K, rows, m == m0, acc);

@@ -35,7 +35,8 @@ constexpr int64_t kTileRows = 16, kTileK = 32, kBlockN = 32;
 
 #if defined(SOBRIO_AMX)
 // Tiles (amx.h): tmm0-3 the 32x32 float block of y, tmm4-5 two 16-row slices of x, tmm6-7 the weight tiles of
-// the block's two 16-column halves.
+// the block's two 16-column halves (the int8 kernel's pairs of blocks, 16 rows or fewer: tmm0-3 the sums of
+// four halves, tmm4 x, tmm5-7 their weight tiles).
 using sobrio_amx::configure_tiles;
 using sobrio_amx::padded_x_rows;
 using sobrio_amx::request_amx;
@@ -141,8 +142,8 @@ void block_product_s8(const int8_t* xp, const int8_t* w0, const int8_t* w1, int6
 }
 
 // Two blocks of 32 columns against x of 16 rows or fewer: four 16-column halves, one after another from `w`,
-// each x tile loaded once for their four products (tiles 0-3; weight tiles 5-7) instead of once a block, which
-// at 16 rows made a decode step's int8 matmuls ~5% faster (docs/benchmarks.md). The sums in `acc` [32][32]:
+// each x tile loaded once for their four products (tiles 0-3; weight tiles 5-7) instead of once a block (figures:
+// docs/benchmarks.md, "A few rows read in place"). The sums in `acc` [32][32]:
 // rows 0-15 the first block's, 16-31 the second's. The last iterations fetch the next pair's first tiles, as
 // `accumulate_tiles` does.
 void pair_product_s8(const int8_t* xp, const int8_t* w, int64_t K, int32_t* acc) {

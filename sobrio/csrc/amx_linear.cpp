@@ -42,6 +42,7 @@ using sobrio_amx::padded_x_rows;
 using sobrio_amx::request_amx;
 using sobrio_amx::store_tiles;
 using sobrio_amx::zero_tiles;
+using sobrio_ops::row_grain;
 
 inline void prefetch_tile(const void* p) {  // a 1 KB tile: 16 lines of 64 bytes
   for (int line = 0; line < 16; ++line) _mm_prefetch(static_cast<const char*>(p) + line * 64, _MM_HINT_T0);
@@ -297,7 +298,7 @@ void amx_int8_grouped_kernel(const at::Tensor& x, const at::Tensor& packed, cons
   int8_t* qp = xq.data_ptr<int8_t>();
   float* sp = xs.data_ptr<float>();
   std::memset(qp + M * K, 0, (rows_padded - M) * K);
-  at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, M, row_grain(K), [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m)
       for (int64_t g = 0; g < groups; ++g)
         sp[m * groups + g] = quantize_row(xp + m * x.stride(0) + g * group_k, group_k, qp + m * K + g * group_k);
@@ -337,7 +338,7 @@ void amx_int8_kernel(const at::Tensor& x, const at::Tensor& packed, const at::Te
   float *sp = xs.data_ptr<float>(), *sp2 = sp + rows_padded;
   std::memset(qp + M * K, 0, (rows_padded - M) * K);  // the padding rows only: the others are written below
   if (split) std::memset(qo + M * kOutlierChannels, 0, (rows_padded - M) * kOutlierChannels);
-  at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {  // a decode batch inline: no thread to wait on
+  at::parallel_for(0, M, row_grain(K), [&](int64_t begin, int64_t end) {
     std::vector<float> buffer(split ? K : 0);
     for (int64_t m = begin; m < end; ++m)
       quantize_token(xp + m * x.stride(0), K, outlier, qp + m * K, sp + m, qo + m * kOutlierChannels, sp2 + m,

@@ -22,15 +22,10 @@
 
 namespace {
 
+using sobrio_ops::row_grain;
 using sobrio_vec::to_float;
 template <typename T>
 inline float round_to(float x) { return to_float(static_cast<T>(x)); }
-
-// Rows a thread takes at least in the row-wise operators (norm, rotary, activation): a batch-32 decode
-// splits over two threads (the other one spins between the step's parallel regions, so waking it is cheap).
-// `benchmarks/step_overhead.py --batch 32 --quantization int8 --temperature 0`, 64 rows -> 16: a step
-// 26.2-26.3 -> 23.8-24.5 ms (Intel Xeon with AMX, 2 runs each).
-constexpr int64_t kRowGrain = 16;
 
 // ---------------------------------------------------------------------------------------------------
 // y[M, N] = x[M, K] @ w[N, K]^T (+ bias), float32 accumulation, one rounding to the dtype per output.
@@ -259,7 +254,7 @@ at::Tensor expert_linear_run(const at::Tensor& x, const at::Tensor& w, const at:
 // With a residual: residual = x + residual (rounded to the dtype), then the norm of that sum.
 template <typename T>
 void rms_norm_rows(const T* x, T* residual, const T* w, T* out, int64_t rows, int64_t dim, double eps, bool gemma) {
-  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, row_grain(dim), [&](int64_t begin, int64_t end) {
     std::vector<float> buf(dim);
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * dim;
@@ -314,7 +309,7 @@ template <typename T, typename C>
 void rope_heads(T* x, int64_t tokens, int64_t heads, int64_t dim, int64_t stride, const int64_t* pos,
                 const C* cos, const C* sin) {
   const int64_t half = dim / 2;
-  at::parallel_for(0, tokens, kRowGrain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tokens, row_grain(heads * dim), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const C* c = cos + pos[t] * dim;
       const C* s = sin + pos[t] * dim;
@@ -350,7 +345,7 @@ void rope_heads(T* x, int64_t tokens, int64_t heads, int64_t dim, int64_t stride
 // as PyTorch rounds act(gate) and then the product.
 template <typename T>
 void act_and_mul_rows(const T* x, T* out, int64_t rows, int64_t inter, int64_t act) {
-  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, row_grain(inter), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* g = x + r * 2 * inter;
       const T* u = g + inter;

@@ -2,6 +2,7 @@
 // bindings.cpp; the fused decode step (fused_decode.h) calls the same functions, so a fused path computes what
 // the modules do.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <vector>
@@ -9,6 +10,15 @@
 #include "aten.h"
 
 namespace sobrio_ops {
+
+// Rows a thread takes at least in the per-row operators (norms, rotary, activation, the int8 kernels' rounding
+// of x): enough for about 8,192 values, at most 16. A 16-row decode's activation (8,192 values a row at 1B)
+// splits over both threads where 16 rows a thread left it on one while the other spun; a batch-32 decode
+// splits everything (64 rows a thread before, `benchmarks/step_overhead.py --batch 32 --quantization int8
+// --temperature 0`: a step 26.2-26.3 -> 23.8-24.5 ms, Intel Xeon with AMX). Figures: docs/benchmarks.md.
+inline int64_t row_grain(int64_t values_per_row) {
+  return std::clamp<int64_t>((8192 + values_per_row - 1) / std::max<int64_t>(1, values_per_row), 1, 16);
+}
 
 // paged_attention.cpp
 at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,

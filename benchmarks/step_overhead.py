@@ -2,7 +2,7 @@
 preparation, sampling, detokenizing), for pure decode steps at a given batch size.
 
     .venv/bin/python benchmarks/step_overhead.py [--batch 64] [--model smollm2-135m] [--quantization gguf]
-        [--kv-cache-dtype int8]
+        [--kv-cache-dtype int8] [--temperature 1.0] [--top-p 1.0] [--top-k 0]
 """
 
 import argparse
@@ -22,6 +22,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0, help="0: off")
     parser.add_argument("--quantization", default=None, help="as sobrio serve's --quantization (gguf, int4, ...)")
     parser.add_argument("--kv-cache-dtype", default="auto", help="as sobrio serve's --kv-cache-dtype (int8, fp8)")
     args = parser.parse_args()
@@ -29,7 +31,8 @@ def main() -> None:
     engine, rng = llm.engine, random.Random(0)
     for i in range(args.batch):
         prompt = [rng.randrange(200, 20000) for _ in range(rng.randint(16, 256))]
-        engine.add_request(str(i), None, SamplingParams(temperature=args.temperature, max_tokens=args.steps + 8,
+        engine.add_request(str(i), None, SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                                                        top_k=args.top_k, max_tokens=args.steps + 8,
                                                         ignore_eos=True), prompt_token_ids=prompt)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
         engine.step()

@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 NAME = "sobrio_cpu_ops"
 SOURCE_DIR = Path(__file__).parent
 SOURCES = ("bindings.cpp", "paged_attention.cpp", "cpu_ops.cpp", "amx_linear.cpp", "grouped_linear.cpp",
-           "vnni_linear.cpp", "blocked_gemv.cpp", "lora.cpp", "prompt_attention.cpp")
+           "vnni_linear.cpp", "blocked_gemv.cpp", "lora.cpp", "prompt_attention.cpp", "sampling.cpp")
 HEADERS = ("aten.h", "ops.h", "fused_decode.h", "vec.h", "amx.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
 LDFLAGS = ("-fopenmp",)

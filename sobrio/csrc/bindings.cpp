@@ -29,6 +29,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv, "new keys and values into their cache slots");
   m.def("write_kv_int8", &write_kv_int8, "new keys and values quantized into an int8 cache's slots and scales");
   m.def("argmax_rows", &argmax_rows, "each row's first index of its maximum (a NaN's, if any), as torch.max");
+  // sampling.cpp
+  m.def("sample_rows", &sample_rows,
+        "each row's token by temperature, top-k, top-p and min-p, drawn at its uniform by inverse CDF",
+        py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("min_p"),
+        py::arg("uniform"));
   // amx_linear.cpp
   m.def("amx_supported", &amx_supported, "whether amx_linear was built and the OS grants AMX");
   m.def("amx_pack_weight", &amx_pack_weight, "a bf16 weight [N, K] in amx_linear's tile layout");

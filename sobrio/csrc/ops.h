@@ -46,6 +46,10 @@ void write_kv_int8(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::T
                    at::Tensor key_scales, at::Tensor value_scales, at::Tensor slot_mapping);
 at::Tensor argmax_rows(at::Tensor logits);
 
+// sampling.cpp
+at::Tensor sample_rows(at::Tensor logits, at::Tensor temperature, at::Tensor top_k, at::Tensor top_p,
+                       at::Tensor min_p, at::Tensor uniform);
+
 // amx_linear.cpp
 bool amx_supported();
 at::Tensor amx_pack_weight(at::Tensor w);

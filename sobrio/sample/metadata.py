@@ -53,9 +53,13 @@ class SamplingMetadata:
     def has_penalties(self, row: int) -> bool:
         return bool(self.presence_penalty[row] or self.frequency_penalty[row] or self.repetition_penalty[row] != 1.0)
 
-    def rewrites_logits(self) -> bool:
-        """Whether sampling this step changes any row's logits (bias, penalties, bans, a grammar's mask, a
-        processor, a temperature): if not, the argmax reads them as they are."""
+    def edits_logits(self) -> bool:
+        """Whether any row's logits change before its token is drawn (bias, penalties, bans, a grammar's mask,
+        a processor)."""
         return bool(any(self.logit_bias) or any(self.banned_token_ids) or self.allowed_tokens is not None
-                    or self.logits_processors
-                    or any(not self.is_greedy(i) or self.has_penalties(i) for i in range(self.num_rows)))
+                    or self.logits_processors or any(self.has_penalties(i) for i in range(self.num_rows)))
+
+    def rewrites_logits(self) -> bool:
+        """Whether sampling this step is more than each row's argmax of its logits as they are: an edit
+        (`edits_logits`) or a temperature."""
+        return self.edits_logits() or not all(self.is_greedy(i) for i in range(self.num_rows))

@@ -112,23 +112,31 @@ def _keep_top_k_top_p(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor,
 
 
 def sample_random(logits: torch.Tensor, meta: SamplingMetadata, rows: list[int]) -> torch.Tensor:
-    """Inverse-CDF sampling: one uniform per row, from the request's own generator when it is seeded.
-    Overwrites `logits`.
+    """Inverse-CDF sampling over each row's kept tokens in vocabulary order: one uniform per row, from the
+    request's own generator when it is seeded. Leaves `logits` alone.
 
-    On this CPU, one exponential or multinomial draw over a 49k vocabulary costs ~1 ms per row;
-    cumsum + searchsorted costs ~25 us per row. The work is in place: at 64 rows each fresh [64, 49k]
-    float32 tensor cost ~4 ms of page faults, and five of them were 20% of a decode step.
+    The C++ `sample_rows` does the temperature, top-k, top-p and min-p of float32 rows in a few passes over
+    each (a histogram of the weights finds where a nucleus ends; nothing else is sorted), where this PyTorch
+    path makes several [B, V] tensors and sorts whole rows when a nucleus is wider than its 256 candidates: at a
+    128k vocabulary that cost more than a decode step's matmuls (docs/benchmarks.md). The path stays for other
+    dtypes and for CPUs without the operators.
     """
-    logits.div_(torch.tensor([meta.temperature[r] for r in rows], dtype=logits.dtype).unsqueeze(1))
-    logits = filter_top_k_top_p_min_p(logits, [meta.top_k[r] for r in rows], [meta.top_p[r] for r in rows],
-                                      [meta.min_p[r] for r in rows])
-    cdf = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_().cumsum_(dim=-1)  # unnormalized
-    uniform = torch.rand(len(rows), 1)
+    uniform = torch.rand(len(rows))
     for i, row in enumerate(rows):
         generator = meta.generators.get(row)
         if generator is not None:
             uniform[i] = torch.rand(1, generator=generator)
-    tokens = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1)
+    temperature = torch.tensor([meta.temperature[r] for r in rows], dtype=torch.float32)
+    ops = cpu_ops()
+    if ops is not None and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1:
+        return ops.sample_rows(logits, temperature, torch.tensor([meta.top_k[r] for r in rows], dtype=torch.long),
+                               torch.tensor([meta.top_p[r] for r in rows], dtype=torch.float32),
+                               torch.tensor([meta.min_p[r] for r in rows], dtype=torch.float32), uniform)
+    logits = filter_top_k_top_p_min_p(logits / temperature.to(logits.dtype).unsqueeze(1),
+                                      [meta.top_k[r] for r in rows], [meta.top_p[r] for r in rows],
+                                      [meta.min_p[r] for r in rows])
+    cdf = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_().cumsum_(dim=-1)  # unnormalized
+    tokens = torch.searchsorted(cdf, uniform.unsqueeze(1) * cdf[:, -1:], right=True).squeeze(1)
     return tokens.clamp_(max=logits.shape[-1] - 1)
 
 
@@ -144,17 +152,18 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> list[SampledToken]:
-        """logits: [B, V] float32, one row per sampling request (left unchanged: the work is on one copy)."""
+        """logits: [B, V] float32, one row per sampling request (left unchanged: edits are made on a copy)."""
         assert logits.shape[0] == meta.num_rows
         want_logprobs = any(n is not None for n in meta.num_logprobs)
         raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
         if not meta.rewrites_logits():  # all greedy, nothing to apply: no copy of [32, 49152] a step (1%)
             return [with_logprobs(t, raw_logprobs, i, meta.num_logprobs[i])
                     for i, t in enumerate(greedy_tokens(logits).tolist())]
-        logits = logits.clone()
-        apply_logit_bias(logits, meta)
-        apply_penalties(logits, meta)
-        logits = apply_masks(logits, meta)
+        if meta.edits_logits():  # on a copy: the engine's logits are inference tensors, and logprobs read them
+            logits = logits.clone()
+            apply_logit_bias(logits, meta)
+            apply_penalties(logits, meta)
+            logits = apply_masks(logits, meta)
         random_rows = [i for i in range(meta.num_rows) if not meta.is_greedy(i)]
         if random_rows and len(random_rows) == meta.num_rows:  # not a step with no rows: 0 == 0
             tokens = sample_random(logits, meta, random_rows)  # no argmax: no row would keep it

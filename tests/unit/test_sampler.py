@@ -143,3 +143,74 @@ def test_the_cpp_greedy_argmax_refuses_what_it_cannot_read():
     for bad in (torch.randn(4, 8).bfloat16(), torch.randn(8), torch.randn(4, 8).T, torch.randn(4, 0)):
         with pytest.raises(RuntimeError, match="argmax_rows"):
             cpu_ops().argmax_rows(bad)
+
+
+def _kept_inverse_cdf(x: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float,
+                      uniform: float) -> int:
+    """The token `_keep_top_k_top_p`'s rules keep and an inverse CDF in vocabulary order draws, in float64:
+    ranks by decreasing weight (equal weights by index), rank r kept while r < k and the weight before it is
+    below top_p of the total, then min_p of the largest."""
+    x = x.double()
+    n = x.numel()
+    w = torch.where(x > float("-inf"), ((x - x[x > float("-inf")].max()) / temperature).exp(), torch.zeros_like(x))
+    order = sorted(range(n), key=lambda i: (-w[i].item(), i))
+    ranked = w[order]
+    before = ranked.cumsum(0) - ranked
+    keep_ranked = (torch.arange(n) < (top_k if 0 < top_k < n else n)) & (before < top_p * w.sum() if top_p < 1
+                                                                          else torch.ones(n, dtype=torch.bool))
+    keep_ranked[0] = True
+    keep = torch.zeros(n, dtype=torch.bool)
+    keep[order] = keep_ranked
+    cdf = torch.where(keep & (w >= min_p) & (w > 0), w, torch.zeros_like(w)).cumsum(0)
+    return int((cdf > uniform * cdf[-1]).nonzero()[0])
+
+
+@pytest.mark.skipif(cpu_ops() is None, reason="the C++ operators did not build")
+def test_the_cpp_sampler_draws_what_the_filtered_inverse_cdf_draws():
+    """Temperature, top-k, top-p and min-p in `sample_rows` against the float64 rules, on rows with ties,
+    -inf (masked) tokens, flat and peaked weights, nuclei wider than one bucket of its histogram."""
+    gen = torch.Generator().manual_seed(0)
+    for case in range(120):
+        n = int(torch.randint(1, 3000, (1,), generator=gen))
+        x = torch.randn(n, generator=gen) * float(torch.rand(1, generator=gen)) * 6
+        if case % 5 == 0:
+            x = x.round()  # many equal weights, some at the cut
+        if case % 7 == 0:
+            x[torch.rand(n, generator=gen) < 0.3] = float("-inf")
+            x[0] = 1.0
+        temperature = float(torch.rand(1, generator=gen)) * 1.5 + 0.05
+        top_k = int(torch.randint(0, 60, (1,), generator=gen)) if case % 2 else 0
+        top_p = float(torch.rand(1, generator=gen)) if case % 3 else 1.0
+        min_p = float(torch.rand(1, generator=gen)) * 0.2 if case % 4 == 0 else 0.0
+        uniform = torch.rand(8, generator=gen)
+        got = cpu_ops().sample_rows(x.expand(8, n), torch.full((8,), temperature), torch.full((8,), top_k),
+                                    torch.full((8,), top_p), torch.full((8,), min_p), uniform)
+        want = [_kept_inverse_cdf(x, temperature, top_k, top_p, min_p, float(u)) for u in uniform]
+        assert got.tolist() == want, (case, n, temperature, top_k, top_p, min_p)
+
+
+@pytest.mark.parametrize("path", ["cpp", "pytorch"])
+def test_top_p_and_temperature_draw_from_the_renormalized_nucleus(path, monkeypatch):
+    """Both sampling paths (the C++ operator and the PyTorch one beside it) draw each nucleus token as often as
+    its renormalized probability says, and never one outside it."""
+    if path == "cpp" and cpu_ops() is None:
+        pytest.skip("the C++ operators did not build")
+    if path == "pytorch":
+        monkeypatch.setattr("sobrio.sample.sampler.cpu_ops", lambda: None)
+    probs = torch.tensor([0.05, 0.5, 0.15, 0.3])
+    logits = (probs.log() * 2).expand(4000, 4)  # at temperature 2 the probabilities above
+    tokens = [t.token_id for t in Sampler()(logits, [_req(temperature=2.0, top_p=0.7, seed=i) for i in range(4000)])]
+    counts = torch.bincount(torch.tensor(tokens), minlength=4) / len(tokens)
+    assert counts[0] == 0 and counts[2] == 0  # outside the nucleus {1, 3} (0.8 >= 0.7)
+    assert abs(counts[1].item() - 0.625) < 0.03 and abs(counts[3].item() - 0.375) < 0.03
+
+
+def test_the_cpp_sampler_refuses_what_it_cannot_draw():
+    if cpu_ops() is None:
+        pytest.skip("the C++ operators did not build")
+    x, one = torch.randn(2, 8), torch.ones(2)
+    k = torch.zeros(2, dtype=torch.long)
+    for bad in ((x, one * 0, k, one, one * 0, one * 0.5), (x, one, k, one, one * 0, one),  # temperature 0, u = 1
+                (x.bfloat16(), one, k, one, one * 0, one * 0.5), (x, one[:1], k, one, one * 0, one * 0.5)):
+        with pytest.raises(RuntimeError, match="sample_rows"):
+            cpu_ops().sample_rows(*bad)

@@ -14,6 +14,7 @@ PEERS = ("vllm", "llamacpp")
 METRIC = {  # workload -> (result field, unit, higher is better)
     "inflight16": ("output_throughput", "tok/s", True),
     "inflight32": ("output_throughput", "tok/s", True),
+    "inflight16-top-p": ("output_throughput", "tok/s", True),
     "ttft1000": ("p50_ttft_ms", "ms TTFT", False),
     "ttft4000": ("p50_ttft_ms", "ms TTFT", False),
 }

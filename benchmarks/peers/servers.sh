@@ -30,12 +30,14 @@ start_at_size() {
     *) echo "unknown server $1" >&2; exit 2 ;;
   esac
 }
-# workload_args WORKLOAD: issue 43's serving workloads as `sobrio bench serve` flags; workload_offset WORKLOAD:
-# what each adds to the run's seed (its own prompts)
+# workload_args WORKLOAD: issue 43's serving workloads as `sobrio bench serve` flags (inflight16-top-p: the
+# 16-in-flight one sampled as many clients ask, temperature 1 and top-p 0.9, where the others are greedy);
+# workload_offset WORKLOAD: what each adds to the run's seed (its own prompts)
 workload_args() {
   case "$1" in
     inflight16) echo "--num-prompts 48 --input-len 128 --output-len 64 --max-concurrency 16" ;;
     inflight32) echo "--num-prompts 64 --input-len 128 --output-len 64 --max-concurrency 32" ;;
+    inflight16-top-p) echo "--num-prompts 48 --input-len 128 --output-len 64 --max-concurrency 16 --temperature 1 --top-p 0.9" ;;
     ttft1000) echo "--num-prompts 2 --input-len 1000 --output-len 2 --max-concurrency 1" ;;
     ttft4000) echo "--num-prompts 2 --input-len 4000 --output-len 2 --max-concurrency 1" ;;
     *) echo "unknown workload $1" >&2; exit 2 ;;
@@ -43,5 +45,6 @@ workload_args() {
 }
 workload_offset() {
   case "$1" in inflight16) echo 0 ;; inflight32) echo 1 ;; ttft1000) echo 2 ;; ttft4000) echo 3 ;;
+    inflight16-top-p) echo 4 ;;
     *) echo "unknown workload $1" >&2; exit 2 ;; esac
 }

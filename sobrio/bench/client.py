@@ -14,9 +14,15 @@ from sobrio.bench.datasets import SampleRequest
 from sobrio.bench.summary import RequestResult
 
 
-def request_body(sample: SampleRequest, model: str, endpoint: str, ignore_eos: bool) -> dict:
-    body: dict = {"model": model, "max_tokens": sample.output_len, "stream": True, "temperature": 0,
+def request_body(sample: SampleRequest, model: str, endpoint: str, ignore_eos: bool, temperature: float = 0.0,
+                 top_p: float | None = None, top_k: int | None = None) -> dict:
+    """A streamed request's body: greedy unless `temperature`; top_p and top_k sent only where given."""
+    body: dict = {"model": model, "max_tokens": sample.output_len, "stream": True, "temperature": temperature,
                   "stream_options": {"include_usage": True}}
+    if top_p is not None:
+        body["top_p"] = top_p
+    if top_k is not None:
+        body["top_k"] = top_k  # vLLM's extra parameter, as sobrio's
     if ignore_eos:
         body["ignore_eos"] = True
     if endpoint == "chat":

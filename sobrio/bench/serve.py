@@ -32,6 +32,9 @@ def add_serve_args(parser) -> None:
     parser.add_argument("--burstiness", type=float, default=1.0)
     parser.add_argument("--max-concurrency", type=int, default=None)
     parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sent with every request (vLLM's flag)")
+    parser.add_argument("--top-p", type=float, default=None, help="sent with every request where given")
+    parser.add_argument("--top-k", type=int, default=None, help="sent with every request where given")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--goodput", nargs="*", default=[], help="SLOs as ttft:MS tpot:MS e2el:MS")
     parser.add_argument("--percentiles", default="50,90,95,99")
@@ -87,7 +90,8 @@ async def run_requests(args, samples, count_tokens=None) -> tuple[list[RequestRe
 
         async def one(sample):
             async with limit:
-                body = request_body(sample, args.model, args.endpoint, args.ignore_eos)
+                body = request_body(sample, args.model, args.endpoint, args.ignore_eos, args.temperature, args.top_p,
+                                    args.top_k)
                 result = await send(client, url, body, headers, t0, sample, count_tokens)
             bar.update(1) if bar else None
             return result

@@ -8,7 +8,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from sobrio.bench.client import send
+from sobrio.bench.client import request_body, send
 from sobrio.bench.datasets import SampleRequest
 
 
@@ -65,3 +65,12 @@ def test_an_error_event_fails_the_request_even_after_text():
 def test_a_stream_without_choices_received_no_tokens():
     result = _send([USAGE])
     assert not result.success and result.error == "no tokens received"
+
+
+def test_the_body_is_greedy_unless_sampling_is_asked_for():
+    sample = SampleRequest(prompt=[1, 2, 3], messages=None, prompt_len=3, output_len=2)
+    greedy = request_body(sample, "m", "completions", ignore_eos=True)
+    assert greedy["temperature"] == 0 and "top_p" not in greedy and "top_k" not in greedy and greedy["ignore_eos"]
+    sampled = request_body(sample, "m", "chat", ignore_eos=False, temperature=1.0, top_p=0.9, top_k=40)
+    assert (sampled["temperature"], sampled["top_p"], sampled["top_k"]) == (1.0, 0.9, 40)
+    assert sampled["messages"] == [{"role": "user", "content": "1 2 3"}] and "ignore_eos" not in sampled

@@ -118,19 +118,20 @@ def test_act_and_mul(dtype: torch.dtype, act: str):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_write_kv_equals_index_copy_from_packed_views(dtype: torch.dtype):
+@pytest.mark.parametrize("tokens", [5, 300])  # a decode's few rows inline; a prompt chunk's over the threads
+def test_write_kv_equals_index_copy_from_packed_views(dtype: torch.dtype, tokens: int):
     """Keys and values as the attention layer gets them (strided views of the fused qkv output) land in
     the same slots as two index_copy_ calls put them; a slot outside the cache is refused."""
     ops = cpu_ops()
-    tokens, heads, dim, slots = 5, 3, 64, 40
+    heads, dim, slots = 3, 64, 400
     qkv = torch.randn(tokens, (4 + 2 * heads) * dim).to(dtype)
     _, k, v = qkv.split([4 * dim, heads * dim, heads * dim], dim=-1)
     k, v = k.view(tokens, heads, dim), v.view(tokens, heads, dim)
-    slot_mapping = torch.tensor([7, 0, 39, 12, 13])
+    slot_mapping = torch.randperm(slots, generator=torch.Generator().manual_seed(tokens))[:tokens]
     caches = [torch.zeros(slots, heads, dim, dtype=dtype) for _ in range(4)]
     ops.write_kv(k, v, caches[0], caches[1], slot_mapping)
     caches[2].index_copy_(0, slot_mapping, k)
     caches[3].index_copy_(0, slot_mapping, v)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     with pytest.raises(RuntimeError, match="slot out of range"):
-        ops.write_kv(k, v, caches[0], caches[1], torch.tensor([0, 1, 2, 3, slots]))
+        ops.write_kv(k, v, caches[0], caches[1], torch.cat([slot_mapping[:-1], torch.tensor([slots])]))

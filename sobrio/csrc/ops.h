@@ -12,10 +12,9 @@
 namespace sobrio_ops {
 
 // Rows a thread takes at least in the per-row operators (norms, rotary, activation, the int8 kernels' rounding
-// of x): enough for about 8,192 values, at most 16. A 16-row decode's activation (8,192 values a row at 1B)
-// splits over both threads where 16 rows a thread left it on one while the other spun; a batch-32 decode
-// splits everything (64 rows a thread before, `benchmarks/step_overhead.py --batch 32 --quantization int8
-// --temperature 0`: a step 26.2-26.3 -> 23.8-24.5 ms, Intel Xeon with AMX). Figures: docs/benchmarks.md.
+// of x): enough for about 8,192 values, at most 16. The other thread spins between a step's parallel regions, so
+// waking it is cheap, and a 16-row decode's activation (8,192 values a row at 1B) on one thread while it spun
+// was a measurable share of the step (docs/benchmarks.md, "Per-row operators at 16 rows").
 inline int64_t row_grain(int64_t values_per_row) {
   return std::clamp<int64_t>((8192 + values_per_row - 1) / std::max<int64_t>(1, values_per_row), 1, 16);
 }

@@ -34,6 +34,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "each row's token by temperature, top-k, top-p and min-p, drawn at its uniform by inverse CDF",
         py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("min_p"),
         py::arg("uniform"));
+  m.def("top_k_top_p_probs", &top_k_top_p_probs,
+        "each row's probabilities at its temperature over the tokens its top-k, top-p and min-p keep",
+        py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("min_p"));
   // amx_linear.cpp
   m.def("amx_supported", &amx_supported, "whether amx_linear was built and the OS grants AMX");
   m.def("amx_pack_weight", &amx_pack_weight, "a bf16 weight [N, K] in amx_linear's tile layout");

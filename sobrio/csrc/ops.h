@@ -48,6 +48,8 @@ at::Tensor argmax_rows(at::Tensor logits);
 // sampling.cpp
 at::Tensor sample_rows(at::Tensor logits, at::Tensor temperature, at::Tensor top_k, at::Tensor top_p,
                        at::Tensor min_p, at::Tensor uniform);
+at::Tensor top_k_top_p_probs(at::Tensor logits, at::Tensor temperature, at::Tensor top_k, at::Tensor top_p,
+                             at::Tensor min_p);
 
 // amx_linear.cpp
 bool amx_supported();

@@ -43,7 +43,10 @@ float row_max(const float* x, int64_t n) {
   return m;
 }
 
-// w[i] = exp((x[i] - m) * inv_t), 0 for -inf and NaN logits; returns their sum. An infinite maximum gives
+// Below this exp512 clamps (to ~1.2e-38): such weights are 0 here, as for -inf and NaN logits.
+constexpr float kExpFloor = -87.3f;
+
+// w[i] = exp((x[i] - m) * inv_t), 0 for -inf and NaN logits and below kExpFloor; returns their sum. An infinite maximum gives
 // its tokens weight 1 and the others 0.
 double weights(const float* x, int64_t n, float m, float inv_t, float* w) {
   double total = 0;
@@ -54,13 +57,12 @@ double weights(const float* x, int64_t n, float m, float inv_t, float* w) {
   }
 #if defined(__AVX512F__)
   const __m512 mv = _mm512_set1_ps(m), tv = _mm512_set1_ps(inv_t);
-  const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 floor = _mm512_set1_ps(kExpFloor);
   while (i + 16 <= n) {  // float sums of 64 vectors a lane at most, added up in double
     __m512 sum = _mm512_setzero_ps();
     for (const int64_t stop = std::min(n - 15, i + 1024); i < stop; i += 16) {
-      const __m512 v = _mm512_loadu_ps(x + i);
-      const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, lowest, _CMP_GT_OQ),
-                                           sobrio_vec::exp512(_mm512_mul_ps(_mm512_sub_ps(v, mv), tv)));
+      const __m512 a = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(x + i), mv), tv);  // NaN for a NaN logit
+      const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, floor, _CMP_GE_OQ), sobrio_vec::exp512(a));
       _mm512_storeu_ps(w + i, e);
       sum = _mm512_add_ps(sum, e);
     }
@@ -68,7 +70,8 @@ double weights(const float* x, int64_t n, float m, float inv_t, float* w) {
   }
 #endif
   for (; i < n; ++i) {
-    w[i] = x[i] > -std::numeric_limits<float>::infinity() ? std::exp((x[i] - m) * inv_t) : 0.f;
+    const float a = (x[i] - m) * inv_t;
+    w[i] = a >= kExpFloor ? std::exp(a) : 0.f;
     total += w[i];
   }
   return total;
@@ -163,6 +166,23 @@ inline bool kept(float wi, int64_t i, const Cut& cut, float min_p) {
   return wi > 0.f && wi >= min_p && (wi > cut.weight || (wi == cut.weight && i <= cut.index));
 }
 
+#if defined(__AVX512F__)
+// `kept` for the 16 weights v of tokens i to i + 15.
+inline __mmask16 kept16(__m512 v, int64_t i, const Cut& cut, float min_p) {
+  const __m512 cw = _mm512_set1_ps(cut.weight);
+  __mmask16 keep = _mm512_cmp_ps_mask(v, cw, _CMP_GT_OQ);
+  if (const __mmask16 tie = _mm512_cmp_ps_mask(v, cw, _CMP_EQ_OQ)) {  // rare: equal weights at the cut
+    const __m512i lo = _mm512_add_epi64(_mm512_set1_epi64(i), _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m512i limit = _mm512_set1_epi64(cut.index);
+    const __mmask8 a = _mm512_cmple_epi64_mask(lo, limit);
+    const __mmask8 c = _mm512_cmple_epi64_mask(_mm512_add_epi64(lo, _mm512_set1_epi64(8)), limit);
+    keep |= tie & static_cast<__mmask16>(a | (c << 8));
+  }
+  return keep & _mm512_cmp_ps_mask(v, _mm512_set1_ps(min_p), _CMP_GE_OQ) &
+         _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_GT_OQ);
+}
+#endif
+
 // The kept tokens' weights in blocks of kBlock, then the draw: the first token, in vocabulary order, where
 // the running sum of kept weights passes u times their total (the last kept token if rounding leaves none).
 constexpr int64_t kBlock = 1024;
@@ -177,22 +197,10 @@ int64_t draw(const float* w, int64_t n, const Cut& cut, float min_p, double u, s
     float s = 0;
     int64_t i = blk * kBlock;
 #if defined(__AVX512F__)
-    const __m512 cw = _mm512_set1_ps(cut.weight), mp = _mm512_set1_ps(min_p), zero = _mm512_setzero_ps();
-    const __m512i step = _mm512_set1_epi64(8);
     __m512 acc = _mm512_setzero_ps();
     for (; i + 16 <= end; i += 16) {
       const __m512 v = _mm512_loadu_ps(w + i);
-      __mmask16 keep = _mm512_cmp_ps_mask(v, cw, _CMP_GT_OQ);
-      const __mmask16 tie = _mm512_cmp_ps_mask(v, cw, _CMP_EQ_OQ);
-      if (tie) {  // rare: equal weights at the cut, kept up to its index
-        const __m512i lo = _mm512_add_epi64(_mm512_set1_epi64(i), _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7));
-        const __m512i limit = _mm512_set1_epi64(cut.index);
-        const __mmask8 a = _mm512_cmple_epi64_mask(lo, limit);
-        const __mmask8 c = _mm512_cmple_epi64_mask(_mm512_add_epi64(lo, step), limit);
-        keep |= tie & static_cast<__mmask16>(a | (c << 8));
-      }
-      keep &= _mm512_cmp_ps_mask(v, mp, _CMP_GE_OQ) & _mm512_cmp_ps_mask(v, zero, _CMP_GT_OQ);
-      acc = _mm512_mask_add_ps(acc, keep, acc, v);
+      acc = _mm512_mask_add_ps(acc, kept16(v, i, cut, min_p), acc, v);
     }
     s = _mm512_reduce_add_ps(acc);
 #endif
@@ -224,28 +232,62 @@ int64_t draw(const float* w, int64_t n, const Cut& cut, float min_p, double u, s
   return n - 1;  // not reached: the last block returns
 }
 
+// A row's weights into w and what its rules keep of them: `Cut{0, n}` keeps every token of positive weight.
+// Returns false for a row with no logit above -inf (nothing to keep).
+bool filter_row(const float* x, int64_t n, float temperature, int64_t top_k, float top_p, float* w, Cut& cut) {
+  const float m = row_max(x, n);
+  if (m == -std::numeric_limits<float>::infinity()) return false;
+  const double total = weights(x, n, m, 1.f / temperature, w);
+  const int64_t k = top_k > 0 && top_k < n ? top_k : n;
+  cut = Cut{0.f, n};
+  if (top_p < 1.f) {
+    // Tokens below (1 - top_p) / n of the total weigh less than 1 - top_p together: the nucleus lies above
+    // them (half that, for rounding), and so does whatever top-k keeps of it.
+    cut = top_k_top_p_cut(w, n, k, top_p * total, static_cast<float>(0.5 * (1 - top_p) * total / n));
+  } else if (k < n) {
+    cut = top_k_top_p_cut(w, n, k, 2 * total, count_at_least(w, n, kTopKFloor) >= k ? kTopKFloor : 0.f);
+  }
+  return true;
+}
+
+// The per-row rules of both operators, checked: one value a row, temperature > 0, 0 < top_p, 0 <= min_p <= 1.
+struct RowRules {
+  const float *temperature, *top_p, *min_p;
+  const int64_t* top_k;
+  RowRules(const char* op, const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
+           const at::Tensor& top_p, const at::Tensor& min_p) {
+    TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1 &&
+                    logits.size(1) > 0,
+                op, ": float32 logits [B, V], unit stride along V");
+    for (const auto* t : {&temperature, &top_k, &top_p, &min_p})
+      TORCH_CHECK(t->dim() == 1 && t->size(0) == logits.size(0) && t->is_contiguous(), op, ": one value a row");
+    TORCH_CHECK(temperature.scalar_type() == at::kFloat && top_p.scalar_type() == at::kFloat &&
+                    min_p.scalar_type() == at::kFloat && top_k.scalar_type() == at::kLong,
+                op, ": float32 temperature, top_p and min_p; int64 top_k");
+    this->temperature = temperature.data_ptr<float>();
+    this->top_p = top_p.data_ptr<float>();
+    this->min_p = min_p.data_ptr<float>();
+    this->top_k = top_k.data_ptr<int64_t>();
+    for (int64_t r = 0; r < logits.size(0); ++r)
+      TORCH_CHECK(this->temperature[r] > 0 && this->top_p[r] > 0 && this->min_p[r] >= 0 && this->min_p[r] <= 1, op,
+                  ": temperature > 0, 0 < top_p, 0 <= min_p <= 1");
+  }
+};
+
 }  // namespace
 
 namespace sobrio_ops {
 
 at::Tensor sample_rows(at::Tensor logits, at::Tensor temperature, at::Tensor top_k, at::Tensor top_p,
                        at::Tensor min_p, at::Tensor uniform) {
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1 && logits.size(1) > 0,
-              "sample_rows: float32 logits [B, V], unit stride along V");
+  const RowRules rules("sample_rows", logits, temperature, top_k, top_p, min_p);
   const int64_t rows = logits.size(0), n = logits.size(1), stride = logits.stride(0);
-  for (const auto* t : {&temperature, &top_k, &top_p, &min_p, &uniform})
-    TORCH_CHECK(t->dim() == 1 && t->size(0) == rows && t->is_contiguous(), "sample_rows: one value a row");
-  TORCH_CHECK(temperature.scalar_type() == at::kFloat && top_p.scalar_type() == at::kFloat &&
-                  min_p.scalar_type() == at::kFloat && uniform.scalar_type() == at::kFloat &&
-                  top_k.scalar_type() == at::kLong,
-              "sample_rows: float32 temperature, top_p, min_p and uniform; int64 top_k");
+  TORCH_CHECK(uniform.dim() == 1 && uniform.size(0) == rows && uniform.is_contiguous() &&
+                  uniform.scalar_type() == at::kFloat,
+              "sample_rows: one float32 uniform a row");
   const float* x = logits.data_ptr<float>();
-  const float *tp = temperature.data_ptr<float>(), *pp = top_p.data_ptr<float>(), *mp = min_p.data_ptr<float>();
   const float* up = uniform.data_ptr<float>();
-  const int64_t* kp = top_k.data_ptr<int64_t>();
-  for (int64_t r = 0; r < rows; ++r)
-    TORCH_CHECK(tp[r] > 0 && pp[r] > 0 && mp[r] >= 0 && mp[r] <= 1 && up[r] >= 0 && up[r] < 1,
-                "sample_rows: temperature > 0, 0 < top_p, 0 <= min_p <= 1, 0 <= uniform < 1");
+  for (int64_t r = 0; r < rows; ++r) TORCH_CHECK(up[r] >= 0 && up[r] < 1, "sample_rows: 0 <= uniform < 1");
   auto out = at::empty({rows}, logits.options().dtype(at::kLong));
   int64_t* o = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
@@ -253,24 +295,51 @@ at::Tensor sample_rows(at::Tensor logits, at::Tensor temperature, at::Tensor top
     thread_local std::vector<double> sums;
     w.resize(n);
     for (int64_t r = begin; r < end; ++r) {
-      const float* xr = x + r * stride;
-      const float m = row_max(xr, n);
-      if (m == -std::numeric_limits<float>::infinity()) {  // no token possible: as torch's argmax of the row
-        o[r] = 0;
+      Cut cut{0.f, n};
+      o[r] = filter_row(x + r * stride, n, rules.temperature[r], rules.top_k[r], rules.top_p[r], w.data(), cut)
+                 ? draw(w.data(), n, cut, rules.min_p[r], up[r], sums)
+                 : 0;  // no token possible: as torch's argmax of the row
+    }
+  });
+  return out;
+}
+
+at::Tensor top_k_top_p_probs(at::Tensor logits, at::Tensor temperature, at::Tensor top_k, at::Tensor top_p,
+                             at::Tensor min_p) {
+  const RowRules rules("top_k_top_p_probs", logits, temperature, top_k, top_p, min_p);
+  const int64_t rows = logits.size(0), n = logits.size(1), stride = logits.stride(0);
+  const float* x = logits.data_ptr<float>();
+  auto out = at::empty({rows, n}, logits.options());
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* w = o + r * n;  // the weights, then the probabilities in place
+      Cut cut{0.f, n};
+      if (!filter_row(x + r * stride, n, rules.temperature[r], rules.top_k[r], rules.top_p[r], w, cut)) {
+        std::fill(w, w + n, 0.f);  // nothing kept
         continue;
       }
-      const double total = weights(xr, n, m, 1.f / tp[r], w.data());
-      const int64_t k = kp[r] > 0 && kp[r] < n ? kp[r] : n;
-      Cut cut{0.f, n};  // keeps every token of positive weight
-      if (pp[r] < 1.f) {
-        // Tokens below (1 - top_p) / n of the total weigh less than 1 - top_p together: the nucleus lies above
-        // them (half that, for rounding), and so does whatever top-k keeps of it.
-        const double mass_limit = pp[r] * total;
-        cut = top_k_top_p_cut(w.data(), n, k, mass_limit, static_cast<float>(0.5 * (1 - pp[r]) * total / n));
-      } else if (k < n) {
-        cut = top_k_top_p_cut(w.data(), n, k, 2 * total, count_at_least(w.data(), n, kTopKFloor) >= k ? kTopKFloor : 0.f);
+      double total = 0;  // the kept weights' sum, the others zeroed
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      while (i + 16 <= n) {
+        __m512 acc = _mm512_setzero_ps();
+        for (const int64_t stop = std::min(n - 15, i + 1024); i < stop; i += 16) {
+          const __m512 v = _mm512_maskz_mov_ps(kept16(_mm512_loadu_ps(w + i), i, cut, rules.min_p[r]),
+                                               _mm512_loadu_ps(w + i));
+          _mm512_storeu_ps(w + i, v);
+          acc = _mm512_add_ps(acc, v);
+        }
+        total += _mm512_reduce_add_ps(acc);
       }
-      o[r] = draw(w.data(), n, cut, mp[r], up[r], sums);
+#endif
+      for (; i < n; ++i) total += w[i] = kept(w[i], i, cut, rules.min_p[r]) ? w[i] : 0.f;
+      const float inv = static_cast<float>(1.0 / total);
+      i = 0;
+#if defined(__AVX512F__)
+      for (; i + 16 <= n; i += 16) _mm512_storeu_ps(w + i, _mm512_mul_ps(_mm512_loadu_ps(w + i), _mm512_set1_ps(inv)));
+#endif
+      for (; i < n; ++i) w[i] *= inv;
     }
   });
   return out;

@@ -104,11 +104,21 @@ def _keep_top_k_top_p(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor,
     values, order = logits.topk(width, dim=-1) if width < logits.shape[-1] else logits.sort(dim=-1, descending=True)
     probs = (values - logits.logsumexp(dim=-1, keepdim=True)).exp()
     before = probs.cumsum(dim=-1) - probs  # mass of the strictly better tokens
-    keep = (torch.arange(width).unsqueeze(0) < k) & (before < p)
+    keep = (torch.arange(width).unsqueeze(0) < k) & ((before < p) | (p >= 1))  # top-p 1 is off: a float cumsum
+    # can reach 1 before the row's end and cut a top-k's last tokens
     keep[:, 0] = True
     exact = (k.squeeze(1) <= width) | (before[:, -1] + probs[:, -1] >= p.squeeze(1))
     kept = torch.full_like(logits, float("-inf")).scatter_(1, order, values.masked_fill_(~keep, float("-inf")))
     return kept, exact
+
+
+def row_rules(meta: SamplingMetadata, rows: list[int]) -> tuple[torch.Tensor, ...]:
+    """The rows' temperature, top-k, top-p and min-p as the C++ operators take them (`sample_rows`,
+    `top_k_top_p_probs`)."""
+    return (torch.tensor([meta.temperature[r] for r in rows], dtype=torch.float32),
+            torch.tensor([meta.top_k[r] for r in rows], dtype=torch.long),
+            torch.tensor([meta.top_p[r] for r in rows], dtype=torch.float32),
+            torch.tensor([meta.min_p[r] for r in rows], dtype=torch.float32))
 
 
 def sample_random(logits: torch.Tensor, meta: SamplingMetadata, rows: list[int]) -> torch.Tensor:
@@ -126,12 +136,11 @@ def sample_random(logits: torch.Tensor, meta: SamplingMetadata, rows: list[int])
         generator = meta.generators.get(row)
         if generator is not None:
             uniform[i] = torch.rand(1, generator=generator)
-    temperature = torch.tensor([meta.temperature[r] for r in rows], dtype=torch.float32)
+    rules = row_rules(meta, rows)
     ops = cpu_ops()
     if ops is not None and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1:
-        return ops.sample_rows(logits, temperature, torch.tensor([meta.top_k[r] for r in rows], dtype=torch.long),
-                               torch.tensor([meta.top_p[r] for r in rows], dtype=torch.float32),
-                               torch.tensor([meta.min_p[r] for r in rows], dtype=torch.float32), uniform)
+        return ops.sample_rows(logits, *rules, uniform)
+    temperature = rules[0]
     logits = filter_top_k_top_p_min_p(logits / temperature.to(logits.dtype).unsqueeze(1),
                                       [meta.top_k[r] for r in rows], [meta.top_p[r] for r in rows],
                                       [meta.min_p[r] for r in rows])

@@ -5,8 +5,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from sobrio.layers.cpu_ops import cpu_ops
 from sobrio.sample.metadata import SamplingMetadata
-from sobrio.sample.rejection import accept_greedy, accept_random, verify
+from sobrio.sample.rejection import accept_greedy, accept_random, target_probs, verify
 from sobrio.speculative.ngram import NgramProposer
 
 
@@ -100,3 +101,29 @@ def test_spec_decode_metrics_take_vllms_names_only_for_a_model_that_speculates()
     assert per_position == {"0": 3, "1": 2, "2": 1, "3": 1} and all(s.labels["model_name"] == "a" for s in
                                                                      families["vllm:spec_decode_num_drafts"].samples)
     assert list(spec_decode_families("sobrio", [("b", EngineStats())])) == []
+
+
+@pytest.mark.skipif(cpu_ops() is None, reason="the C++ operators did not build")
+def test_the_cpp_target_probabilities_equal_the_pytorch_filters(monkeypatch):
+    """`top_k_top_p_probs` keeps the tokens the PyTorch top-k / top-p / min-p filter keeps (masked tokens too)
+    and gives them its softmax's probabilities. No ties at the cut here: PyTorch's topk and sort leave their
+    order open, the operator keeps equal weights by index (test_sampler.py checks that rule)."""
+    gen = torch.Generator().manual_seed(0)
+    cases = []
+    for case in range(40):
+        n = int(torch.randint(2, 2000, (1,), generator=gen))
+        x = torch.randn(4, n, generator=gen) * float(torch.rand(1, generator=gen)) * 6
+        if case % 7 == 0:
+            x[torch.rand(4, n, generator=gen) < 0.3] = float("-inf")
+            x[:, 0] = 1.0
+        rules = meta(4, float(torch.rand(1, generator=gen)) * 1.5 + 0.05,
+                     top_k=int(torch.randint(0, 60, (1,), generator=gen)) if case % 2 else 0)
+        rules.top_p = [float(torch.rand(1, generator=gen)) if case % 3 else 1.0] * 4
+        rules.min_p = [float(torch.rand(1, generator=gen)) * 0.2 if case % 4 == 0 else 0.0] * 4
+        cases.append((x, rules, target_probs(x, rules)))
+    monkeypatch.setattr("sobrio.sample.rejection.cpu_ops", lambda: None)
+    for x, rules, got in cases:
+        want = target_probs(x, rules)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+        # the kept tokens the same (PyTorch's top-p of 1 also drops the tail whose mass rounds away: ~1e-10 each)
+        assert torch.equal((got > 1e-7) | (want > 1e-7), (got > 0) & (want > 0) & ((got > 1e-7) | (want > 1e-7)))

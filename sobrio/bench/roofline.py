@@ -213,14 +213,19 @@ def describe_model(args, runner) -> None:
           f"weight once, as its kernel reads it), {runner.kv_spec.token_bytes} B of KV per token")
 
 
-def roofline_line(batch: int, step: float, moved: int, ops: int, peaks: dict[str, float], peak_name: str) -> str:
+def roofline_line(batch: int, step: float, moved: int, ops: int, peaks: dict[str, float], peak_name: str,
+                  bandwidth_after: float | None = None) -> str:
     """A step's time against its floor (the slower of streaming `moved` bytes at peak bandwidth and `ops`
-    at the mode's peak), and its share of each peak."""
+    at the mode's peak), and its share of each peak; with `bandwidth_after`, also its share of the read loop
+    measured again right after its steps (a shared host's bandwidth moves within minutes: the start's figure
+    alone moved a share by +-5 points, docs/benchmarks.md)."""
     bandwidth, peak = peaks["bandwidth"], peaks[peak_name]
     floor = max(moved / bandwidth, ops / peak)
     unit = "TOP/s" if peak_name == "int8" else "TFLOP/s"
+    after = ("" if bandwidth_after is None else
+             f" (read loop right after {bandwidth_after / 1e9:.1f} GB/s: {moved / step / bandwidth_after:5.1%})")
     return (f"batch {batch:3}: step {step * 1000:7.1f} ms (floor {floor * 1000:6.1f} ms) {batch / step:7.1f} tok/s "
-            f"| bandwidth {moved / step / 1e9:5.1f} GB/s = {moved / step / bandwidth:5.1%} of peak "
+            f"| bandwidth {moved / step / 1e9:5.1f} GB/s = {moved / step / bandwidth:5.1%} of peak{after} "
             f"| compute {ops / step / 1e12:5.3f} {unit} = {ops / step / peak:5.1%} of {peak_name} peak")
 
 
@@ -238,7 +243,8 @@ def cmd_bench_roofline(args) -> int:
     for batch in [int(b) for b in args.batch.split(",")]:
         step, kv_tokens = decode_step_time(llm, batch, args.prompt_len)
         moved = read + kv_tokens * runner.kv_spec.token_bytes
-        print(roofline_line(batch, step, moved, 2 * weights * batch, peaks, peak_name), flush=True)
+        print(roofline_line(batch, step, moved, 2 * weights * batch, peaks, peak_name, memory_bandwidth()),
+              flush=True)
     return 0
 
 

@@ -118,3 +118,11 @@ def test_byte_size(text, size):
 def test_byte_size_refuses(text):
     with pytest.raises(argparse.ArgumentTypeError):
         byte_size(text)
+
+
+def test_a_step_is_placed_against_the_read_loop_measured_after_it_too():
+    peaks = {"bandwidth": 30e9, "int8": 4e12}
+    line = roofline.roofline_line(1, 0.05, 1_200_000_000, 2_400_000_000, peaks, "int8")
+    assert "24.0 GB/s = 80.0% of peak" in line and "right after" not in line
+    line = roofline.roofline_line(1, 0.05, 1_200_000_000, 2_400_000_000, peaks, "int8", bandwidth_after=25e9)
+    assert "80.0% of peak (read loop right after 25.0 GB/s: 96.0%)" in line

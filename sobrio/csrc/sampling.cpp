@@ -46,8 +46,8 @@ float row_max(const float* x, int64_t n) {
 // Below this exp512 clamps (to ~1.2e-38): such weights are 0 here, as for -inf and NaN logits.
 constexpr float kExpFloor = -87.3f;
 
-// w[i] = exp((x[i] - m) * inv_t), 0 for -inf and NaN logits and below kExpFloor; returns their sum. An infinite maximum gives
-// its tokens weight 1 and the others 0.
+// w[i] = exp((x[i] - m) * inv_t), 0 for -inf and NaN logits and below kExpFloor; returns their sum. An
+// infinite maximum gives its tokens weight 1 and the others 0.
 double weights(const float* x, int64_t n, float m, float inv_t, float* w) {
   double total = 0;
   int64_t i = 0;
@@ -80,7 +80,7 @@ double weights(const float* x, int64_t n, float m, float inv_t, float* w) {
 // f(i) for each i, in order, with lo <= w[i] < hi: 16 weights compared at a time and the few that pass
 // handed on (a peaked row has most of its tokens far below the cut).
 template <typename F>
-void for_each_at_least(const float* w, int64_t n, float lo, float hi, F&& f) {
+void for_each_between(const float* w, int64_t n, float lo, float hi, F&& f) {
   int64_t i = 0;
 #if defined(__AVX512F__)
   const __m512 lv = _mm512_set1_ps(lo), hv = _mm512_set1_ps(hi);
@@ -115,7 +115,7 @@ Cut top_k_top_p_cut(const float* w, int64_t n, int64_t k, double mass_limit, flo
     ++count[b];
     mass[b] += w[i];
   };
-  for_each_at_least(w, n, floor, std::numeric_limits<float>::infinity(), add);
+  for_each_between(w, n, floor, std::numeric_limits<float>::infinity(), add);
   int64_t rank = 0;
   double before = 0;
   int b = kBuckets - 1;
@@ -133,7 +133,7 @@ Cut top_k_top_p_cut(const float* w, int64_t n, int64_t k, double mass_limit, flo
   const uint32_t low_bits = static_cast<uint32_t>(b) << kBucketShift, high_bits = low_bits + (1u << kBucketShift);
   std::memcpy(&low, &low_bits, sizeof(low));
   std::memcpy(&high, &high_bits, sizeof(high));
-  for_each_at_least(w, n, std::max(low, floor), high, [&](int64_t j) { tokens.emplace_back(w[j], j); });
+  for_each_between(w, n, std::max(low, floor), high, [&](int64_t j) { tokens.emplace_back(w[j], j); });
   std::sort(tokens.begin(), tokens.end(), [](const auto& a, const auto& c) {
     return a.first > c.first || (a.first == c.first && a.second < c.second);
   });
@@ -183,9 +183,33 @@ inline __mmask16 kept16(__m512 v, int64_t i, const Cut& cut, float min_p) {
 }
 #endif
 
-// The kept tokens' weights in blocks of kBlock, then the draw: the first token, in vocabulary order, where
-// the running sum of kept weights passes u times their total (the last kept token if rounding leaves none).
+// The kept weights of tokens [begin, end) summed in float (a block of kBlock at most; callers add the blocks'
+// sums in double); kZero: the other weights set to 0 in place.
+template <bool kZero, typename W>
+float kept_sum(W* w, int64_t begin, int64_t end, const Cut& cut, float min_p) {
+  float s = 0;
+  int64_t i = begin;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= end; i += 16) {
+    const __m512 v = _mm512_loadu_ps(w + i);
+    const __mmask16 keep = kept16(v, i, cut, min_p);
+    if constexpr (kZero) _mm512_storeu_ps(w + i, _mm512_maskz_mov_ps(keep, v));
+    acc = _mm512_mask_add_ps(acc, keep, acc, v);
+  }
+  s = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < end; ++i) {
+    if (kept(w[i], i, cut, min_p)) s += w[i];
+    else if constexpr (kZero) w[i] = 0.f;
+  }
+  return s;
+}
+
 constexpr int64_t kBlock = 1024;
+
+// The draw: the first token, in vocabulary order, where the running sum of kept weights passes u times their
+// total (the last kept token if rounding leaves none).
 
 int64_t draw(const float* w, int64_t n, const Cut& cut, float min_p, double u, std::vector<double>& sums) {
   const int64_t blocks = (n + kBlock - 1) / kBlock;
@@ -193,19 +217,7 @@ int64_t draw(const float* w, int64_t n, const Cut& cut, float min_p, double u, s
   double total = 0;
   int64_t last_block = -1;
   for (int64_t blk = 0; blk < blocks; ++blk) {
-    const int64_t end = std::min(n, (blk + 1) * kBlock);
-    float s = 0;
-    int64_t i = blk * kBlock;
-#if defined(__AVX512F__)
-    __m512 acc = _mm512_setzero_ps();
-    for (; i + 16 <= end; i += 16) {
-      const __m512 v = _mm512_loadu_ps(w + i);
-      acc = _mm512_mask_add_ps(acc, kept16(v, i, cut, min_p), acc, v);
-    }
-    s = _mm512_reduce_add_ps(acc);
-#endif
-    for (; i < end; ++i)
-      if (kept(w[i], i, cut, min_p)) s += w[i];
+    const float s = kept_sum<false>(w, blk * kBlock, std::min(n, (blk + 1) * kBlock), cut, min_p);
     sums[blk] = s;
     total += s;
     if (s > 0) last_block = blk;
@@ -320,22 +332,10 @@ at::Tensor top_k_top_p_probs(at::Tensor logits, at::Tensor temperature, at::Tens
         continue;
       }
       double total = 0;  // the kept weights' sum, the others zeroed
-      int64_t i = 0;
-#if defined(__AVX512F__)
-      while (i + 16 <= n) {
-        __m512 acc = _mm512_setzero_ps();
-        for (const int64_t stop = std::min(n - 15, i + 1024); i < stop; i += 16) {
-          const __m512 v = _mm512_maskz_mov_ps(kept16(_mm512_loadu_ps(w + i), i, cut, rules.min_p[r]),
-                                               _mm512_loadu_ps(w + i));
-          _mm512_storeu_ps(w + i, v);
-          acc = _mm512_add_ps(acc, v);
-        }
-        total += _mm512_reduce_add_ps(acc);
-      }
-#endif
-      for (; i < n; ++i) total += w[i] = kept(w[i], i, cut, rules.min_p[r]) ? w[i] : 0.f;
+      for (int64_t begin = 0; begin < n; begin += kBlock)
+        total += kept_sum<true>(w, begin, std::min(n, begin + kBlock), cut, rules.min_p[r]);
       const float inv = static_cast<float>(1.0 / total);
-      i = 0;
+      int64_t i = 0;
 #if defined(__AVX512F__)
       for (; i + 16 <= n; i += 16) _mm512_storeu_ps(w + i, _mm512_mul_ps(_mm512_loadu_ps(w + i), _mm512_set1_ps(inv)));
 #endif

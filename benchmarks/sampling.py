@@ -76,7 +76,7 @@ def main() -> None:
     verify_rows = {kind: logits[:args.draft_rows] for kind, logits in rows.items()}
     print(f"\nA verify's target probabilities: {args.draft_rows} rows of one request, "
           f"median of {args.repeats} calls, ms")
-    table(target_probs, "sobrio.sample.rejection.cpu_ops", verify_rows,
+    table(target_probs, "sobrio.sample.sampler.cpu_ops", verify_rows,
           {name: params for name, params in CASES.items() if params[0] > 0}, args.repeats)
 
 if __name__ == "__main__":

@@ -17,12 +17,12 @@ them to a single row.
 
 import torch
 
-from sobrio.csrc import load as cpu_ops
 from sobrio.sample.metadata import SamplingMetadata
 from sobrio.sample.sampler import (
     SampledToken,
     apply_logit_bias,
     apply_masks,
+    cpp_logits,
     filter_top_k_top_p_min_p,
     greedy_tokens,
     row_rules,
@@ -34,9 +34,9 @@ def target_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """[R, V] probabilities the sampler would draw from, for rows that all share one request's rules: the C++
     `top_k_top_p_probs` where it reads them (the PyTorch filter sorts whole rows for a wide nucleus, a cost
     at a 128k vocabulary for each request a step verifies: docs/benchmarks.md), else that filter."""
-    ops = cpu_ops()
-    if ops is not None and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1:
-        return ops.top_k_top_p_probs(logits, *row_rules(meta, list(range(meta.num_rows))))
+    if (cpp := cpp_logits(logits)) is not None:
+        ops, rows_read = cpp
+        return ops.top_k_top_p_probs(rows_read, *row_rules(meta, list(range(meta.num_rows))))
     x = logits / meta.temperature[0]
     x = filter_top_k_top_p_min_p(x, meta.top_k, meta.top_p, meta.min_p)
     return x.softmax(dim=-1)

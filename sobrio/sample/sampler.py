@@ -112,6 +112,15 @@ def _keep_top_k_top_p(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor,
     return kept, exact
 
 
+def cpp_logits(logits: torch.Tensor) -> tuple[object, torch.Tensor] | None:
+    """The C++ operators and the logits as they read them (float32 [B, V], V > 0, rows copied to unit stride
+    where they are strided), or None where they are not built or cannot read these."""
+    ops = cpu_ops()
+    if ops is None or logits.dtype != torch.float32 or logits.dim() != 2 or logits.shape[1] == 0:
+        return None
+    return ops, logits if logits.stride(1) == 1 else logits.contiguous()
+
+
 def row_rules(meta: SamplingMetadata, rows: list[int]) -> tuple[torch.Tensor, ...]:
     """The rows' temperature, top-k, top-p and min-p as the C++ operators take them (`sample_rows`,
     `top_k_top_p_probs`)."""
@@ -137,11 +146,10 @@ def sample_random(logits: torch.Tensor, meta: SamplingMetadata, rows: list[int])
         if generator is not None:
             uniform[i] = torch.rand(1, generator=generator)
     rules = row_rules(meta, rows)
-    ops = cpu_ops()
-    if ops is not None and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1:
-        return ops.sample_rows(logits, *rules, uniform)
-    temperature = rules[0]
-    logits = filter_top_k_top_p_min_p(logits / temperature.to(logits.dtype).unsqueeze(1),
+    if (cpp := cpp_logits(logits)) is not None:
+        ops, rows_read = cpp
+        return ops.sample_rows(rows_read, *rules, uniform)
+    logits = filter_top_k_top_p_min_p(logits / rules[0].to(logits.dtype).unsqueeze(1),
                                       [meta.top_k[r] for r in rows], [meta.top_p[r] for r in rows],
                                       [meta.min_p[r] for r in rows])
     cdf = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_().cumsum_(dim=-1)  # unnormalized
@@ -153,9 +161,9 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax, by torch.max's rule (the first of equal maxima; a row's first NaN, if it has one):
     the C++ `argmax_rows` over float32 rows, both threads (torch.max took ~1 ms of a batch-32 step in one),
     else torch.max (itself 2.5x faster than argmax on a [32, 49152] step)."""
-    ops = cpu_ops()
-    if ops is not None and logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1] > 0:
-        return ops.argmax_rows(logits if logits.stride(1) == 1 else logits.contiguous())  # rows may be strided
+    if (cpp := cpp_logits(logits)) is not None:
+        ops, rows_read = cpp
+        return ops.argmax_rows(rows_read)
     return logits.max(dim=-1).indices
 
 

@@ -121,7 +121,7 @@ def test_the_cpp_target_probabilities_equal_the_pytorch_filters(monkeypatch):
         rules.top_p = [float(torch.rand(1, generator=gen)) if case % 3 else 1.0] * 4
         rules.min_p = [float(torch.rand(1, generator=gen)) * 0.2 if case % 4 == 0 else 0.0] * 4
         cases.append((x, rules, target_probs(x, rules)))
-    monkeypatch.setattr("sobrio.sample.rejection.cpu_ops", lambda: None)
+    monkeypatch.setattr("sobrio.sample.sampler.cpu_ops", lambda: None)
     for x, rules, got in cases:
         want = target_probs(x, rules)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)

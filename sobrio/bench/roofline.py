@@ -217,8 +217,8 @@ def roofline_line(batch: int, step: float, moved: int, ops: int, peaks: dict[str
                   bandwidth_after: float | None = None) -> str:
     """A step's time against its floor (the slower of streaming `moved` bytes at peak bandwidth and `ops`
     at the mode's peak), and its share of each peak; with `bandwidth_after`, also its share of the read loop
-    measured again right after its steps (a shared host's bandwidth moves within minutes: the start's figure
-    alone moved a share by +-5 points, docs/benchmarks.md)."""
+    measured again right after its steps (a shared host's bandwidth moves within minutes, and the start's
+    figure alone moved a share with it: docs/benchmarks.md)."""
     bandwidth, peak = peaks["bandwidth"], peaks[peak_name]
     floor = max(moved / bandwidth, ops / peak)
     unit = "TOP/s" if peak_name == "int8" else "TFLOP/s"

@@ -599,8 +599,8 @@ void write_kv(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::Tensor
   const int64_t tokens = key.size(0);
   TORCH_CHECK(std::all_of(slots, slots + tokens, [num_slots](int64_t s) { return s >= 0 && s < num_slots; }),
               "write_kv: slot out of range");
-  // A prompt chunk's rows over both threads (its copies into cold cache lines, one thread alone, were ~1% of
-  // a 512-row int8 step); a decode's few rows inline.
+  // A prompt chunk's rows over both threads (its copies into cold cache lines kept the other thread waiting:
+  // docs/benchmarks.md, "Per-row operators at 16 rows"); a decode's few rows inline.
   at::parallel_for(0, tokens, std::max<int64_t>(1, (64 << 10) / (2 * bytes)), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       std::memcpy(kc + slots[t] * bytes, k + t * ks, bytes);

@@ -34,7 +34,7 @@ for SEED in "$@"; do
     port_free "http://127.0.0.1:$PORT/"
     T0=$(date +%s)
     start "$NAME" "$PORT"
-    wait_for "http://127.0.0.1:$PORT/v1/models" 900
+    wait_for "http://127.0.0.1:$PORT/v1/models" 900 "$SERVER"
     echo "$NAME ready in $(($(date +%s) - T0)) s"
     case "$NAME" in sobrio*) settled "results/at-size-$NAME-serve.log" ;; esac
     sleep 5

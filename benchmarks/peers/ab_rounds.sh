@@ -41,7 +41,7 @@ for NAME in "${NAMES[@]}"; do  # one at a time, so no start competes with anothe
   port_free "http://127.0.0.1:$(port "$NAME")/"
   T0=$(date +%s)
   start "$NAME" "$(port "$NAME")"
-  wait_for "http://127.0.0.1:$(port "$NAME")/v1/models" 900
+  wait_for "http://127.0.0.1:$(port "$NAME")/v1/models" 900 "${PIDS[-1]}"
   echo "$NAME ready in $(($(date +%s) - T0)) s"
   case "$NAME" in sobrio*) settled "results/rounds-$NAME-serve.log" ;; esac  # before the next start competes
 done

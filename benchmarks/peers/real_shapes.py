@@ -35,6 +35,15 @@ SHAPES = {  # name -> transformers config fields (the published models' config.j
     "qwen3-4b": dict(model_type="qwen3", hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                      tie_word_embeddings=True, rope_theta=1000000.0, max_position_embeddings=40960, rms_norm_eps=1e-6),
+    "qwen3-1.7b": dict(model_type="qwen3", hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                       tie_word_embeddings=True, rope_theta=1000000.0, max_position_embeddings=40960,
+                       rms_norm_eps=1e-6),
+    "gemma3-1b": dict(model_type="gemma3_text", hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+                      num_attention_heads=4, num_key_value_heads=1, head_dim=256, vocab_size=262144,
+                      tie_word_embeddings=True, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+                      max_position_embeddings=32768, rms_norm_eps=1e-6, sliding_window=512,
+                      query_pre_attn_scalar=256, hidden_activation="gelu_pytorch_tanh"),
     "gemma2-2b": dict(model_type="gemma2", hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
                       num_attention_heads=8, num_key_value_heads=4, head_dim=256, vocab_size=256000,
                       tie_word_embeddings=True, rope_theta=10000.0, max_position_embeddings=8192, rms_norm_eps=1e-6,
@@ -47,10 +56,13 @@ DEFAULT_OUT = Path("/tmp/sobrio-shapes")
 
 def hf_config(name: str):
     from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     fields = dict(SHAPES[name])
     config = AutoConfig.for_model(fields.pop("model_type"), **fields, torch_dtype="bfloat16")
     config.bos_token_id, config.eos_token_id = 1, 2  # SmolLM2's tokenizer's <|im_start|>, <|im_end|>
+    # vLLM picks its model class by this field; without it a Qwen3 or Gemma 3 folder loads as an embedding model
+    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
     return config
 
 

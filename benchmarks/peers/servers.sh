@@ -2,9 +2,14 @@
 # $SERVER, killed on exit so an interrupted run leaves no server behind, and bounded waits.
 SERVER=
 trap 'if [ -n "$SERVER" ]; then kill "$SERVER" 2>/dev/null || true; fi' EXIT
-# wait_for URL [SECONDS]: until URL answers (default 300 s; a model that compiles or loads 8B needs more)
+# wait_for URL [SECONDS] [PID]: until URL answers (default 300 s; a model that compiles or loads 8B needs more),
+# or at once when the server's process PID has exited (a peer that refuses a model fails in its start)
 wait_for() {
-  for _ in $(seq "${2:-300}"); do curl -sf "$1" >/dev/null && return 0; sleep 1; done
+  for _ in $(seq "${2:-300}"); do
+    curl -sf "$1" >/dev/null && return 0
+    if [ -n "${3:-}" ] && ! kill -0 "$3" 2>/dev/null; then echo "the server for $1 exited before answering" >&2; return 1; fi
+    sleep 1
+  done
   echo "no answer from $1" >&2
   return 1
 }

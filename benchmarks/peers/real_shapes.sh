@@ -8,11 +8,12 @@
 #                                                           (ab_serving.sh: batch32, batch1, poisson)
 #   benchmarks/peers/real_shapes.sh SHAPE llamacpp-Q8_0 SEED...   against llama.cpp's server on the same GGUF
 #   benchmarks/peers/real_shapes.sh SHAPE llamacpp-Q4_0 SEED...   (ab_llamacpp.sh: batch 1)
-# SHAPE: a name in real_shapes.py SHAPES (llama3.2-1b, qwen2.5-3b, llama3.1-8b, qwen3-1.7b, gemma3-1b, ...). SOBRIO_ARGS adds flags to sobrio's server (e.g. --quantization
-# int8 for 8B, which does not fit in 24 GB in bf16 beside its KV cache). Peers: setup_vllm.sh, setup_llamacpp.sh.
+# SHAPE: a name in real_shapes.py's SHAPES (llama3.2-1b, qwen2.5-3b, llama3.1-8b, qwen3-1.7b, gemma3-1b, ...).
+# SOBRIO_ARGS adds flags to sobrio's server (e.g. --quantization int8 for 8B, which does not fit in 24 GB in bf16
+# beside its KV cache). Peers: setup_vllm.sh, setup_llamacpp.sh.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-SHAPE=${1:?shape: llama3.2-1b, qwen2.5-3b or llama3.1-8b}
+SHAPE=${1:?shape: a name in benchmarks/peers/real_shapes.py SHAPES, e.g. llama3.2-1b}
 WHAT=${2:?sobrio, vllm, llamacpp-Q8_0 or llamacpp-Q4_0}
 shift 2
 OUT=${OUT:-/tmp/sobrio-shapes}

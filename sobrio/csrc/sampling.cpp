@@ -183,6 +183,8 @@ inline __mmask16 kept16(__m512 v, int64_t i, const Cut& cut, float min_p) {
 }
 #endif
 
+constexpr int64_t kBlock = 1024;
+
 // The kept weights of tokens [begin, end) summed in float (a block of kBlock at most; callers add the blocks'
 // sums in double); kZero: the other weights set to 0 in place.
 template <bool kZero, typename W>
@@ -206,11 +208,8 @@ float kept_sum(W* w, int64_t begin, int64_t end, const Cut& cut, float min_p) {
   return s;
 }
 
-constexpr int64_t kBlock = 1024;
-
 // The draw: the first token, in vocabulary order, where the running sum of kept weights passes u times their
 // total (the last kept token if rounding leaves none).
-
 int64_t draw(const float* w, int64_t n, const Cut& cut, float min_p, double u, std::vector<double>& sums) {
   const int64_t blocks = (n + kBlock - 1) / kBlock;
   sums.assign(blocks, 0.0);

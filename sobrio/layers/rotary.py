@@ -58,7 +58,8 @@ def inv_frequencies(config, head_dim: int, layer_type: str | None = None,
     kwargs = {"layer_type": layer_type} if layer_type else {}
     if rope_type == "longrope":
         kwargs["seq_len"] = max_positions
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", **kwargs)
+    with torch.device("cpu"):  # also under the meta device: transformers mixes it with "cpu" (a few floats)
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", **kwargs)
     return inv_freq.float(), float(scaling)
 
 
@@ -70,7 +71,9 @@ class RotaryEmbedding(torch.nn.Module):
         self.head_dim, self.rotary_dim = head_dim, 2 * len(inv_freq)
         self.interleaved = interleaved  # GLM: pairs (2i, 2i + 1) rotate by frequency i
         positions = torch.arange(max_positions, dtype=torch.float)
-        freqs = positions[:, None] * inv_freq[None, :]
+        # scaled frequencies are made on the CPU (`inv_frequencies`); on the meta device (`bench roofline`'s
+        # count of a model's weights) the tables go there too
+        freqs = positions[:, None] * inv_freq.to(positions.device)[None, :]
         emb = freqs.repeat_interleave(2, dim=-1) if interleaved else torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)

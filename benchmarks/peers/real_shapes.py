@@ -5,8 +5,11 @@ whatever the weights' values, so these time a 1B-8B model without downloading on
 
 The model is never built whole: transformers builds it on the meta device for its names and shapes, and the
 tensors are drawn and written one shard at a time, so an 8B checkpoint (16 GB) is written on a 24 GB machine.
-The tokenizer is SmolLM2's (shipped in a package; 49,152 tokens, all within every shape's vocabulary); the
-GGUF's token list is padded to the model's vocabulary with unused tokens, as llama.cpp requires.
+The tokenizer is SmolLM2's (shipped in a package; 49,152 tokens), cut to the model's vocabulary where that is
+smaller (Phi-3.5-mini's 32,064, Mistral's 32,768: the BPE's first tokens and the merges among them), so no
+prompt holds a token the model lacks; the GGUF's token list is padded to the model's vocabulary with unused
+tokens, as llama.cpp requires. A mixture of experts' routed experts are written one matrix an expert, under the
+names its published checkpoints use (transformers' own model holds them stacked).
 
     .venv/bin/python benchmarks/peers/real_shapes.py write llama3.2-1b [--out /tmp/sobrio-shapes] [--gguf Q8_0 Q4_0]
     .venv/bin/python benchmarks/peers/real_shapes.py path llama3.2-1b [--gguf Q8_0]   # where it is (for scripts)
@@ -49,7 +52,29 @@ SHAPES = {  # name -> transformers config fields (the published models' config.j
                       tie_word_embeddings=True, rope_theta=10000.0, max_position_embeddings=8192, rms_norm_eps=1e-6,
                       sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
                       query_pre_attn_scalar=256, hidden_activation="gelu_pytorch_tanh"),
+    "phi3.5-mini": dict(model_type="phi3", hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                        num_attention_heads=32, num_key_value_heads=32, vocab_size=32064, tie_word_embeddings=False,
+                        rope_theta=10000.0, max_position_embeddings=131072, original_max_position_embeddings=4096,
+                        rope_scaling=dict(type="longrope", short_factor=[1.0 + 0.005 * i for i in range(48)],
+                                          long_factor=[1.0 + 1.25 * i for i in range(48)]),
+                        sliding_window=262144, rms_norm_eps=1e-5),
+    "mistral-7b": dict(model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=32768,
+                       tie_word_embeddings=False, rope_theta=1000000.0, max_position_embeddings=32768,
+                       sliding_window=None, rms_norm_eps=1e-5),
+    "glm4-9b": dict(model_type="glm4", hidden_size=4096, intermediate_size=13696, num_hidden_layers=40,
+                    num_attention_heads=32, num_key_value_heads=2, head_dim=128, vocab_size=151552,
+                    partial_rotary_factor=0.5, attention_bias=True, tie_word_embeddings=False, rope_theta=10000.0,
+                    max_position_embeddings=32768, rms_norm_eps=1.5625e-07),
+    "qwen1.5-moe-a2.7b": dict(model_type="qwen2_moe", hidden_size=2048, intermediate_size=5632,
+                              moe_intermediate_size=1408, shared_expert_intermediate_size=5632, num_experts=60,
+                              num_experts_per_tok=4, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
+                              num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16, qkv_bias=True,
+                              vocab_size=151936, tie_word_embeddings=False, rope_theta=1000000.0,
+                              max_position_embeddings=8192, rms_norm_eps=1e-6),
 }
+# transformers' stacked experts -> the per-expert names of published checkpoints (gate, up, down)
+EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2")}
 SHARD_BYTES = 2 << 30
 DEFAULT_OUT = Path("/tmp/sobrio-shapes")
 
@@ -72,10 +97,27 @@ def parameter_shapes(config) -> dict[str, torch.Size]:
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    shapes = {n: p.shape for n, p in model.state_dict().items()}
+    shapes = {}
+    for name, p in model.state_dict().items():
+        if name.endswith(".experts.gate_up_proj") or name.endswith(".experts.down_proj"):
+            shapes.update(expert_shapes(config, name, p.shape))
+        else:
+            shapes[name] = p.shape
     if config.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)
     return shapes
+
+
+def expert_shapes(config, name: str, stacked: torch.Size) -> dict[str, torch.Size]:
+    """A stack of routed experts' matrices [experts, out, in] (gate and up joined along out) as the checkpoint
+    holds them: one [out, in] matrix an expert."""
+    gate, up, down = EXPERT_NAMES.get(config.model_type, ("gate_proj", "up_proj", "down_proj"))
+    prefix, what = name.rsplit(".", 1)
+    experts, out, inputs = stacked
+    if what == "down_proj":
+        return {f"{prefix}.{e}.{down}.weight": torch.Size((out, inputs)) for e in range(experts)}
+    half = torch.Size((out // 2, inputs))
+    return {f"{prefix}.{e}.{m}.weight": half for e in range(experts) for m in (gate, up)}
 
 
 def draw(name: str, shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
@@ -102,7 +144,7 @@ def write_hf(name: str, folder: Path, seed: int = 0) -> Path:
     tmp.mkdir(parents=True)
     config = hf_config(name)
     config.save_pretrained(tmp)
-    copy_tokenizer(tmp)
+    copy_tokenizer(tmp, config.vocab_size)
     shard: dict[str, torch.Tensor] = {}
     index: dict[str, str] = {}
     files: list[str] = []
@@ -126,7 +168,7 @@ def write_hf(name: str, folder: Path, seed: int = 0) -> Path:
     return folder
 
 
-def copy_tokenizer(folder: Path) -> None:
+def copy_tokenizer(folder: Path, vocab_size: int) -> None:
     from sobrio.loader.gguf import prepared_folder
     from sobrio.loader.resolve import resolve_model
 
@@ -134,6 +176,23 @@ def copy_tokenizer(folder: Path) -> None:
     for file in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (source / file).is_file():
             shutil.copy(source / file, folder / file)
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    if len(tokenizer["model"]["vocab"]) > vocab_size:
+        (folder / "tokenizer.json").write_text(json.dumps(cut_bpe(tokenizer, vocab_size), ensure_ascii=False))
+
+
+def cut_bpe(tokenizer: dict, vocab_size: int) -> dict:
+    """A byte-level BPE tokenizer.json keeping its tokens below `vocab_size` and the merges that make one of
+    them from two of them (SmolLM2's merges are ranked as their results' ids, so the cut is a prefix)."""
+    model = tokenizer["model"]
+    vocab = {token: i for token, i in model["vocab"].items() if i < vocab_size}
+    merges = []
+    for merge in model["merges"]:
+        left, right = merge if isinstance(merge, list) else merge.split(" ")
+        if left in vocab and right in vocab and left + right in vocab:
+            merges.append(merge)
+    added = [t for t in tokenizer["added_tokens"] if t["id"] < vocab_size]
+    return {**tokenizer, "added_tokens": added, "model": {**model, "vocab": vocab, "merges": merges}}
 
 
 def gguf_path(out: Path, name: str, qtype: str) -> Path:

@@ -23,13 +23,14 @@ settled() {
 # prefix cache): stop here instead
 port_free() { if curl -s -o /dev/null "$1"; then echo "something already answers on $1: stop it first" >&2; exit 1; fi; }
 # start_at_size NAME PORT LOG: one of issue 43's servers on $MODEL in the background (its pid in $!): sobrio,
-# sobrio-int8 (`--quantization int8`), vllm (vLLM's CPU build, 8,192 tokens of context), llamacpp (llama.cpp's
-# server on $LLAMACPP_GGUF, 32 slots of 4,200 tokens)
+# sobrio-int8 (`--quantization int8`), vllm (vLLM's CPU build, $MAX_MODEL_LEN tokens of context, default 8,192:
+# it refuses to start when its 2 GB of KV cache hold less, e.g. Phi-3.5-mini's 32 KV heads take 5,000),
+# llamacpp (llama.cpp's server on $LLAMACPP_GGUF, 32 slots of 4,200 tokens)
 start_at_size() {
   case "$1" in
     sobrio) .venv/bin/sobrio serve "$MODEL" --port "$2" > "$3" 2>&1 & ;;
     sobrio-int8) .venv/bin/sobrio serve "$MODEL" --port "$2" --quantization int8 > "$3" 2>&1 & ;;
-    vllm) MAX_MODEL_LEN=8192 benchmarks/peers/vllm_server.sh "$MODEL" "$2" > "$3" 2>&1 & ;;
+    vllm) MAX_MODEL_LEN=${MAX_MODEL_LEN:-8192} benchmarks/peers/vllm_server.sh "$MODEL" "$2" > "$3" 2>&1 & ;;
     llamacpp) .peers/llamacpp/bin/python benchmarks/peers/llamacpp_server.py --model "${LLAMACPP_GGUF:?a GGUF file}" \
                 --port "$2" --parallel 32 --ctx-per-slot 4200 > "$3" 2>&1 & ;;
     *) echo "unknown server $1" >&2; exit 2 ;;

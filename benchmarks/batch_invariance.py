@@ -41,7 +41,7 @@ def divergence(llm: LLM, texts: list[str], max_tokens: int) -> int:
 
 def decode_rate(llm: LLM, batch: int, steps: int) -> float:
     """Decode tokens/s at `batch` running requests (`sobrio bench roofline`'s step timing)."""
-    step_time, _ = decode_step_time(llm, batch, prompt_len=96, steps=steps)
+    step_time = decode_step_time(llm, batch, prompt_len=96, steps=steps)[0]
     return batch / step_time
 
 

@@ -9,6 +9,11 @@ matrix once, in the form its kernel reads (a bf16 weight's packed copies hold th
 one, so the parameters or the one packed copy count; a quantized layer's int8 or
 int4 buffers, or oneDNN's packed int8 copy, which is its only one), without the rotary tables and an
 untied embedding, of which a step reads a row per token. The bandwidth floor uses the latter.
+
+A mixture of experts' routed experts are the exception: a step reads only the experts its tokens are routed
+to (4 of 60 at one sequence for Qwen1.5-MoE, most of them at 16). "Read per step" leaves them out, and each
+timed step adds the bytes of the experts it did compute, counted as it runs (`ExpertReads`); its matmul
+weights are the dense ones plus `top_k` experts a token.
 """
 
 import time
@@ -19,6 +24,7 @@ import torch
 from sobrio.layers import quantization
 from sobrio.layers.cpu_ops import amx_int8_available, cpu_ops
 from sobrio.layers.linear import BlockedEmbedding, Linear
+from sobrio.layers.moe import FusedExperts, SparseMoE
 from sobrio.layers.quantization import QuantizedLinear
 from sobrio.layers.rotary import RotaryEmbedding
 from sobrio.memory import memory_spans, to_huge_pages
@@ -115,9 +121,49 @@ def _tensors_read(module: torch.nn.Module) -> list[torch.Tensor]:
     return [*module.parameters(recurse=False), *module.buffers(recurse=False)]
 
 
+def _distinct_bytes(modules) -> int:
+    """Bytes of the distinct tensors these modules read whole (`_tensors_read`), each memory counted once."""
+    memory: dict[int, int] = {}
+    for module in modules:
+        for t in _tensors_read(module):
+            address, nbytes = tensor_memory(t)
+            memory.setdefault(address, nbytes)
+    return sum(memory.values())
+
+
+def expert_bytes(experts: FusedExperts) -> int:
+    """Bytes one routed expert's two matrices take as its kernel reads them (the experts are equal in size)."""
+    if experts.quantized_gate_up is not None:
+        return _distinct_bytes([*experts.quantized_gate_up[0].modules(), *experts.quantized_down[0].modules()])
+    return (experts.gate_up_proj[0].nbytes + experts.down_proj[0].nbytes)
+
+
+class ExpertReads:
+    """Bytes of the routed experts the model's steps compute, summed while it is open: a hook on each
+    `FusedExperts` counts the distinct experts of its tokens (what a step reads of that layer's experts)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.bytes = 0
+        self._hooks = []
+        for module in model.modules():
+            if isinstance(module, FusedExperts):
+                self._hooks.append(module.register_forward_pre_hook(self._counter(expert_bytes(module))))
+
+    def _counter(self, nbytes: int):
+        def count(module, args) -> None:
+            self.bytes += nbytes * int(args[2].unique().numel())  # forward(x, weights, experts)
+        return count
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+
 def step_read_bytes(model: torch.nn.Module) -> int:
-    """Bytes of weights one decode step reads, each matrix once (see the module docstring)."""
+    """Bytes of weights one decode step reads, each matrix once (see the module docstring), without the
+    routed experts, whose bytes depend on the tokens' routes (`ExpertReads`)."""
     skipped = set() if model.config.tie_word_embeddings else set(model.model.embed_tokens.modules())
+    skipped |= {m for experts in model.modules() if isinstance(experts, FusedExperts) for m in experts.modules()}
     seen: set[int] = set()
     total = 0
     for module in model.modules():
@@ -138,11 +184,14 @@ def matmul_weights(model: torch.nn.Module) -> int:
     with torch.device("meta"):
         plain = type(model)(model.config, BLOCK_SIZE, attn_cls)
     linears = sum(m.weight.numel() for m in plain.modules() if isinstance(m, torch.nn.Linear))
-    return linears + (plain.model.embed_tokens.weight.numel() if plain.lm_head is None else 0)  # tied head
+    routed = sum(moe.top_k * (moe.experts.gate_up_proj[0].numel() + moe.experts.down_proj[0].numel())
+                 for moe in plain.modules() if isinstance(moe, SparseMoE))  # a token's top_k experts
+    return linears + routed + (plain.model.embed_tokens.weight.numel() if plain.lm_head is None else 0)  # tied head
 
 
-def decode_step_time(llm, batch: int, prompt_len: int, steps: int = 8) -> tuple[float, int]:
-    """Mean time of a pure decode step at this batch size, and the KV tokens it reads."""
+def decode_step_time(llm, batch: int, prompt_len: int, steps: int = 8) -> tuple[float, int, int]:
+    """Mean time of a pure decode step at this batch size, the KV tokens it reads, and the mean bytes of
+    routed experts it reads (0 for a dense model)."""
     from sobrio import SamplingParams
 
     engine = llm.engine
@@ -152,14 +201,18 @@ def decode_step_time(llm, batch: int, prompt_len: int, steps: int = 8) -> tuple[
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
         engine.step()
     engine.step()
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    elapsed = (time.perf_counter() - start) / steps
+    experts = ExpertReads(llm.engine.runner.model)
+    try:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        elapsed = (time.perf_counter() - start) / steps
+    finally:
+        experts.close()
     kv_tokens = sum(r.num_computed_tokens for r in engine.scheduler.running)
     for i in range(batch):
         engine.abort_request(f"roofline-{batch}-{i}")
-    return elapsed, kv_tokens
+    return elapsed, kv_tokens, experts.bytes // steps
 
 
 def add_roofline_args(parser) -> None:
@@ -210,7 +263,17 @@ def describe_model(args, runner) -> None:
     print(f"model {args.model} ({dtype}, quantization {args.quantization or 'none'}, kv {args.kv_cache_dtype}): "
           f"{matmul_weights(model) / 1e6:.0f} M matmul weights, {resident_bytes(model) / 1e6:.1f} MB resident "
           f"(every tensor held, packed copies too), {step_read_bytes(model) / 1e6:.1f} MB read per step (each "
-          f"weight once, as its kernel reads it), {runner.kv_spec.token_bytes} B of KV per token")
+          f"weight once, as its kernel reads it{_routed_note(model)}), {runner.kv_spec.token_bytes} B of KV per "
+          f"token")
+
+
+def _routed_note(model: torch.nn.Module) -> str:
+    layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    if not layers:
+        return ""
+    moe = layers[0]
+    return (f"; plus the routed experts a step computes, {expert_bytes(moe.experts) / 1e6:.1f} MB each, "
+            f"{moe.top_k} of {moe.experts.num_experts} a token in each of {len(layers)} layers")
 
 
 def roofline_line(batch: int, step: float, moved: int, ops: int, peaks: dict[str, float], peak_name: str,
@@ -241,8 +304,8 @@ def cmd_bench_roofline(args) -> int:
     read, weights = step_read_bytes(runner.model), matmul_weights(runner.model)
     peak_name = compute_peak(args.quantization, runner.dtype)
     for batch in [int(b) for b in args.batch.split(",")]:
-        step, kv_tokens = decode_step_time(llm, batch, args.prompt_len)
-        moved = read + kv_tokens * runner.kv_spec.token_bytes
+        step, kv_tokens, experts = decode_step_time(llm, batch, args.prompt_len)
+        moved = read + experts + kv_tokens * runner.kv_spec.token_bytes
         print(roofline_line(batch, step, moved, 2 * weights * batch, peaks, peak_name, memory_bandwidth()),
               flush=True)
     return 0

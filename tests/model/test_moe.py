@@ -219,3 +219,32 @@ def test_quantized_experts_stay_close_to_float(checkpoints, method, max_ratio, m
     ratio = float(torch.tensor(nll[1] - nll[0]).exp())
     print(f"{method}: perplexity ratio {ratio:.4f}, top-1 agreement {agree:.3f}")
     assert abs(ratio - 1) < max_ratio and agree >= min_agree
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_roofline_counts_the_experts_a_step_reads(checkpoints, quantization):
+    """`sobrio bench roofline` on a mixture of experts: a step's bytes are the dense weights plus the routed
+    experts it computed (at one sequence top_k of each layer's), its matmul weights a token's top_k experts."""
+    from sobrio.bench import roofline
+
+    llm = LLM(checkpoints["qwen3_moe"], **engine_kwargs(quantization=quantization))
+    model = llm.engine.runner.model
+    layers = [m for m in model.modules() if isinstance(m, FusedExperts)]
+    config = CONFIGS["qwen3_moe"]
+    hidden, inter, top_k, num_experts = 64, config["moe_intermediate_size"], 2, config["num_experts"]
+    per_expert = roofline.expert_bytes(layers[0])
+    if quantization is None:
+        assert per_expert == 3 * hidden * inter * 4  # float32 gate, up and down
+    else:
+        assert 3 * hidden * inter <= per_expert < 3 * hidden * inter * 2  # int8 codes and their scales
+    everything = roofline.step_read_bytes(model) + len(layers) * num_experts * per_expert
+    assert everything <= roofline._distinct_bytes(model.modules()) * 1.01  # the dense part leaves experts out
+    _, _, one = roofline.decode_step_time(llm, batch=1, prompt_len=8, steps=3)
+    assert one == len(layers) * top_k * per_expert  # a sequence's token: its top_k experts in each layer
+    _, _, four = roofline.decode_step_time(llm, batch=4, prompt_len=8, steps=3)
+    assert one < four <= len(layers) * min(num_experts, 4 * top_k) * per_expert
+    dense_linears = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)
+                        and m.weight is not None) if quantization is None else None
+    if dense_linears is not None:
+        assert roofline.matmul_weights(model) == dense_linears + len(layers) * top_k * 3 * hidden * inter
+    assert not any(m._forward_pre_hooks for m in layers)  # the counters are gone after the timed steps

@@ -72,6 +72,27 @@ def process_resident() -> int:
     return proc_bytes("/proc/self/status", "VmRSS") or 0
 
 
+def mapped_bytes(addresses: Iterable[int]) -> int | None:
+    """Resident bytes of the memory maps holding these addresses (each map once), from /proc/self/smaps:
+    exact for tensors on maps of their own (`zeros_on_touch`: the KV cache, whose pages a thread maps after
+    the start); None where /proc does not say."""
+    wanted = sorted(set(addresses))
+    total, found = 0, False
+    try:
+        with open("/proc/self/smaps") as f:
+            span = None
+            for line in f:
+                head = line.split(maxsplit=1)[0]
+                if "-" in head and not head.endswith(":"):
+                    start, end = (int(a, 16) for a in head.split("-"))
+                    span = (start, end) if any(start <= a < end for a in wanted) else None
+                elif span is not None and head == "Rss:":
+                    total, found = total + int(line.split()[1]) * 1024, True
+    except OSError:
+        return None
+    return total if found else None
+
+
 @functools.cache
 def _libc():
     name = ctypes.util.find_library("c")

@@ -114,7 +114,7 @@ class ModelRunner:
                     cache.kv_cache_dtype, self.num_blocks, self.max_model_len, model.batch_invariant,
                     "" if draft is None else f" draft_model={draft.source.name}", "" if tp is None else f" {tp}")
         log_breakdown(logger, files.source.name, [m for m in (self.model, self.draft_model) if m is not None],
-                      self.kv_cache.nbytes() + (self.draft_kv_cache.nbytes() if self.draft_kv_cache else 0),
+                      [t for c in (self.kv_cache, self.draft_kv_cache) if c is not None for t in c.tensors()],
                       self.num_blocks)
         if eagle is not None:
             logger.info("EAGLE head for %s: %d draft tokens, its own KV cache of one layer", eagle.config["base_model"],

@@ -164,6 +164,9 @@ class KVCache:
         return (read_quantized(key_cache, key_scales, slots, dtype),
                 read_quantized(value_cache, value_scales, slots, dtype))
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the cache holds: the layers' keys and values, and a quantized cache's scales."""
+        return self.layers + (self.scale_layers or [])
+
     def nbytes(self) -> int:
-        tensors = self.layers + (self.scale_layers or [])
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in self.tensors())

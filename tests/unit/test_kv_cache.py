@@ -77,6 +77,20 @@ def test_zeros_on_touch_are_zero_and_cost_no_memory_until_written():
     assert int(tensor.count_nonzero()) == 8192  # read last: reads map pages too
 
 
+def test_mapped_bytes_follow_a_map_as_its_pages_are_written():
+    """The start's log splits what is resident into weights, the KV cache's pages mapped so far (its maps'
+    resident size) and the rest: before, it took the whole cache as resident while a thread was still
+    mapping it, and the rest read 0.00 GB."""
+    from sobrio.memory import mapped_bytes, zeros_on_touch
+
+    tensor = zeros_on_touch((3, 2048, 8192), torch.bfloat16)  # 96 MiB
+    other = zeros_on_touch((2048, 8192), torch.bfloat16)
+    other.fill_(1)  # another map's pages are not counted
+    assert mapped_bytes([tensor.data_ptr()]) == 0
+    tensor[1].fill_(1)  # 32 MiB
+    assert 32 << 20 <= mapped_bytes([tensor.data_ptr(), tensor[1].data_ptr()]) <= (32 << 20) + (2 << 20)
+
+
 def resident_pages(tensor: torch.Tensor) -> tuple[int, int]:
     """(pages of a page-aligned tensor's memory that are resident, its pages), by mincore(2)."""
     import ctypes

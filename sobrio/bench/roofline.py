@@ -189,9 +189,14 @@ def matmul_weights(model: torch.nn.Module) -> int:
     return linears + routed + (plain.model.embed_tokens.weight.numel() if plain.lm_head is None else 0)  # tied head
 
 
+class IdleStepError(RuntimeError):
+    """A timed step advanced fewer sequences than the batch: its time is not a decode step's."""
+
+
 def decode_step_time(llm, batch: int, prompt_len: int, steps: int = 8) -> tuple[float, int, int]:
     """Mean time of a pure decode step at this batch size, the KV tokens it reads, and the mean bytes of
-    routed experts it reads (0 for a dense model)."""
+    routed experts it reads (0 for a dense model). Raises `IdleStepError` when a timed step did not advance
+    every sequence by one token."""
     from sobrio import SamplingParams
 
     engine = llm.engine
@@ -204,14 +209,15 @@ def decode_step_time(llm, batch: int, prompt_len: int, steps: int = 8) -> tuple[
     experts = ExpertReads(llm.engine.runner.model)
     try:
         start = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
+        advanced = [len(engine.step()) for _ in range(steps)]
         elapsed = (time.perf_counter() - start) / steps
     finally:
         experts.close()
     kv_tokens = sum(r.num_computed_tokens for r in engine.scheduler.running)
     for i in range(batch):
         engine.abort_request(f"roofline-{batch}-{i}")
+    if advanced != [batch] * steps:
+        raise IdleStepError(f"timed steps at batch {batch} advanced {advanced} sequences")
     return elapsed, kv_tokens, experts.bytes // steps
 
 

@@ -135,7 +135,7 @@ def expert_bytes(experts: FusedExperts) -> int:
     """Bytes one routed expert's two matrices take as its kernel reads them (the experts are equal in size)."""
     if experts.quantized_gate_up is not None:
         return _distinct_bytes([*experts.quantized_gate_up[0].modules(), *experts.quantized_down[0].modules()])
-    return (experts.gate_up_proj[0].nbytes + experts.down_proj[0].nbytes)
+    return experts.gate_up_proj[0].nbytes + experts.down_proj[0].nbytes
 
 
 class ExpertReads:

@@ -99,9 +99,12 @@ def serve_figures(args, extra: list[str]) -> dict:
 
 def roofline(folder: str, extra: list[str]) -> list[str]:
     quantization = extra[extra.index("--quantization") + 1:][:1] if "--quantization" in extra else []
+    env = dict(os.environ)
+    if "--quantization-cache" in extra:  # the server's cache folder, not the default one (an entry per folder)
+        env["SOBRIO_QUANTIZATION_CACHE"] = extra[extra.index("--quantization-cache") + 1]
     out = subprocess.run([str(BIN / "sobrio"), "bench", "roofline", "--model", folder, "--batch", "1,16,32",
                           *(["--quantization", *quantization] if quantization else [])],
-                         capture_output=True, text=True)
+                         capture_output=True, text=True, env=env)
     if out.returncode:  # recorded beside the server's figures, which are kept
         return [f"failed (exit {out.returncode}): {(out.stderr.strip().splitlines() or [''])[-1]}"]
     return [line for line in out.stdout.splitlines() if line.startswith(("machine", "model", "batch"))]

@@ -371,6 +371,16 @@ def weights_table(files, dtype: torch.dtype, max_positions: int) -> str:
     return format_table(rows)
 
 
+def _routed_rows(config) -> str:
+    """For a mixture of experts, what its "read per step" leaves out (as `step_read_bytes`); else nothing."""
+    if not getattr(config, "num_experts_per_tok", None):
+        return ""
+    from sobrio.models.moe import num_experts
+
+    return (f"read per step leaves out the routed experts: a step reads those its tokens are routed to, "
+            f"{config.num_experts_per_tok} of {num_experts(config)} a token in each layer\n")
+
+
 def memory_report(model: str, kv_memory: int) -> str:
     """Both tables of one model, its weights built once per mode (seconds each), the rotary tables sized
     for the context this KV memory holds, as the engine sizes them."""
@@ -382,6 +392,6 @@ def memory_report(model: str, kv_memory: int) -> str:
     tokens = kv_memory // kv_cache_spec(files.config, dtype, BLOCK_SIZE).block_bytes * BLOCK_SIZE
     max_positions = max(BLOCK_SIZE, min(getattr(files.config, "max_position_embeddings", 2048), tokens))
     return (f"{model} ({str(dtype).removeprefix('torch.')}): weights per --quantization\n"
-            f"{weights_table(files, dtype, max_positions)}\n"
+            f"{weights_table(files, dtype, max_positions)}\n{_routed_rows(files.config)}"
             f"KV cache in --kv-cache-memory {kv_memory / (1 << 20):.0f} MiB (blocks of {BLOCK_SIZE} tokens)\n"
             f"{kv_table(files.config, dtype, kv_memory)}")

@@ -248,3 +248,13 @@ def test_roofline_counts_the_experts_a_step_reads(checkpoints, quantization):
     if dense_linears is not None:
         assert roofline.matmul_weights(model) == dense_linears + len(layers) * top_k * 3 * hidden * inter
     assert not any(m._forward_pre_hooks for m in layers)  # the counters are gone after the timed steps
+
+
+def test_models_memory_says_what_read_per_step_leaves_out(checkpoints, monkeypatch, capsys):
+    from sobrio.bench import roofline
+    from sobrio.cli import main
+
+    monkeypatch.setattr(roofline, "mode_weight_bytes", lambda *a: (3_000_000, 2_000_000))  # no model builds
+    assert main(["models", "--memory", "--model", checkpoints["qwen3_moe"], "--kv-cache-memory", "64MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "leaves out the routed experts" in out and "2 of 8 a token" in out

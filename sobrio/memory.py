@@ -82,7 +82,7 @@ def mapped_bytes(addresses: Iterable[int]) -> int | None:
         with open("/proc/self/smaps") as f:
             span = None
             for line in f:
-                head = line.split(maxsplit=1)[0]
+                head = line.split(maxsplit=1)[0] if line.strip() else ""
                 if "-" in head and not head.endswith(":"):
                     start, end = (int(a, 16) for a in head.split("-"))
                     span = (start, end) if any(start <= a < end for a in wanted) else None

@@ -76,17 +76,17 @@ def mapped_bytes(addresses: Iterable[int]) -> int | None:
     """Resident bytes of the memory maps holding these addresses (each map once), from /proc/self/smaps:
     exact for tensors on maps of their own (`zeros_on_touch`: the KV cache, whose pages a thread maps after
     the start); None where /proc does not say."""
-    wanted = sorted(set(addresses))
+    wanted = set(addresses)
     total, found = 0, False
     try:
         with open("/proc/self/smaps") as f:
-            span = None
+            holds = False  # whether the map whose fields follow holds one of the addresses
             for line in f:
                 head = line.split(maxsplit=1)[0] if line.strip() else ""
                 if "-" in head and not head.endswith(":"):
                     start, end = (int(a, 16) for a in head.split("-"))
-                    span = (start, end) if any(start <= a < end for a in wanted) else None
-                elif span is not None and head == "Rss:":
+                    holds = any(start <= a < end for a in wanted)
+                elif holds and head == "Rss:":
                     total, found = total + int(line.split()[1]) * 1024, True
     except OSError:
         return None

@@ -17,7 +17,7 @@ weights are the dense ones plus `top_k` experts a token.
 """
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -121,7 +121,7 @@ def _tensors_read(module: torch.nn.Module) -> list[torch.Tensor]:
     return [*module.parameters(recurse=False), *module.buffers(recurse=False)]
 
 
-def _distinct_bytes(modules) -> int:
+def _distinct_bytes(modules: Iterable[torch.nn.Module]) -> int:
     """Bytes of the distinct tensors these modules read whole (`_tensors_read`), each memory counted once."""
     memory: dict[int, int] = {}
     for module in modules:
@@ -164,17 +164,7 @@ def step_read_bytes(model: torch.nn.Module) -> int:
     routed experts, whose bytes depend on the tokens' routes (`ExpertReads`)."""
     skipped = set() if model.config.tie_word_embeddings else set(model.model.embed_tokens.modules())
     skipped |= {m for experts in model.modules() if isinstance(experts, FusedExperts) for m in experts.modules()}
-    seen: set[int] = set()
-    total = 0
-    for module in model.modules():
-        if module in skipped:
-            continue
-        for t in _tensors_read(module):
-            key, nbytes = tensor_memory(t)
-            if key not in seen:
-                seen.add(key)
-                total += nbytes
-    return total
+    return _distinct_bytes(m for m in model.modules() if m not in skipped)
 
 
 def matmul_weights(model: torch.nn.Module) -> int:

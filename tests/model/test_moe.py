@@ -243,9 +243,9 @@ def test_roofline_counts_the_experts_a_step_reads(checkpoints, quantization):
     assert one == len(layers) * top_k * per_expert  # a sequence's token: its top_k experts in each layer
     _, _, four = roofline.decode_step_time(llm, batch=4, prompt_len=8, steps=3)
     assert one < four <= len(layers) * min(num_experts, 4 * top_k) * per_expert
-    dense_linears = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)
-                        and m.weight is not None) if quantization is None else None
-    if dense_linears is not None:
+    if quantization is None:
+        dense_linears = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)
+                            and m.weight is not None)
         assert roofline.matmul_weights(model) == dense_linears + len(layers) * top_k * 3 * hidden * inter
     assert not any(m._forward_pre_hooks for m in layers)  # the counters are gone after the timed steps
 
